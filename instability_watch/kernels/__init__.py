@@ -1,0 +1,154 @@
+"""One attention contract, several implementations.
+
+:func:`flash_attention` validates its arguments and dispatches: the reference
+emulation of FA2's precision model (``reference.py``) runs everywhere; the
+Triton kernels (a later milestone) will take CUDA tensors.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional, Union
+
+import torch
+
+from ..probe import Probe
+from .reference import (
+    DEFAULT_BETA,
+    DEFAULT_BLOCK_N,
+    DEFAULT_EPS,
+    ReferenceAttention,
+    attention_backward,
+    attention_forward,
+)
+
+__all__ = [
+    "flash_attention",
+    "attention_forward",
+    "attention_backward",
+    "SUPPORTED_DTYPES",
+    "SUPPORTED_HEAD_DIMS",
+    "BACKENDS",
+]
+
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
+# Head dims the kernels are built for (the Triton kernels pad 96 to a 128 tile).
+SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128)
+BACKENDS = ("auto", "reference")
+
+
+def _check_tensor(name: str, t) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor of shape (B, H, N, D), got {type(t).__name__}")
+    if t.dim() != 4:
+        raise ValueError(f"{name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
+
+
+def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend) -> None:
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        _check_tensor(name, t)
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        raise TypeError(f"q, k, v dtype must be one of {allowed}; got {q.dtype}")
+    B, H, N, D = q.shape
+    if D not in SUPPORTED_HEAD_DIMS:
+        raise ValueError(f"head dim D (q.shape[-1]) must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape (B, H_kv, N_kv, D), got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != B:
+        raise ValueError(f"k batch size must equal q's ({B}), got {k.shape[0]}")
+    if k.shape[3] != D:
+        raise ValueError(f"k head dim must equal q's ({D}), got {k.shape[3]}")
+    h_kv = k.shape[1]
+    if h_kv < 1 or H % h_kv != 0:
+        raise ValueError(f"q heads H must be divisible by k/v heads H_kv (grouped-query attention), got H={H}, H_kv={h_kv}")
+    if N < 1 or k.shape[2] < 1:
+        raise ValueError(f"sequence lengths must be >= 1, got N={N} (q) and N_kv={k.shape[2]} (k, v)")
+    if B < 1:
+        raise ValueError(f"batch size must be >= 1, got {B}")
+    if not isinstance(causal, bool):
+        raise TypeError(f"causal must be a bool, got {causal!r}")
+    if scale is not None:
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale == 0:
+            raise ValueError(f"scale must be None or a finite non-zero number, got {scale!r}")
+    if stabilize is not None and not isinstance(stabilize, bool):
+        if not isinstance(stabilize, torch.Tensor):
+            raise TypeError(f"stabilize must be None, a bool, or a bool tensor of shape ({H},), got {type(stabilize).__name__}")
+        if stabilize.dtype != torch.bool:
+            raise TypeError(f"stabilize must be a bool tensor of shape ({H},), got dtype {stabilize.dtype}")
+        if tuple(stabilize.shape) != (H,):
+            raise ValueError(f"stabilize must have shape ({H},) (one flag per query head), got {tuple(stabilize.shape)}")
+        if stabilize.device != q.device:
+            raise ValueError(f"stabilize must be on q's device {q.device}, got {stabilize.device}")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (math.isfinite(beta) and beta > 1):
+        raise ValueError(f"beta must be a finite number > 1 (the paper uses 2 to 8), got {beta!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps >= 0):
+        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if probe is not None:
+        if not isinstance(probe, Probe):
+            raise TypeError(f"probe must be None or an instability_watch.Probe, got {type(probe).__name__}")
+        if probe.num_heads != H:
+            raise ValueError(f"probe has {probe.num_heads} heads, q has H={H}")
+        if probe.device != q.device:
+            raise ValueError(f"probe must be on q's device {q.device}, got {probe.device}")
+    if backend not in BACKENDS:
+        raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def flash_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    causal: bool = False,
+    scale: Optional[float] = None,
+    stabilize: Union[None, bool, torch.Tensor] = None,
+    probe: Optional[Probe] = None,
+    beta: float = DEFAULT_BETA,
+    eps: float = DEFAULT_EPS,
+    backend: str = "auto",
+) -> torch.Tensor:
+    """Attention with FA2's BF16 precision model, per-head stabilization and diagnostics.
+
+    Args:
+        q: (B, H, N, D) queries.
+        k, v: (B, H_kv, N_kv, D) keys and values; ``H % H_kv == 0`` (grouped-query
+            attention: query head ``h`` reads KV head ``h // (H // H_kv)``).
+            Same dtype and device as ``q``: bfloat16 (the target), float16,
+            float32, or float64 (reference path only, no rounding anywhere).
+            ``D`` in ``SUPPORTED_HEAD_DIMS``; any ``N >= 1``.
+        causal: causal mask, top-left aligned like ``F.scaled_dot_product_attention``.
+        scale: softmax scale; default ``1/sqrt(D)``.
+        stabilize: which heads use the stabilized softmax shift (paper Alg. 3):
+            ``None``/``False`` none, ``True`` all, or a bool tensor ``(H,)`` on
+            ``q``'s device, read per head inside the kernel (flipping a head
+            never recompiles anything).
+        probe: a :class:`~instability_watch.Probe` to accumulate per-head
+            statistics into; ``None`` for none (full speed).
+        beta: the stabilized shift factor (``m = beta * rowmax`` for positive maxima).
+        eps: two scores within ``eps`` count as the same maximum.
+        backend: ``"auto"`` (Triton on CUDA once available, else the reference)
+            or ``"reference"``.
+
+    Returns:
+        The attention output, (B, H, N, D), in ``q``'s dtype. Differentiable
+        with respect to ``q, k, v`` (FA2's backward; unchanged by stabilization).
+
+    Raises:
+        TypeError, ValueError: for arguments outside the above, naming the
+            argument, what is allowed and what was given.
+
+    Example::
+
+        o = flash_attention(q, k, v, causal=True, stabilize=torch.tensor([False, True], device=q.device))
+    """
+    _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend)
+    if isinstance(stabilize, bool):
+        stabilize = torch.full((q.shape[1],), stabilize, dtype=torch.bool, device=q.device)
+    return ReferenceAttention.apply(
+        q, k, v, causal, scale, stabilize, float(beta), float(eps), DEFAULT_BLOCK_N, probe
+    )
