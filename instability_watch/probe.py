@@ -5,7 +5,7 @@ to it in place (atomics on the GPU, tensor ops on the reference path), so nothin
 here ever synchronises with the host; the watch reads all probes once per
 logging step and then calls :meth:`Probe.zero_`.
 
-Counters (each a tensor of shape ``(H,)``, one entry per *query* head):
+Statistics (each of shape ``(H,)``, one entry per *query* head):
 
 =================  =======  ==========================================================
 ``rows``           int64    query rows processed (B * N per forward call)
@@ -29,25 +29,26 @@ before a BF16 training run fails.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 import torch
 
-# name -> (dtype, value after zero_()); the order is the order of ``counters()``.
-COUNTERS: Dict[str, tuple] = {
-    "rows": (torch.int64, 0),
-    "multi_max_rows": (torch.int64, 0),
-    "max_score": (torch.float32, float("-inf")),
-    "nonfinite_rows": (torch.int64, 0),
-    "shadow_rows": (torch.int64, 0),
-    "delta_err_sum": (torch.float32, 0.0),
-    "delta_err_abs": (torch.float32, 0.0),
-    "delta_err_pos": (torch.int64, 0),
-}
+# Integer counters: rows of ``Probe.counts`` (int64, shape (len(COUNT_FIELDS), H)).
+COUNT_FIELDS = ("rows", "multi_max_rows", "nonfinite_rows", "shadow_rows", "delta_err_pos")
+# Real-valued statistics: rows of ``Probe.values`` (float32, shape (len(VALUE_FIELDS), H)).
+VALUE_FIELDS = ("max_score", "delta_err_sum", "delta_err_abs")
+# The value each statistic is reset to.
+_VALUE_RESET = {"max_score": float("-inf"), "delta_err_sum": 0.0, "delta_err_abs": 0.0}
 
 
 class Probe:
     """Device-side statistics of one attention layer, accumulated over a step.
+
+    The statistics live in two buffers, ``counts`` (int64) and ``values``
+    (float32), one row per statistic and one column per query head, so that a
+    kernel receives two pointers and the watch reads two tensors per layer.
+    Each statistic is also an attribute (``probe.rows``, ``probe.max_score``...),
+    a view into its row.
 
     Args:
         num_heads: number of query heads ``H`` of the layer.
@@ -71,27 +72,54 @@ class Probe:
         if not isinstance(num_heads, int) or isinstance(num_heads, bool) or num_heads < 1:
             raise ValueError(f"num_heads must be a positive int, got {num_heads!r}")
         self.num_heads = num_heads
-        self.device = torch.device(device if device is not None else "cpu")
         self.shadow = False
-        for name, (dtype, value) in COUNTERS.items():
-            setattr(self, name, torch.full((num_heads,), value, dtype=dtype, device=self.device))
+        dev = torch.device(device if device is not None else "cpu")
+        self.counts = torch.zeros(len(COUNT_FIELDS), num_heads, dtype=torch.int64, device=dev)
+        self.values = torch.zeros(len(VALUE_FIELDS), num_heads, dtype=torch.float32, device=dev)
+        self.zero_()
+
+    @classmethod
+    def from_buffers(cls, counts: torch.Tensor, values: torch.Tensor) -> "Probe":
+        """A probe over existing buffers (no copy), e.g. inside a ``torch.library`` op."""
+        probe = cls.__new__(cls)
+        probe.num_heads = counts.shape[1]
+        probe.shadow = False
+        probe.counts, probe.values = counts, values
+        return probe
+
+    @property
+    def device(self) -> torch.device:
+        return self.counts.device
+
+    def __getattr__(self, name: str) -> torch.Tensor:
+        # Only reached for names that are not regular attributes: the statistics.
+        if name in COUNT_FIELDS:
+            return self.__dict__["counts"][COUNT_FIELDS.index(name)]
+        if name in VALUE_FIELDS:
+            return self.__dict__["values"][VALUE_FIELDS.index(name)]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def counters(self) -> Dict[str, torch.Tensor]:
-        """The counter tensors by name (the live buffers, not copies)."""
-        return {name: getattr(self, name) for name in COUNTERS}
+        """Every statistic by name, as views into the live buffers (not copies)."""
+        return {name: getattr(self, name) for name in COUNT_FIELDS + VALUE_FIELDS}
 
     def zero_(self) -> "Probe":
-        """Reset every counter in place (no reallocation, no host sync)."""
-        for name, (_, value) in COUNTERS.items():
-            getattr(self, name).fill_(value)
+        """Reset every statistic in place (no reallocation, no host sync)."""
+        self.counts.zero_()
+        for i, name in enumerate(VALUE_FIELDS):
+            self.values[i].fill_(_VALUE_RESET[name])
         return self
 
     def to(self, device: torch.device | str) -> "Probe":
         """Move the buffers to ``device`` (a new allocation; call it once, at attach time)."""
-        self.device = torch.device(device)
-        for name in COUNTERS:
-            setattr(self, name, getattr(self, name).to(self.device))
+        self.counts = self.counts.to(device)
+        self.values = self.values.to(device)
         return self
 
     def __repr__(self) -> str:
         return f"Probe(num_heads={self.num_heads}, device={str(self.device)!r}, shadow={self.shadow})"
+
+
+def probe_buffers(probe: Optional[Probe]):
+    """``(counts, values)`` of a probe, or ``(None, None)``."""
+    return (None, None) if probe is None else (probe.counts, probe.values)

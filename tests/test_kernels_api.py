@@ -57,7 +57,7 @@ def test_mismatched_devices():
         (dict(eps=-1e-3), ValueError, r"eps must be a finite number >= 0, got -0.001"),
         (dict(probe=object()), TypeError, r"probe must be None or an instability_watch.Probe, got object"),
         (dict(probe=Probe(3)), ValueError, r"probe has 3 heads, q has H=4"),
-        (dict(backend="cuda"), ValueError, r"backend must be one of \('auto', 'reference'\), got 'cuda'"),
+        (dict(backend="cuda"), ValueError, r"backend must be one of \('auto', 'triton', 'reference'\), got 'cuda'"),
     ],
 )
 def test_bad_options(kwargs, exc, pattern):

@@ -1,25 +1,24 @@
 """One attention contract, several implementations.
 
-:func:`flash_attention` validates its arguments and dispatches: the reference
-emulation of FA2's precision model (``reference.py``) runs everywhere; the
-Triton kernels (a later milestone) will take CUDA tensors.
+:func:`flash_attention` validates its arguments and dispatches: CUDA tensors go
+to the Triton kernels (``triton_attention.py``), everything else to the
+reference emulation of FA2's precision model (``reference.py``). Both run
+behind the same ``torch.library`` ops (``ops.py``), so ``torch.compile`` sees
+one op whichever backend runs.
 """
 from __future__ import annotations
 
+import importlib.util
 import math
+import os
+import warnings
 from typing import Optional, Union
 
 import torch
 
-from ..probe import Probe
-from .reference import (
-    DEFAULT_BETA,
-    DEFAULT_BLOCK_N,
-    DEFAULT_EPS,
-    ReferenceAttention,
-    attention_backward,
-    attention_forward,
-)
+from ..probe import Probe, probe_buffers
+from .ops import FlashAttention
+from .reference import DEFAULT_BETA, DEFAULT_EPS, attention_backward, attention_forward
 
 __all__ = [
     "flash_attention",
@@ -33,7 +32,50 @@ __all__ = [
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
 # Head dims the kernels are built for (the Triton kernels pad 96 to a 128 tile).
 SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128)
-BACKENDS = ("auto", "reference")
+BACKENDS = ("auto", "triton", "reference")
+_TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def _triton_available() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _interpreting() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+_warned_fallback = False
+
+
+def resolve_backend(q: torch.Tensor, backend: str) -> str:
+    """The backend a call runs on: ``"triton"`` or ``"reference"``.
+
+    ``"auto"`` takes Triton for CUDA tensors of a dtype it supports, and the
+    reference otherwise (announcing it once if CUDA tensors fall back because
+    Triton is missing). ``"triton"`` on CPU tensors needs ``TRITON_INTERPRET=1``
+    set before the package is imported (Triton's interpreter, for tests).
+    """
+    global _warned_fallback
+    if backend == "reference":
+        return backend
+    if backend == "triton":
+        if q.dtype not in _TRITON_DTYPES:
+            raise TypeError(f"backend='triton' supports dtypes {_TRITON_DTYPES}, got {q.dtype}")
+        if not _triton_available():
+            raise ImportError("backend='triton' needs the triton package: pip install triton")
+        if not q.is_cuda and not _interpreting():
+            raise ValueError(
+                f"backend='triton' needs CUDA tensors, got device {q.device}; to run Triton's "
+                "interpreter on CPU set TRITON_INTERPRET=1 before importing instability_watch"
+            )
+        return backend
+    if q.is_cuda and q.dtype in _TRITON_DTYPES:
+        if _triton_available():
+            return "triton"
+        if not _warned_fallback:
+            _warned_fallback = True
+            warnings.warn("triton is not installed: CUDA attention runs on the slow PyTorch reference path")
+    return "reference"
 
 
 def _check_tensor(name: str, t) -> None:
@@ -131,8 +173,8 @@ def flash_attention(
             statistics into; ``None`` for none (full speed).
         beta: the stabilized shift factor (``m = beta * rowmax`` for positive maxima).
         eps: two scores within ``eps`` count as the same maximum.
-        backend: ``"auto"`` (Triton on CUDA once available, else the reference)
-            or ``"reference"``.
+        backend: ``"auto"`` (Triton for CUDA tensors, the reference otherwise),
+            ``"triton"`` or ``"reference"``.
 
     Returns:
         The attention output, (B, H, N, D), in ``q``'s dtype. Differentiable
@@ -147,8 +189,12 @@ def flash_attention(
         o = flash_attention(q, k, v, causal=True, stabilize=torch.tensor([False, True], device=q.device))
     """
     _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend)
+    backend = resolve_backend(q, backend)
     if isinstance(stabilize, bool):
-        stabilize = torch.full((q.shape[1],), stabilize, dtype=torch.bool, device=q.device)
-    return ReferenceAttention.apply(
-        q, k, v, causal, scale, stabilize, float(beta), float(eps), DEFAULT_BLOCK_N, probe
+        stabilize = torch.full((q.shape[1],), True, dtype=torch.bool, device=q.device) if stabilize else None
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    counts, values = probe_buffers(probe)
+    shadow = probe is not None and probe.shadow
+    return FlashAttention.apply(
+        q, k, v, stabilize, counts, values, shadow, causal, scale, float(beta), float(eps), backend
     )

@@ -277,29 +277,3 @@ def attention_backward(
         shadow_probe.delta_err_abs.add_(err.abs().sum(dim=(0, 2)))
         shadow_probe.delta_err_pos.add_((err > 0).sum(dim=(0, 2)))
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
-
-
-class ReferenceAttention(torch.autograd.Function):
-    """Autograd wrapper: forward and backward of the emulation."""
-
-    @staticmethod
-    def forward(ctx, q, k, v, causal, scale, stabilize, beta, eps, block_n, probe):
-        o, lse = attention_forward(
-            q, k, v, causal=causal, scale=scale, stabilize=stabilize,
-            beta=beta, eps=eps, block_n=block_n, probe=probe,
-        )
-        ctx.save_for_backward(q, k, v, o, lse)
-        ctx.causal, ctx.scale, ctx.block_n = causal, scale, block_n
-        # The shadow decision is taken at forward time: the step that ran the
-        # forward is the step whose backward is shadowed.
-        ctx.shadow_probe = probe if (probe is not None and probe.shadow) else None
-        return o
-
-    @staticmethod
-    def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
-        dq, dk, dv = attention_backward(
-            q, k, v, o, lse, do.contiguous(), causal=ctx.causal, scale=ctx.scale,
-            block_n=ctx.block_n, shadow_probe=ctx.shadow_probe,
-        )
-        return dq, dk, dv, None, None, None, None, None, None, None

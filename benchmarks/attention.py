@@ -1,0 +1,237 @@
+"""Attention speed: our Triton kernels against PyTorch's SDPA (flash and cuDNN), in one process.
+
+    python benchmarks/attention.py                 # the table of benchmarks/RESULTS.md
+    python benchmarks/attention.py --sweep fwd     # try the launch-config grid of one kernel
+    python benchmarks/attention.py --shapes gpt2 --json out.json
+
+For each shape (GPT-2: B16 H12 N1024 D64 causal; Llama: B4 H32 N4096 D128
+causal) it times forward and backward separately (``triton.testing.do_bench``,
+median, BF16 random inputs) of: ours standard, ours with every head
+stabilized, ours with a probe (the way the watch calls it: a stabilize mask
+plus a probe), ours on a shadow step (probe in shadow mode: the backward also
+computes delta_hp), PyTorch SDPA flash, PyTorch SDPA cuDNN. TFLOP/s count
+4*B*H*N^2*D (halved for causal) for the forward and 2.5x that for the backward.
+"""
+from __future__ import annotations
+
+import argparse
+import datetime
+import itertools
+import json
+import os
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+import triton
+from torch.nn.attention import SDPBackend, sdpa_kernel
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from instability_watch import Probe, flash_attention  # noqa: E402
+from instability_watch.kernels import triton_attention as ta  # noqa: E402
+
+SHAPES = {
+    "gpt2": dict(B=16, H=12, N=1024, D=64, causal=True),
+    "llama": dict(B=4, H=32, N=4096, D=128, causal=True),
+}
+
+
+def flops(shape, backward=False):
+    f = 4 * shape["B"] * shape["H"] * shape["N"] ** 2 * shape["D"]
+    if shape["causal"]:
+        f //= 2
+    return f * (2.5 if backward else 1.0)
+
+
+def bench(fn, warmup=25, rep=100):
+    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
+
+
+def inputs(shape, seed=0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    B, H, N, D = shape["B"], shape["H"], shape["N"], shape["D"]
+    q, k, v, do = (torch.randn(B, H, N, D, device="cuda", generator=g, dtype=torch.bfloat16) for _ in range(4))
+    return q, k, v, do
+
+
+def variants(shape):
+    H = shape["H"]
+    causal = shape["causal"]
+    all_heads = torch.ones(H, dtype=torch.bool, device="cuda")
+    no_heads = torch.zeros(H, dtype=torch.bool, device="cuda")
+    probe = Probe(H, "cuda")
+    shadow_probe = Probe(H, "cuda")
+    shadow_probe.shadow = True
+
+    def sdpa(backend):
+        def fn(q, k, v):
+            with sdpa_kernel(backend):
+                return F.scaled_dot_product_attention(q, k, v, is_causal=causal)
+
+        return fn
+
+    return {
+        "ours": lambda q, k, v: flash_attention(q, k, v, causal=causal),
+        "ours stabilized": lambda q, k, v: flash_attention(q, k, v, causal=causal, stabilize=all_heads),
+        "ours + probe": lambda q, k, v: flash_attention(q, k, v, causal=causal, stabilize=no_heads, probe=probe),
+        "ours shadow step": lambda q, k, v: flash_attention(q, k, v, causal=causal, stabilize=no_heads, probe=shadow_probe),
+        "sdpa flash": sdpa(SDPBackend.FLASH_ATTENTION),
+        "sdpa cudnn": sdpa(SDPBackend.CUDNN_ATTENTION),
+    }
+
+
+def time_variant(fn, q, k, v, do):
+    fwd = bench(lambda: fn(q, k, v))
+    qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+    o = fn(qq, kk, vv)
+    bwd = bench(lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True))
+    return fwd, bwd
+
+
+def run_table(shape_names):
+    results = {}
+    for name in shape_names:
+        shape = SHAPES[name]
+        q, k, v, do = inputs(shape)
+        rows = {}
+        for vname, fn in variants(shape).items():
+            try:
+                fwd, bwd = time_variant(fn, q, k, v, do)
+            except Exception as exc:  # a peer unavailable on this GPU/torch: say so, keep going
+                print(f"  {name} {vname}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+                continue
+            rows[vname] = dict(
+                fwd_ms=fwd, bwd_ms=bwd,
+                fwd_tflops=flops(shape) / fwd * 1e-9, bwd_tflops=flops(shape, True) / bwd * 1e-9,
+            )
+        results[name] = rows
+    return results
+
+
+def print_table(results):
+    lines = []
+    for name, rows in results.items():
+        s = SHAPES[name]
+        lines.append(f"\n{name}: B{s['B']} H{s['H']} N{s['N']} D{s['D']} {'causal' if s['causal'] else ''}")
+        lines.append(f"  {'variant':<18}{'fwd ms':>8}{'fwd TF/s':>10}{'bwd ms':>8}{'bwd TF/s':>10}")
+        for vname, r in rows.items():
+            lines.append(f"  {vname:<18}{r['fwd_ms']:>8.3f}{r['fwd_tflops']:>10.1f}{r['bwd_ms']:>8.3f}{r['bwd_tflops']:>10.1f}")
+        base = rows.get("ours")
+        if base:
+            for peer in ("sdpa flash", "sdpa cudnn"):
+                if peer in rows:
+                    p = rows[peer]
+                    lines.append(
+                        f"  ours / {peer:<11} fwd {p['fwd_ms'] / base['fwd_ms']:.2f}x  bwd {p['bwd_ms'] / base['bwd_ms']:.2f}x"
+                    )
+            for var in ("ours stabilized", "ours + probe", "ours shadow step"):
+                if var in rows:
+                    r = rows[var]
+                    lines.append(
+                        f"  {var:<18} costs fwd {100 * (r['fwd_ms'] / base['fwd_ms'] - 1):+.1f}%  "
+                        f"bwd {100 * (r['bwd_ms'] / base['bwd_ms'] - 1):+.1f}% vs ours"
+                    )
+    print("\n".join(lines))
+
+
+# ---------------------------------------------------------------------------
+# Launch-config sweeps
+
+
+FWD_GRID = [
+    (bm, bn, w, st)
+    for bm, bn in [(64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
+    for w, st in [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4)]
+]
+BWD_GRID = [
+    (bm, bn, w, st)
+    for bm, bn in [(32, 64), (32, 128), (64, 64), (64, 128), (128, 64), (128, 128)]
+    for w, st in [(4, 2), (4, 3), (8, 2), (8, 3)]
+]
+
+
+def keep(cfg, head_dim):
+    """Drop configurations that cannot fit or that the H100 never favours."""
+    bm, bn, w, st = cfg
+    if head_dim >= 128 and bm * bn >= 128 * 128 and st > 2:
+        return False  # shared memory: two 128x128 tiles per stage
+    if bm == 64 and bn == 64 and w == 8:
+        return False  # too little work per warp
+    return True
+
+
+def sweep(kind, shape_names, variant="standard"):
+    out = {}
+    for name in shape_names:
+        shape = SHAPES[name]
+        q, k, v, do = inputs(shape)
+        scale = shape["D"] ** -0.5
+        head_dim = ta._head_dim_tile(shape["D"])
+        stab = torch.ones(shape["H"], dtype=torch.bool, device="cuda") if variant == "stabilized" else None
+        o, lse2 = ta.attention_forward(q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3, counts=None, values=None)
+        grid = FWD_GRID if kind == "fwd" else BWD_GRID
+        timings = []
+        for cfg in (c for c in grid if keep(c, head_dim)):
+            if kind == "fwd":
+                fn = lambda: ta.attention_forward(  # noqa: E731
+                    q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3,
+                    counts=None, values=None, config=cfg,
+                )
+                fl = flops(shape)
+            else:
+                key = "config_dkdv" if kind == "dkdv" else "config_dq"
+                fn = lambda: ta.attention_backward(  # noqa: E731
+                    q, k, v, o, lse2, do, causal=shape["causal"], scale=scale, counts=None, values=None,
+                    shadow=False, **{key: cfg},
+                )
+                fl = flops(shape, True)
+            try:
+                fn()
+                ms = bench(fn, warmup=10, rep=40)
+            except Exception as exc:
+                print(f"  {name} {kind} {cfg}: {type(exc).__name__}", file=sys.stderr)
+                continue
+            timings.append((ms, cfg))
+            print(f"  {name} {kind} {cfg}: {ms:.3f} ms {fl / ms * 1e-9:.1f} TF/s", file=sys.stderr)
+        timings.sort()
+        out[name] = [(cfg, ms) for ms, cfg in timings[:5]]
+        print(f"{name} {kind} best: " + ", ".join(f"{cfg} {ms:.3f}ms" for cfg, ms in out[name]))
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--shapes", default="gpt2,llama", help="comma-separated: " + ",".join(SHAPES))
+    ap.add_argument("--sweep", choices=["fwd", "dkdv", "dq"], action="append", help="sweep one kernel's launch configs")
+    ap.add_argument("--sweep-variant", default="standard", choices=["standard", "stabilized"])
+    ap.add_argument("--json", help="write the results here as JSON")
+    args = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("benchmarks/attention.py needs a CUDA GPU", file=sys.stderr)
+        return 2
+    names = [s for s in args.shapes.split(",") if s]
+    for n in names:
+        if n not in SHAPES:
+            ap.error(f"--shapes: unknown shape {n!r}; known: {', '.join(SHAPES)}")
+    header = {
+        "device": torch.cuda.get_device_name(),
+        "date": datetime.date.today().isoformat(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
+    }
+    print(json.dumps(header))
+    result = dict(header)
+    if args.sweep:
+        result["sweeps"] = {kind: sweep(kind, names, args.sweep_variant) for kind in args.sweep}
+    else:
+        result["table"] = run_table(names)
+        print_table(result["table"])
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,100 @@
+"""The kernels as ``torch.library`` ops, and the autograd Function over them.
+
+Two custom ops, ``instability_watch::attention_fwd`` and ``::attention_bwd``,
+run either backend (``"triton"`` or ``"reference"``) and write the probe's
+statistics into its two buffers, which they declare as mutated. Each has a
+fake (meta) implementation, so ``torch.compile`` traces a model through
+:func:`~instability_watch.flash_attention` without a graph break, ``fullgraph=True``
+included. ``torch.library`` does not allow an autograd formula on an op that
+mutates its inputs, so the autograd glue is a ``torch.autograd.Function``
+calling the two ops (Dynamo traces those too).
+
+``lse`` is kept in each backend's own units (natural log for the reference,
+log2 for Triton) and only ever passed back to the same backend's backward.
+"""
+from __future__ import annotations
+
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from ..probe import Probe
+from . import reference
+
+
+def _triton():
+    from . import triton_attention  # imported on first use: CPU-only users never load Triton
+
+    return triton_attention
+
+
+@torch.library.custom_op("instability_watch::attention_fwd", mutates_args=("counts", "values"))
+def attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, stabilize: Optional[Tensor],
+    counts: Optional[Tensor], values: Optional[Tensor],
+    causal: bool, scale: float, beta: float, eps: float, backend: str,
+) -> Tuple[Tensor, Tensor]:
+    if backend == "triton":
+        return _triton().attention_forward(
+            q, k, v, causal=causal, scale=scale, stabilize=stabilize, beta=beta, eps=eps,
+            counts=counts, values=values,
+        )
+    probe = None if counts is None else Probe.from_buffers(counts, values)
+    o, lse = reference.attention_forward(
+        q, k, v, causal=causal, scale=scale, stabilize=stabilize, beta=beta, eps=eps, probe=probe
+    )
+    return o, lse
+
+
+@attention_fwd.register_fake
+def _(q, k, v, stabilize, counts, values, causal, scale, beta, eps, backend):
+    B, H, N, D = q.shape
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return q.new_empty((B, H, N, D)), q.new_empty((B, H, N), dtype=lse_dtype)
+
+
+@torch.library.custom_op("instability_watch::attention_bwd", mutates_args=("counts", "values"))
+def attention_bwd(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+    counts: Optional[Tensor], values: Optional[Tensor],
+    causal: bool, scale: float, shadow: bool, backend: str,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    shadow = shadow and counts is not None
+    if backend == "triton":
+        return _triton().attention_backward(
+            q, k, v, o, lse, do, causal=causal, scale=scale, counts=counts, values=values, shadow=shadow
+        )
+    probe = Probe.from_buffers(counts, values) if shadow else None
+    return reference.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale, shadow_probe=probe)
+
+
+@attention_bwd.register_fake
+def _(q, k, v, o, lse, do, counts, values, causal, scale, shadow, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+class FlashAttention(torch.autograd.Function):
+    """Forward and backward through the two ops; the backward is FA2's, whatever the shift."""
+
+    @staticmethod
+    def forward(ctx, q, k, v, stabilize, counts, values, shadow, causal, scale, beta, eps, backend):
+        o, lse = attention_fwd(q, k, v, stabilize, counts, values, causal, scale, beta, eps, backend)
+        ctx.save_for_backward(q, k, v, o, lse)
+        # The step that ran the forward is the step whose backward is shadowed.
+        # The probe buffers are held as attributes, not saved tensors: other
+        # forwards may add to them before this backward runs (gradient
+        # accumulation, pipelining) and that must not trip autograd's version check.
+        ctx.shadow = bool(shadow and counts is not None)
+        ctx.probe_buffers = (counts, values) if ctx.shadow else (None, None)
+        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse = ctx.saved_tensors
+        counts, values = ctx.probe_buffers
+        dq, dk, dv = attention_bwd(
+            q, k, v, o, lse, do, counts, values, ctx.causal, ctx.scale, ctx.shadow, ctx.backend
+        )
+        return dq, dk, dv, None, None, None, None, None, None, None, None, None

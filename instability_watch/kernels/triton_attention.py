@@ -1,0 +1,490 @@
+"""Triton flash attention with FA2's precision model, per-head stabilization and in-kernel diagnostics.
+
+Reads top to bottom: helpers, the forward (inner loop, kernel), the backward
+(delta preprocessing, dK/dV kernel, dQ kernel with the shadow delta_hp), then
+the launchers. The numerics are those of ``reference.py`` (the test oracle):
+
+* ``S`` in float32 from the low-precision ``Q, K``, kept in log2 units
+  (``s = q.k * scale * log2(e)``) so that ``exp2`` gives ``P``;
+* ``P = exp2(s - m)`` in float32, ``l`` summed from it, ``P`` rounded to the
+  input dtype for ``P V`` with a float32 accumulator, ``O = acc / l`` rounded once;
+* the log-sum-exp is stored in log2 units (``LSE2``) for the backward, and
+  converted to natural units for the caller.
+
+Stabilized heads (a per-head flag read from a tensor, so flipping one never
+recompiles) move the softmax shift above the row maximum where that maximum is
+repeated within ``eps``, tested against the running maximum of all blocks so far
+(see reference.py for why, and for the cap on the shift). The same tie test
+feeds the probe's ``multi_max_rows``.
+"""
+from __future__ import annotations
+
+import math
+import os
+from typing import Optional, Tuple
+
+import torch
+import triton
+import triton.language as tl
+
+from ..probe import COUNT_FIELDS, VALUE_FIELDS
+from .reference import max_shift_for
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+# Rows of the probe buffers, as constexprs for the kernels.
+C_ROWS = tl.constexpr(COUNT_FIELDS.index("rows"))
+C_MULTI = tl.constexpr(COUNT_FIELDS.index("multi_max_rows"))
+C_NONFINITE = tl.constexpr(COUNT_FIELDS.index("nonfinite_rows"))
+C_SHADOW = tl.constexpr(COUNT_FIELDS.index("shadow_rows"))
+C_DPOS = tl.constexpr(COUNT_FIELDS.index("delta_err_pos"))
+V_MAXS = tl.constexpr(VALUE_FIELDS.index("max_score"))
+V_DSUM = tl.constexpr(VALUE_FIELDS.index("delta_err_sum"))
+V_DABS = tl.constexpr(VALUE_FIELDS.index("delta_err_abs"))
+
+
+def is_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+
+
+@triton.jit
+def _stabilized_shift2(r2, beta, max_shift):
+    """Extra shift (log2 units) above a row maximum r2 (log2 units); see reference.stabilized_shift."""
+    r = r2 * 0.6931471805599453  # natural units, where the cap is defined
+    d = tl.where(r > 0, (beta - 1.0) * r, -r)
+    d = tl.where(d > max_shift, (max_shift - 1.0) + (d - tl.floor(d)), d)
+    return tl.maximum(d, 0.0) * 1.4426950408889634
+
+
+# ---------------------------------------------------------------------------
+# Forward
+
+
+@triton.jit
+def _fwd_inner(
+    acc, l_i, m_i, r_i, c_i,
+    q, K_ptrs, V_ptrs, stride_kn, stride_vn,
+    offs_m, offs_n, offs_d, D, N_KV,
+    qk_scale, eps2, beta, max_shift, stab_h,
+    lo, hi,
+    MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, TRACK_TIES: tl.constexpr, HAS_STAB: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        cols = start_n + offs_n
+        # -- load the KV block (keys past N_KV and padded head dims read as 0)
+        if MASK_KV:
+            kv_mask = (cols[:, None] < N_KV) & (offs_d[None, :] < D)
+        else:
+            kv_mask = offs_d[None, :] < D
+        if MASK_KV or not EVEN_D:
+            k = tl.load(K_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
+        else:
+            k = tl.load(K_ptrs + start_n * stride_kn)
+        # -- scores in log2 units, float32
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        if MASK_CAUSAL:
+            s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
+        if MASK_KV:
+            s = tl.where(cols[None, :] < N_KV, s, float("-inf"))
+        r_new = tl.maximum(r_i, tl.max(s, 1))
+        if TRACK_TIES:
+            # -- how many scores lie within eps of the running maximum (earlier blocks too)
+            thr = r_new - eps2
+            c_new = tl.sum((s >= thr[:, None]).to(tl.int32), 1)
+            c_new += tl.where(r_i >= thr, c_i, 0)
+            if HAS_STAB:
+                # -- stabilized heads shift above a repeated maximum (paper Alg. 3)
+                tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
+                d2 = _stabilized_shift2(r_new, beta, max_shift)
+                m_new = tl.maximum(m_i, r_new + tl.where(tie, d2, 0.0))
+            else:
+                m_new = r_new
+            c_i = c_new
+        else:
+            m_new = r_new
+        # -- online softmax update: P in float32, l from float32 P
+        alpha = tl.math.exp2(m_i - m_new)
+        p = tl.math.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None]
+        # -- P rounded to the input dtype for P V, float32 accumulator
+        if MASK_KV or not EVEN_D:
+            v = tl.load(V_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
+        else:
+            v = tl.load(V_ptrs + start_n * stride_vn)
+        acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
+        m_i = m_new
+        r_i = r_new
+    return acc, l_i, m_i, r_i, c_i
+
+
+@triton.heuristics(
+    {
+        "EVEN_M": lambda a: a["N_Q"] % a["BLOCK_M"] == 0,
+        "EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0,
+        "EVEN_D": lambda a: a["D"] == a["HEAD_DIM"],
+    }
+)
+@triton.jit
+def _attn_fwd(
+    Q, K, V, O, LSE2, Stab, Counts, Values,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    H, GROUP, N_Q, N_KV, D,
+    qk_scale, eps2, beta, max_shift,
+    CAUSAL: tl.constexpr, HAS_STAB: tl.constexpr, HAS_PROBE: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_hk = off_h // GROUP  # grouped-query attention: the KV head this query head reads
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    q_ptrs = Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :]
+    k_ptrs = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    v_ptrs = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :]
+    row_ok = offs_m < N_Q
+    q_mask = row_ok[:, None] & (offs_d[None, :] < D)
+    if EVEN_M and EVEN_D:
+        q = tl.load(q_ptrs)
+    else:
+        q = tl.load(q_ptrs, mask=q_mask, other=0.0)
+
+    # -- running state per row: shift m, raw maximum r, near-maximum count c, l, acc
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    r_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    c_i = tl.zeros([BLOCK_M], dtype=tl.int32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    if HAS_STAB:
+        stab_h = tl.load(Stab + off_h) != 0
+    else:
+        stab_h = False
+    TRACK_TIES: tl.constexpr = HAS_STAB or HAS_PROBE
+
+    # -- KV range: causal (top-left) rows see keys <= row; split the blocks that
+    #    need no causal mask from the ones on the diagonal.
+    if CAUSAL:
+        hi = tl.minimum((start_m + 1) * BLOCK_M, N_KV)
+        n_full = tl.minimum(start_m * BLOCK_M, N_KV) // BLOCK_N * BLOCK_N
+    elif EVEN_N:
+        hi = N_KV
+        n_full = N_KV
+    else:
+        hi = N_KV
+        n_full = N_KV // BLOCK_N * BLOCK_N
+    acc, l_i, m_i, r_i, c_i = _fwd_inner(
+        acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        offs_m, offs_n, offs_d, D, N_KV, qk_scale, eps2, beta, max_shift, stab_h,
+        0, n_full,
+        MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+        BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+    )
+    acc, l_i, m_i, r_i, c_i = _fwd_inner(
+        acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        offs_m, offs_n, offs_d, D, N_KV, qk_scale, eps2, beta, max_shift, stab_h,
+        n_full, hi,
+        MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+        BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+    )
+
+    # -- epilogue: O rounded once, LSE in log2 units
+    o = acc / l_i[:, None]
+    lse2 = m_i + tl.math.log2(l_i)
+    o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
+    if EVEN_M and EVEN_D:
+        tl.store(o_ptrs, o.to(O.dtype.element_ty))
+    else:
+        tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=q_mask)
+    tl.store(LSE2 + off_bh * N_Q + offs_m, lse2, mask=row_ok)
+
+    if HAS_PROBE:
+        # -- per-head statistics of this tile, one atomic each
+        n_rows = tl.sum(row_ok.to(tl.int64), 0)
+        multi = tl.sum(((c_i > 1) & row_ok).to(tl.int64), 0)
+        finite = (o == o) & (tl.abs(o) < float("inf"))  # padded head dims hold 0 / l
+        row_finite = (tl.sum(finite.to(tl.int32), 1) == HEAD_DIM) & (lse2 == lse2) & (tl.abs(lse2) < float("inf"))
+        bad = tl.sum((row_ok & ~row_finite).to(tl.int64), 0)
+        s_max = tl.max(tl.where(row_ok, r_i, float("-inf")), 0) * 0.6931471805599453
+        tl.atomic_add(Counts + C_ROWS * H + off_h, n_rows)
+        tl.atomic_add(Counts + C_MULTI * H + off_h, multi)
+        tl.atomic_add(Counts + C_NONFINITE * H + off_h, bad)
+        tl.atomic_max(Values + V_MAXS * H + off_h, s_max)
+
+
+# ---------------------------------------------------------------------------
+# Backward
+
+
+@triton.jit
+def _bwd_preprocess(
+    O, DO, Delta,
+    stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
+    H, N_Q, D,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * O) in float32, O being the stored low-precision output."""
+    start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    mask = (offs_m[:, None] < N_Q) & (offs_d[None, :] < D)
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=mask, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=mask, other=0.0)
+    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+    tl.store(Delta + off_bh * N_Q + offs_m, delta, mask=offs_m < N_Q)
+
+
+@triton.heuristics({"EVEN_D": lambda a: a["D"] == a["HEAD_DIM"]})
+@triton.jit
+def _attn_bwd_dkdv(
+    Q, K, V, DO, LSE2, Delta, DK, DV,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    H, H_KV, N_Q, N_KV, D,
+    qk_scale, scale,
+    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One KV block of one KV head: dK, dV summed over the query heads that read it (GQA)."""
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bhk = tl.program_id(1)
+    off_b = off_bhk // H_KV
+    off_hk = off_bhk % H_KV
+    group = H // H_KV
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d[None, :] < D
+    kv_mask = (offs_n[:, None] < N_KV) & d_ok
+    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    # Causal (top-left): only rows >= start_n see this block; rows from
+    # start_n + BLOCK_N on see all of it and need no mask.
+    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    for g in range(0, group):
+        off_h = off_hk * group + g
+        off_bh = off_b * H + off_h
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        for start_m in range(lo, N_Q, BLOCK_M):
+            offs_m = start_m + offs_m0
+            m_ok = offs_m < N_Q
+            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+            # Padded rows get lse = +inf, hence P = 0.
+            lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+            delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
+            # -- P^T for this (KV block, query block), float32, normalised by the LSE
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
+            p_t = tl.math.exp2(s_t - lse2[None, :])
+            if CAUSAL:
+                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            # -- dV += bf16(P)^T dO
+            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            # -- dS^T = P^T * (dP^T - delta), dK += bf16(dS)^T Q
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            ds_t = p_t * (dp_t - delta[None, :])
+            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+
+    dk = dk * scale
+    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.heuristics({"EVEN_D": lambda a: a["D"] == a["HEAD_DIM"]})
+@triton.jit
+def _attn_bwd_dq(
+    Q, K, V, DO, LSE2, Delta, DQ, Counts, Values,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dqb, stride_dqh, stride_dqn,
+    H, GROUP, N_Q, N_KV, D,
+    qk_scale, scale,
+    CAUSAL: tl.constexpr, SHADOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One query block: dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    off_hk = off_h // GROUP
+
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    m_ok = offs_m < N_Q
+    d_ok = offs_d[None, :] < D
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+    lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+    delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    delta_hp = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    hi = tl.minimum(start_m + BLOCK_M, N_KV) if CAUSAL else N_KV
+    for start_n in range(0, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        kv_mask = (offs_n[:, None] < N_KV) & d_ok
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        p = tl.math.exp2(s - lse2[:, None])
+        keep = offs_n[None, :] < N_KV
+        if CAUSAL:
+            keep = keep & (offs_m[:, None] >= offs_n[None, :])
+        p = tl.where(keep, p, 0.0)
+        # -- dP = dO V^T, dS = P * (dP - delta), dQ += bf16(dS) K
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if SHADOW:
+            delta_hp += tl.sum(p * dp, 1)  # rowsum(dO * O_hp), O_hp = P V never formed
+        ds = p * (dp - delta[:, None])
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+
+    dq = dq * scale
+    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok)
+    if SHADOW:
+        err = tl.where(m_ok, delta - delta_hp, 0.0)
+        tl.atomic_add(Values + V_DSUM * H + off_h, tl.sum(err, 0))
+        tl.atomic_add(Values + V_DABS * H + off_h, tl.sum(tl.abs(err), 0))
+        tl.atomic_add(Counts + C_DPOS * H + off_h, tl.sum((err > 0).to(tl.int64), 0))
+        tl.atomic_add(Counts + C_SHADOW * H + off_h, tl.sum(m_ok.to(tl.int64), 0))
+
+
+# ---------------------------------------------------------------------------
+# Launchers
+
+
+def _head_dim_tile(d: int) -> int:
+    return max(16, triton.next_power_of_2(d))
+
+
+def _dot_precision(dtype: torch.dtype) -> str:
+    # float32 inputs: exact float32 products, not TF32 (the reference has no rounding there)
+    return "ieee" if dtype == torch.float32 else "tf32"
+
+
+# Launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim tile,
+# chosen with `python benchmarks/attention.py --sweep` on an H100 (see
+# benchmarks/RESULTS.md). A fixed table rather than triton.autotune: tuning at run
+# time would run the probe atomics several times and stall the first training step.
+FWD_CONFIGS = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
+DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 2)}
+DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 2)}
+_INTERPRETER_CONFIG = (16, 16, 4, 1)  # one program at a time on CPU: small tiles, odd sizes covered
+
+
+def _config(table, head_dim: int, override=None):
+    if override is not None:
+        return override
+    return _INTERPRETER_CONFIG if is_interpreter() else table[head_dim]
+
+
+def attention_forward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    causal: bool, scale: float, stabilize: Optional[torch.Tensor], beta: float, eps: float,
+    counts: Optional[torch.Tensor], values: Optional[torch.Tensor], config=None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward (``config`` overrides the launch configuration). Returns ``(o, lse2)``: o (B, H, N, D) contiguous, lse2 (B, H, N) float32 in log2 units."""
+    B, H, N, D = q.shape
+    h_kv, n_kv = k.shape[1], k.shape[2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    lse2 = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    head_dim = _head_dim_tile(D)
+    block_m, block_n, warps, stages = _config(FWD_CONFIGS, head_dim, config)
+    stab = stabilize.view(torch.uint8) if stabilize is not None else None
+    has_probe = counts is not None
+    grid = (triton.cdiv(N, block_m), B * H)
+    _attn_fwd[grid](
+        q, k, v, o, lse2, stab, counts, values,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        o.stride(0), o.stride(1), o.stride(2),
+        H, H // h_kv, N, n_kv, D,
+        scale * LOG2E, eps * LOG2E, beta, max_shift_for(q.dtype),
+        CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
+        num_warps=warps, num_stages=stages,
+    )
+    return o, lse2
+
+
+def attention_backward(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor, do: torch.Tensor, *,
+    causal: bool, scale: float, counts: Optional[torch.Tensor], values: Optional[torch.Tensor], shadow: bool,
+    config_dkdv=None, config_dq=None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Launch the backward: delta preprocessing, dK/dV, dQ (with the shadow statistics if ``shadow``)."""
+    B, H, N, D = q.shape
+    h_kv, n_kv = k.shape[1], k.shape[2]
+    q, k, v, o, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, o, do))
+    head_dim = _head_dim_tile(D)
+    dot_precision = _dot_precision(q.dtype)
+    delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    pre_m = 16 if is_interpreter() else 64
+    _bwd_preprocess[(triton.cdiv(N, pre_m), B * H)](
+        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
+        H, N, D, HEAD_DIM=head_dim, BLOCK_M=pre_m,
+    )
+    dq = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, h_kv, n_kv, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, h_kv, n_kv, D), dtype=v.dtype, device=q.device)
+    block_m, block_n, warps, stages = _config(DKDV_CONFIGS, head_dim, config_dkdv)
+    _attn_bwd_dkdv[(triton.cdiv(n_kv, block_n), B * h_kv)](
+        q, k, v, do, lse2, delta, dk, dv,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dk.stride(0), dk.stride(1), dk.stride(2),
+        dv.stride(0), dv.stride(1), dv.stride(2),
+        H, h_kv, N, n_kv, D, scale * LOG2E, scale,
+        CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
+        num_warps=warps, num_stages=stages,
+    )
+    shadow = shadow and counts is not None
+    block_m, block_n, warps, stages = _config(DQ_CONFIGS, head_dim, config_dq)
+    _attn_bwd_dq[(triton.cdiv(N, block_m), B * H)](
+        q, k, v, do, lse2, delta, dq, counts, values,
+        q.stride(0), q.stride(1), q.stride(2),
+        k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2),
+        do.stride(0), do.stride(1), do.stride(2),
+        dq.stride(0), dq.stride(1), dq.stride(2),
+        H, H // h_kv, N, n_kv, D, scale * LOG2E, scale,
+        CAUSAL=causal, SHADOW=shadow, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages,
+    )
+    return dq, dk, dv

@@ -1,0 +1,181 @@
+"""The Triton kernels on CPU, through Triton's interpreter (with the BF16 shim), against the reference.
+
+Small sizes on purpose (the interpreter runs one program at a time in numpy);
+block sizes are 16 here, so N=37 crosses three KV blocks with a ragged tail.
+The same checks at large sizes, and against PyTorch's flash kernel, are in
+test_triton_gpu.py.
+"""
+import math
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+if torch.cuda.is_available():
+    pytest.skip("the interpreter tests are for CPU-only machines", allow_module_level=True)
+
+from helpers import max_err, run_fwd_bwd, sdpa_math, seeded  # noqa: E402
+from instability_watch import Probe, flash_attention  # noqa: E402
+from instability_watch.mechanism import exact_attention, measure_bias, near_tie_inputs  # noqa: E402
+
+
+def _inputs(key, B, H, h_kv, N, D, dtype=torch.bfloat16, n_kv=None):
+    g = seeded(*key)
+    n_kv = N if n_kv is None else n_kv
+    q, do = (torch.randn(B, H, N, D, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(B, h_kv, n_kv, D, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, do
+
+
+def _with_probe(backend, causal, stabilize):
+    def fn(q, k, v):
+        probe = Probe(q.shape[1])
+        probe.shadow = True
+        fn.probe = probe
+        return flash_attention(q, k, v, causal=causal, stabilize=stabilize, probe=probe, backend=backend)
+
+    return fn
+
+
+CASES = [
+    # (N, D, causal, (H, H_kv), stabilize)
+    *[(37, D, c, (4, 2), s) for D in (32, 64, 128) for c in (False, True) for s in (False, True)],
+    (1, 64, False, (2, 2), False),
+    (1, 64, True, (2, 1), True),
+    (17, 64, True, (2, 2), False),
+    (17, 32, False, (4, 4), True),
+]
+
+
+@pytest.mark.parametrize("N, D, causal, heads, stabilize", CASES)
+def test_triton_matches_reference(N, D, causal, heads, stabilize):
+    H, h_kv = heads
+    q, k, v, do = _inputs(("interp", N, D, causal, heads, stabilize), 1, H, h_kv, N, D)
+    f64 = run_fwd_bwd(lambda a, b, c: sdpa_math(a, b, c, causal=causal), q, k, v, do, torch.float64)
+    pt = run_fwd_bwd(lambda a, b, c: sdpa_math(a, b, c, causal=causal), q, k, v, do, torch.bfloat16)
+    tri_fn, ref_fn = _with_probe("triton", causal, stabilize), _with_probe("reference", causal, stabilize)
+    tri = run_fwd_bwd(tri_fn, q, k, v, do, torch.bfloat16)
+    ref = run_fwd_bwd(ref_fn, q, k, v, do, torch.bfloat16)
+    for name, t, r, p, x in zip(["o", "dq", "dk", "dv"], tri, ref, pt, f64):
+        assert t.dtype == torch.bfloat16 and t.shape == x.shape, name
+        # The accuracy bar, and agreement with the reference to within its own rounding error.
+        assert max_err(t, x) <= 2 * max_err(p, x) + 1e-6, (name, max_err(t, x), max_err(p, x))
+        assert max_err(t, r) <= 2 * max_err(r, x) + 1e-6, (name, max_err(t, r), max_err(r, x))
+    tp, rp = tri_fn.probe, ref_fn.probe
+    for name in ("rows", "multi_max_rows", "nonfinite_rows", "shadow_rows"):
+        assert getattr(tp, name).tolist() == getattr(rp, name).tolist(), name
+    assert torch.allclose(tp.max_score, rp.max_score, rtol=1e-5)
+    # The shadow drift from Triton's own O: delta_lp - delta_hp with O_hp in float64.
+    err = (do.double() * tri[0].double()).sum(-1) - (do.double() * f64[0]).sum(-1)  # (B, H, N)
+    assert torch.allclose(tp.delta_err_sum.double(), err.sum(dim=(0, 2)), atol=2e-4, rtol=1e-3)
+    assert torch.allclose(tp.delta_err_abs.double(), err.abs().sum(dim=(0, 2)), atol=2e-4, rtol=1e-3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_other_dtypes(dtype):
+    q, k, v, do = _inputs(("dtypes", dtype), 1, 2, 2, 37, 64, dtype=dtype)
+    f64 = run_fwd_bwd(lambda a, b, c: sdpa_math(a, b, c, causal=True), q, k, v, do, torch.float64)
+    pt = run_fwd_bwd(lambda a, b, c: sdpa_math(a, b, c, causal=True), q, k, v, do, dtype)
+    for stabilize in (False, True):
+        tri = run_fwd_bwd(
+            lambda a, b, c: flash_attention(a, b, c, causal=True, stabilize=stabilize, backend="triton"),
+            q, k, v, do, dtype,
+        )
+        for t, p, x in zip(tri, pt, f64):
+            assert t.dtype == dtype
+            assert max_err(t, x) <= 2 * max_err(p, x) + 1e-6
+
+
+def test_cross_attention_lengths():
+    q, k, v, do = _inputs(("cross",), 1, 2, 1, 21, 32, n_kv=45)
+    for causal in (False, True):
+        fn = lambda a, b, c: sdpa_math(a, b, c, causal=causal, scale=0.4)  # noqa: E731
+        f64 = run_fwd_bwd(fn, q, k, v, do, torch.float64)
+        pt = run_fwd_bwd(fn, q, k, v, do, torch.bfloat16)
+        tri = run_fwd_bwd(
+            lambda a, b, c: flash_attention(a, b, c, causal=causal, scale=0.4, backend="triton"), q, k, v, do, torch.bfloat16
+        )
+        for t, p, x in zip(tri, pt, f64):
+            assert max_err(t, x) <= 2 * max_err(p, x) + 1e-6
+
+
+def test_near_tie_bias_and_fix_in_triton():
+    std, stab = [], []
+    for seed in range(3):
+        inp = near_tie_inputs(batch=1, heads=2, seq=48, generator=seeded("tri-mech", seed))
+        std.append(measure_bias(inp, stabilize=False, backend="triton"))
+        stab.append(measure_bias(inp, stabilize=True, backend="triton"))
+    assert all(r["multi_max_frac"] == 1.0 for r in std + stab)
+    assert all(r["o_bias"] < 0 and r["delta_err_sum"] > 0 for r in std)
+    mean = lambda rs: sum(r["o_bias"] for r in rs) / len(rs)  # noqa: E731
+    assert abs(mean(stab)) * 5 <= abs(mean(std))
+
+
+def test_extreme_scores_stay_finite_and_accurate():
+    g = seeded("tri-huge")
+    B, H, N, D = 1, 2, 40, 64
+    for sign in (1, -1):
+        q = torch.randint(100, 128, (B, H, N, D), generator=g).bfloat16() * sign
+        k = torch.randint(101, 127, (B, H, N, D), generator=g).bfloat16()
+        k[:, :, [3, 20, 35]] = 127.0 if sign > 0 else 100.0  # repeated maximum ~ +-1e6, three KV blocks
+        v = torch.randn(B, H, N, D, generator=g).bfloat16()
+        ref = exact_attention(q, k, v, scale=1.0)
+        for stabilize in (False, True):
+            probe = Probe(H)
+            o = flash_attention(q, k, v, scale=1.0, stabilize=stabilize, probe=probe, backend="triton")
+            assert torch.isfinite(o).all()
+            assert probe.nonfinite_rows.sum() == 0 and probe.multi_max_rows.tolist() == [N, N]
+            assert max_err(o, ref) <= 3 * 2 ** -9 * v.abs().max().item()
+
+
+def test_multi_max_rows_counts_exactly():
+    S = torch.linspace(-3, -1, 40).bfloat16().float().repeat(5, 1)
+    S[0, [2, 9]] = 0.25  # tie inside a 16-key block -> counted
+    S[1, [2, 30]] = 0.25  # tie across blocks -> counted
+    S[2, 2], S[2, 39] = 0.25, 0.25 - 2 ** -10  # within eps across blocks -> counted
+    S[3, 2], S[3, 20] = 0.25, 0.25 - 2 ** -8  # 3.9e-3 apart -> not counted
+    S[4, 39] = 0.5  # single maximum -> not counted
+    q = torch.eye(5, 16)[None, None].bfloat16()
+    k = torch.zeros(40, 16)
+    k[:, :5] = S.T
+    k = k[None, None].bfloat16()
+    v = torch.randn(1, 1, 40, 16, generator=seeded("tri-mm")).bfloat16()
+    for stabilize in (False, True):
+        probe = Probe(1)
+        flash_attention(q, k, v, scale=1.0, stabilize=stabilize, probe=probe, backend="triton")
+        assert probe.multi_max_rows.tolist() == [3]
+        assert probe.rows.tolist() == [5] and probe.max_score.tolist() == [0.5]
+
+
+def test_per_head_flags_and_accumulation():
+    q, k, v, _ = _inputs(("flags",), 2, 4, 2, 20, 32)
+    q = q[:, :, :1] + 0.1 * q
+    k[:, :, 5] = k[:, :, 17] = 2 * q[:, 0::2, 0]  # every row's maximum repeats
+    mask = torch.tensor([False, True, False, True])
+    probe = Probe(4)
+    one = flash_attention(q, k, v, stabilize=mask, probe=probe, backend="triton")
+    flash_attention(q, k, v, stabilize=mask, probe=probe, backend="triton", causal=True)
+    every = flash_attention(q, k, v, stabilize=True, backend="triton")
+    none = flash_attention(q, k, v, backend="triton")
+    assert torch.equal(one[:, 1], every[:, 1]) and torch.equal(one[:, 0], none[:, 0])
+    assert not torch.equal(every, none)
+    assert probe.rows.tolist() == [80] * 4
+    s = (q.double() @ k.double().repeat_interleave(2, 1).transpose(-1, -2)) / math.sqrt(32)
+    assert torch.allclose(probe.max_score.double(), s.amax(dim=(0, 2, 3)), rtol=1e-6)
+
+
+def test_noncontiguous_inputs():
+    q, k, v, _ = _inputs(("strides",), 1, 2, 2, 24, 32)
+    qt = q.transpose(1, 2).contiguous().transpose(1, 2)  # (B, N, H, D) storage
+    a = flash_attention(qt, k, v, causal=True, backend="triton")
+    b = flash_attention(q, k, v, causal=True, backend="triton")
+    assert torch.equal(a, b)
+
+
+def test_triton_backend_needs_cuda_without_interpreter(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    q, k, v, _ = _inputs(("nocuda",), 1, 1, 1, 4, 32)
+    with pytest.raises(ValueError, match=r"backend='triton' needs CUDA tensors, got device cpu"):
+        flash_attention(q, k, v, backend="triton")
+    with pytest.raises(TypeError, match=r"backend='triton' supports dtypes"):
+        flash_attention(q.double(), k.double(), v.double(), backend="triton")
