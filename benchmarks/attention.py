@@ -89,21 +89,44 @@ def time_variant(fn, q, k, v, do):
     return fwd, bwd
 
 
-def run_table(shape_names):
+def warm_gpu(seconds=1.0):
+    """Bring the clocks up before the first measurement (an idle H100 sits at a few hundred MHz)."""
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    start = torch.cuda.Event(enable_timing=True)
+    end = torch.cuda.Event(enable_timing=True)
+    start.record()
+    while True:
+        for _ in range(10):
+            a @ a
+        end.record()
+        end.synchronize()
+        if start.elapsed_time(end) > seconds * 1e3:
+            return
+
+
+def run_table(shape_names, rounds=3):
+    """Median over ``rounds`` interleaved rounds: every variant sees the same clock and thermal state."""
+    warm_gpu()
     results = {}
     for name in shape_names:
         shape = SHAPES[name]
         q, k, v, do = inputs(shape)
+        times = {}
+        for _ in range(rounds):
+            for vname, fn in variants(shape).items():
+                try:
+                    times.setdefault(vname, []).append(time_variant(fn, q, k, v, do))
+                except Exception as exc:  # a peer unavailable on this GPU/torch: say so, keep going
+                    print(f"  {name} {vname}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         rows = {}
-        for vname, fn in variants(shape).items():
-            try:
-                fwd, bwd = time_variant(fn, q, k, v, do)
-            except Exception as exc:  # a peer unavailable on this GPU/torch: say so, keep going
-                print(f"  {name} {vname}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
-                continue
+        for vname, ts in times.items():
+            fwd = sorted(t[0] for t in ts)[len(ts) // 2]
+            bwd = sorted(t[1] for t in ts)[len(ts) // 2]
             rows[vname] = dict(
                 fwd_ms=fwd, bwd_ms=bwd,
                 fwd_tflops=flops(shape) / fwd * 1e-9, bwd_tflops=flops(shape, True) / bwd * 1e-9,
+                fwd_spread=(max(t[0] for t in ts) - min(t[0] for t in ts)) / fwd,
+                bwd_spread=(max(t[1] for t in ts) - min(t[1] for t in ts)) / bwd,
             )
         results[name] = rows
     return results
@@ -114,9 +137,12 @@ def print_table(results):
     for name, rows in results.items():
         s = SHAPES[name]
         lines.append(f"\n{name}: B{s['B']} H{s['H']} N{s['N']} D{s['D']} {'causal' if s['causal'] else ''}")
-        lines.append(f"  {'variant':<18}{'fwd ms':>8}{'fwd TF/s':>10}{'bwd ms':>8}{'bwd TF/s':>10}")
+        lines.append(f"  {'variant':<18}{'fwd ms':>8}{'fwd TF/s':>10}{'bwd ms':>8}{'bwd TF/s':>10}{'spread':>14}")
         for vname, r in rows.items():
-            lines.append(f"  {vname:<18}{r['fwd_ms']:>8.3f}{r['fwd_tflops']:>10.1f}{r['bwd_ms']:>8.3f}{r['bwd_tflops']:>10.1f}")
+            lines.append(
+                f"  {vname:<18}{r['fwd_ms']:>8.3f}{r['fwd_tflops']:>10.1f}{r['bwd_ms']:>8.3f}{r['bwd_tflops']:>10.1f}"
+                f"{100 * r['fwd_spread']:>6.1f}%/{100 * r['bwd_spread']:.1f}%"
+            )
         base = rows.get("ours")
         if base:
             for peer in ("sdpa flash", "sdpa cudnn"):
@@ -146,7 +172,7 @@ FWD_GRID = [
 ]
 BWD_GRID = [
     (bm, bn, w, st)
-    for bm, bn in [(32, 64), (32, 128), (64, 64), (64, 128), (128, 64), (128, 128)]
+    for bm, bn in [(32, 64), (32, 128), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
     for w, st in [(4, 2), (4, 3), (8, 2), (8, 3)]
 ]
 
@@ -168,15 +194,17 @@ def sweep(kind, shape_names, variant="standard"):
         q, k, v, do = inputs(shape)
         scale = shape["D"] ** -0.5
         head_dim = ta._head_dim_tile(shape["D"])
-        stab = torch.ones(shape["H"], dtype=torch.bool, device="cuda") if variant == "stabilized" else None
-        o, lse2 = ta.attention_forward(q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3, counts=None, values=None)
+        stab = torch.ones(shape["H"], dtype=torch.bool, device="cuda") if variant != "standard" else None
+        probe = Probe(shape["H"], "cuda") if variant == "probe" else None
+        counts, values = (probe.counts, probe.values) if probe is not None else (None, None)
+        o, lse2 = ta.attention_forward(q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3, counts=counts, values=values)
         grid = FWD_GRID if kind == "fwd" else BWD_GRID
         timings = []
         for cfg in (c for c in grid if keep(c, head_dim)):
             if kind == "fwd":
                 fn = lambda: ta.attention_forward(  # noqa: E731
                     q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3,
-                    counts=None, values=None, config=cfg,
+                    counts=counts, values=values, config=cfg,
                 )
                 fl = flops(shape)
             else:
@@ -204,7 +232,7 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="gpt2,llama", help="comma-separated: " + ",".join(SHAPES))
     ap.add_argument("--sweep", choices=["fwd", "dkdv", "dq"], action="append", help="sweep one kernel's launch configs")
-    ap.add_argument("--sweep-variant", default="standard", choices=["standard", "stabilized"])
+    ap.add_argument("--sweep-variant", default="standard", choices=["standard", "stabilized", "probe"])
     ap.add_argument("--json", help="write the results here as JSON")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -224,6 +252,7 @@ def main(argv=None):
     print(json.dumps(header))
     result = dict(header)
     if args.sweep:
+        warm_gpu()
         result["sweeps"] = {kind: sweep(kind, names, args.sweep_variant) for kind in args.sweep}
     else:
         result["table"] = run_table(names)

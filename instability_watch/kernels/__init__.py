@@ -36,8 +36,12 @@ BACKENDS = ("auto", "triton", "reference")
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
 
+# Looked up once: flash_attention runs inside torch.compile, which cannot trace importlib.
+_TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
+
+
 def _triton_available() -> bool:
-    return importlib.util.find_spec("triton") is not None
+    return _TRITON_AVAILABLE
 
 
 def _interpreting() -> bool:

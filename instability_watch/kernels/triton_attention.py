@@ -398,7 +398,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # chosen with `python benchmarks/attention.py --sweep` on an H100 (see
 # benchmarks/RESULTS.md). A fixed table rather than triton.autotune: tuning at run
 # time would run the probe atomics several times and stall the first training step.
-FWD_CONFIGS = {16: (128, 64, 4, 3), 32: (128, 64, 4, 3), 64: (128, 64, 4, 3), 128: (128, 64, 8, 3)}
+FWD_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}
 DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 2)}
 DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 2)}
 _INTERPRETER_CONFIG = (16, 16, 4, 1)  # one program at a time on CPU: small tiles, odd sizes covered
