@@ -228,11 +228,85 @@ def sweep(kind, shape_names, variant="standard"):
     return out
 
 
+def tie_ab(shape_names, rounds=3):
+    """Forward cost of the tie tracking per formulation (TIE_MODE), against the plain kernel."""
+    out = {}
+    for name in shape_names:
+        shape = SHAPES[name]
+        q, k, v, _ = inputs(shape)
+        H, scale = shape["H"], shape["D"] ** -0.5
+        cfg = ta.FWD_CONFIGS[ta._head_dim_tile(shape["D"])]
+        all_heads = torch.ones(H, dtype=torch.bool, device="cuda")
+        no_heads = torch.zeros(H, dtype=torch.bool, device="cuda")
+        probe = Probe(H, "cuda")
+        cases = {"plain": (None, None, None, 0)}
+        for mode in (0, 1):
+            cases[f"stabilized/mode{mode}"] = (all_heads, None, None, mode)
+            cases[f"probe/mode{mode}"] = (no_heads, probe.counts, probe.values, mode)
+        times = {}
+        for _ in range(rounds):
+            for case, (stab, counts, values, mode) in cases.items():
+                fn = lambda: ta.attention_forward(  # noqa: E731
+                    q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3,
+                    counts=counts, values=values, config=cfg + (mode,),
+                )
+                fn()
+                times.setdefault(case, []).append(bench(fn))
+        med = {c: sorted(t)[len(t) // 2] for c, t in times.items()}
+        for c, ms in med.items():
+            print(f"{name} tie-ab {c:<18} {ms:.4f} ms  {100 * (ms / med['plain'] - 1):+.1f}% vs plain")
+        out[name] = med
+    return out
+
+
+def host_overhead(calls=300):
+    """Host time per call on tiny inputs: what each path costs the CPU, kernels aside."""
+    import time
+
+    q, k, v, do = (torch.randn(1, 2, 16, 64, device="cuda", dtype=torch.bfloat16) for _ in range(4))
+    qq = q.clone().requires_grad_(True)
+    probe = Probe(2, "cuda")
+    mask = torch.zeros(2, dtype=torch.bool, device="cuda")
+
+    def sdpa():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    def sdpa_fb():
+        with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+            F.scaled_dot_product_attention(qq, k, v, is_causal=True).backward(do)
+
+    paths = {
+        "flash_attention fwd": lambda: flash_attention(q, k, v, causal=True),
+        "flash_attention fwd, mask+probe": lambda: flash_attention(q, k, v, causal=True, stabilize=mask, probe=probe),
+        "launcher fwd": lambda: ta.attention_forward(
+            q, k, v, causal=True, scale=0.125, stabilize=None, beta=2.0, eps=1e-3, counts=None, values=None
+        ),
+        "sdpa flash fwd": sdpa,
+        "flash_attention fwd+bwd": lambda: flash_attention(qq, k, v, causal=True).backward(do),
+        "sdpa flash fwd+bwd": sdpa_fb,
+    }
+    out = {}
+    for name, fn in paths.items():
+        for _ in range(20):
+            fn()
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        torch.cuda.synchronize()
+        out[name] = (time.perf_counter() - t0) / calls * 1e6
+        print(f"host {name:<34} {out[name]:7.1f} us/call")
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="gpt2,llama", help="comma-separated: " + ",".join(SHAPES))
     ap.add_argument("--sweep", choices=["fwd", "dkdv", "dq"], action="append", help="sweep one kernel's launch configs")
     ap.add_argument("--sweep-variant", default="standard", choices=["standard", "stabilized", "probe"])
+    ap.add_argument("--tie-ab", action="store_true", help="compare the tie-tracking formulations")
+    ap.add_argument("--host", action="store_true", help="measure host (CPU) time per call")
     ap.add_argument("--json", help="write the results here as JSON")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -251,9 +325,14 @@ def main(argv=None):
     }
     print(json.dumps(header))
     result = dict(header)
-    if args.sweep:
+    if args.sweep or args.tie_ab or args.host:
         warm_gpu()
-        result["sweeps"] = {kind: sweep(kind, names, args.sweep_variant) for kind in args.sweep}
+        if args.host:
+            result["host_us"] = host_overhead()
+        if args.tie_ab:
+            result["tie_ab"] = tie_ab(names)
+        if args.sweep:
+            result["sweeps"] = {kind: sweep(kind, names, args.sweep_variant) for kind in args.sweep}
     else:
         result["table"] = run_table(names)
         print_table(result["table"])

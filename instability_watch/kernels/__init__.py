@@ -119,8 +119,8 @@ def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend) ->
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale) or scale == 0:
-            raise ValueError(f"scale must be None or a finite non-zero number, got {scale!r}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
+            raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
     if stabilize is not None and not isinstance(stabilize, bool):
         if not isinstance(stabilize, torch.Tensor):
             raise TypeError(f"stabilize must be None, a bool, or a bool tensor of shape ({H},), got {type(stabilize).__name__}")
@@ -168,7 +168,7 @@ def flash_attention(
             float32, or float64 (reference path only, no rounding anywhere).
             ``D`` in ``SUPPORTED_HEAD_DIMS``; any ``N >= 1``.
         causal: causal mask, top-left aligned like ``F.scaled_dot_product_attention``.
-        scale: softmax scale; default ``1/sqrt(D)``.
+        scale: softmax scale, a finite number > 0; default ``1/sqrt(D)``.
         stabilize: which heads use the stabilized softmax shift (paper Alg. 3):
             ``None``/``False`` none, ``True`` all, or a bool tensor ``(H,)`` on
             ``q``'s device, read per head inside the kernel (flipping a head

@@ -53,9 +53,8 @@ def is_interpreter() -> bool:
 
 
 @triton.jit
-def _stabilized_shift2(r2, beta, max_shift):
-    """Extra shift (log2 units) above a row maximum r2 (log2 units); see reference.stabilized_shift."""
-    r = r2 * 0.6931471805599453  # natural units, where the cap is defined
+def _stabilized_shift2(r, beta, max_shift):
+    """Extra shift (log2 units) above a row maximum r (natural units); see reference.stabilized_shift."""
     d = tl.where(r > 0, (beta - 1.0) * r, -r)
     d = tl.where(d > max_shift, (max_shift - 1.0) + (d - tl.floor(d)), d)
     return tl.maximum(d, 0.0) * 1.4426950408889634
@@ -70,10 +69,10 @@ def _fwd_inner(
     acc, l_i, m_i, r_i, c_i,
     q, K_ptrs, V_ptrs, stride_kn, stride_vn,
     offs_m, offs_n, offs_d, D, N_KV,
-    qk_scale, eps2, beta, max_shift, stab_h,
+    qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
     lo, hi,
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, TRACK_TIES: tl.constexpr, HAS_STAB: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    TIE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -87,31 +86,35 @@ def _fwd_inner(
             k = tl.load(K_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
         else:
             k = tl.load(K_ptrs + start_n * stride_kn)
-        # -- scores in log2 units, float32
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
+        # -- raw scores q.k in float32; the scale (> 0) is folded into the exponent below
+        qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASK_CAUSAL:
-            s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
+            qk = tl.where(offs_m[:, None] >= cols[None, :], qk, float("-inf"))
         if MASK_KV:
-            s = tl.where(cols[None, :] < N_KV, s, float("-inf"))
-        r_new = tl.maximum(r_i, tl.max(s, 1))
+            qk = tl.where(cols[None, :] < N_KV, qk, float("-inf"))
+        # -- running maximum of the raw scores (comparisons stay exact at any magnitude)
+        r_new = tl.maximum(r_i, tl.max(qk, 1))
         if TRACK_TIES:
             # -- how many scores lie within eps of the running maximum (earlier blocks too)
-            thr = r_new - eps2
-            c_new = tl.sum((s >= thr[:, None]).to(tl.int32), 1)
+            thr = r_new - eps_raw
+            if TIE_MODE == 0:
+                c_new = tl.sum((qk >= thr[:, None]).to(tl.int32), 1)
+            else:
+                c_new = tl.sum(tl.where(qk >= thr[:, None], 1.0, 0.0), 1).to(tl.int32)
             c_new += tl.where(r_i >= thr, c_i, 0)
             if HAS_STAB:
                 # -- stabilized heads shift above a repeated maximum (paper Alg. 3)
                 tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
-                d2 = _stabilized_shift2(r_new, beta, max_shift)
-                m_new = tl.maximum(m_i, r_new + tl.where(tie, d2, 0.0))
+                d2 = _stabilized_shift2(r_new * sm_scale, beta, max_shift)
+                m_new = tl.maximum(m_i, r_new * qk_scale + tl.where(tie, d2, 0.0))
             else:
-                m_new = r_new
+                m_new = r_new * qk_scale
             c_i = c_new
         else:
-            m_new = r_new
-        # -- online softmax update: P in float32, l from float32 P
+            m_new = r_new * qk_scale
+        # -- online softmax update: P = exp2(q.k * scale - m) in float32 (one FMA), l from float32 P
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(s - m_new[:, None])
+        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         # -- P rounded to the input dtype for P V, float32 accumulator
@@ -140,8 +143,8 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     H, GROUP, N_Q, N_KV, D,
-    qk_scale, eps2, beta, max_shift,
-    CAUSAL: tl.constexpr, HAS_STAB: tl.constexpr, HAS_PROBE: tl.constexpr,
+    qk_scale, sm_scale, eps_raw, beta, max_shift,
+    CAUSAL: tl.constexpr, HAS_STAB: tl.constexpr, HAS_PROBE: tl.constexpr, TIE_MODE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -165,7 +168,7 @@ def _attn_fwd(
     else:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
-    # -- running state per row: shift m, raw maximum r, near-maximum count c, l, acc
+    # -- running state per row: shift m (log2 units), raw maximum r of q.k, near-maximum count c, l, acc
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     r_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     c_i = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -190,16 +193,16 @@ def _attn_fwd(
         n_full = N_KV // BLOCK_N * BLOCK_N
     acc, l_i, m_i, r_i, c_i = _fwd_inner(
         acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, D, N_KV, qk_scale, eps2, beta, max_shift, stab_h,
+        offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
         0, n_full,
-        MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+        MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB, TIE_MODE=TIE_MODE,
         BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
     )
     acc, l_i, m_i, r_i, c_i = _fwd_inner(
         acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, D, N_KV, qk_scale, eps2, beta, max_shift, stab_h,
+        offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
         n_full, hi,
-        MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+        MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB, TIE_MODE=TIE_MODE,
         BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
     )
 
@@ -220,7 +223,7 @@ def _attn_fwd(
         finite = (o == o) & (tl.abs(o) < float("inf"))  # padded head dims hold 0 / l
         row_finite = (tl.sum(finite.to(tl.int32), 1) == HEAD_DIM) & (lse2 == lse2) & (tl.abs(lse2) < float("inf"))
         bad = tl.sum((row_ok & ~row_finite).to(tl.int64), 0)
-        s_max = tl.max(tl.where(row_ok, r_i, float("-inf")), 0) * 0.6931471805599453
+        s_max = tl.max(tl.where(row_ok, r_i, float("-inf")), 0) * sm_scale
         tl.atomic_add(Counts + C_ROWS * H + off_h, n_rows)
         tl.atomic_add(Counts + C_MULTI * H + off_h, multi)
         tl.atomic_add(Counts + C_NONFINITE * H + off_h, bad)
@@ -399,8 +402,9 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # benchmarks/RESULTS.md). A fixed table rather than triton.autotune: tuning at run
 # time would run the probe atomics several times and stall the first training step.
 FWD_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}
-DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 2)}
-DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 8, 2)}
+DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 128, 8, 3)}
+DQ_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
+TIE_MODE = 0  # A/B: 0 counts near-maximum scores in int32, 1 in float32
 _INTERPRETER_CONFIG = (16, 16, 4, 1)  # one program at a time on CPU: small tiles, odd sizes covered
 
 
@@ -422,7 +426,8 @@ def attention_forward(
     o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
     lse2 = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     head_dim = _head_dim_tile(D)
-    block_m, block_n, warps, stages = _config(FWD_CONFIGS, head_dim, config)
+    block_m, block_n, warps, stages, *extra = _config(FWD_CONFIGS, head_dim, config)
+    tie_mode = extra[0] if extra else TIE_MODE
     stab = stabilize.view(torch.uint8) if stabilize is not None else None
     has_probe = counts is not None
     grid = (triton.cdiv(N, block_m), B * H)
@@ -433,8 +438,8 @@ def attention_forward(
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         H, H // h_kv, N, n_kv, D,
-        scale * LOG2E, eps * LOG2E, beta, max_shift_for(q.dtype),
-        CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe,
+        scale * LOG2E, scale, eps / scale, beta, max_shift_for(q.dtype),
+        CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe, TIE_MODE=tie_mode,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=warps, num_stages=stages,
     )
