@@ -81,11 +81,16 @@ def variants(shape):
     }
 
 
-def time_variant(fn, q, k, v, do):
-    fwd = bench(lambda: fn(q, k, v))
+def time_variant(fn, q, k, v, do, graph=True):
+    """Forward and backward milliseconds. With ``graph``, each is captured in a CUDA graph and
+    replayed, so host-side launch overhead (Python for us, C++ for PyTorch) drops out and the
+    numbers are GPU time; without it, eager calls as a training loop makes them."""
+    timer = triton.testing.do_bench_cudagraph if graph else bench
+    kwargs = dict(rep=100) if graph else {}
+    fwd = timer(lambda: fn(q, k, v), **kwargs)
     qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
     o = fn(qq, kk, vv)
-    bwd = bench(lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True))
+    bwd = timer(lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True), **kwargs)
     return fwd, bwd
 
 
@@ -104,7 +109,7 @@ def warm_gpu(seconds=1.0):
             return
 
 
-def run_table(shape_names, rounds=3):
+def run_table(shape_names, rounds=3, graph=True):
     """Median over ``rounds`` interleaved rounds: every variant sees the same clock and thermal state."""
     warm_gpu()
     results = {}
@@ -115,7 +120,7 @@ def run_table(shape_names, rounds=3):
         for _ in range(rounds):
             for vname, fn in variants(shape).items():
                 try:
-                    times.setdefault(vname, []).append(time_variant(fn, q, k, v, do))
+                    times.setdefault(vname, []).append(time_variant(fn, q, k, v, do, graph=graph))
                 except Exception as exc:  # a peer unavailable on this GPU/torch: say so, keep going
                     print(f"  {name} {vname}: failed: {type(exc).__name__}: {exc}", file=sys.stderr)
         rows = {}
@@ -228,6 +233,20 @@ def sweep(kind, shape_names, variant="standard"):
     return out
 
 
+def kernel_resources():
+    """Registers and spills of every compiled forward variant so far (from Triton's cache)."""
+    fn = ta._attn_fwd
+    while not hasattr(fn, "device_caches"):
+        fn = fn.fn
+    out = []
+    for entry in fn.device_caches.values():
+        for kernel in entry[0].values():
+            c = kernel.constants if hasattr(kernel, "constants") else {}
+            flags = {k: v for k, v in (getattr(kernel, "src", None) and getattr(kernel.src, "constants", {}) or {}).items()}
+            out.append(f"regs={kernel.n_regs} spills={kernel.n_spills} shared={kernel.metadata.shared} {flags or c}")
+    return out
+
+
 def tie_ab(shape_names, rounds=3):
     """Forward cost of the tie tracking per formulation (TIE_MODE), against the plain kernel."""
     out = {}
@@ -240,7 +259,7 @@ def tie_ab(shape_names, rounds=3):
         no_heads = torch.zeros(H, dtype=torch.bool, device="cuda")
         probe = Probe(H, "cuda")
         cases = {"plain": (None, None, None, 0)}
-        for mode in (0, 1):
+        for mode in (0, 1, 2):
             cases[f"stabilized/mode{mode}"] = (all_heads, None, None, mode)
             cases[f"probe/mode{mode}"] = (no_heads, probe.counts, probe.values, mode)
         times = {}
@@ -253,8 +272,11 @@ def tie_ab(shape_names, rounds=3):
                 fn()
                 times.setdefault(case, []).append(bench(fn))
         med = {c: sorted(t)[len(t) // 2] for c, t in times.items()}
+        regs = kernel_resources()
         for c, ms in med.items():
             print(f"{name} tie-ab {c:<18} {ms:.4f} ms  {100 * (ms / med['plain'] - 1):+.1f}% vs plain")
+        for r in regs:
+            print(f"{name} compiled {r}")
         out[name] = med
     return out
 
@@ -306,6 +328,7 @@ def main(argv=None):
     ap.add_argument("--sweep", choices=["fwd", "dkdv", "dq"], action="append", help="sweep one kernel's launch configs")
     ap.add_argument("--sweep-variant", default="standard", choices=["standard", "stabilized", "probe"])
     ap.add_argument("--tie-ab", action="store_true", help="compare the tie-tracking formulations")
+    ap.add_argument("--eager", action="store_true", help="time eager calls (host overhead included) instead of CUDA graphs")
     ap.add_argument("--host", action="store_true", help="measure host (CPU) time per call")
     ap.add_argument("--json", help="write the results here as JSON")
     args = ap.parse_args(argv)
@@ -334,7 +357,9 @@ def main(argv=None):
         if args.sweep:
             result["sweeps"] = {kind: sweep(kind, names, args.sweep_variant) for kind in args.sweep}
     else:
-        result["table"] = run_table(names)
+        result["timing"] = "eager do_bench" if args.eager else "CUDA graph replay (do_bench_cudagraph)"
+        print(f"timing: {result['timing']}")
+        result["table"] = run_table(names, graph=not args.eager)
         print_table(result["table"])
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))

@@ -93,15 +93,20 @@ def _fwd_inner(
         if MASK_KV:
             qk = tl.where(cols[None, :] < N_KV, qk, float("-inf"))
         # -- running maximum of the raw scores (comparisons stay exact at any magnitude)
-        r_new = tl.maximum(r_i, tl.max(qk, 1))
+        rm = tl.max(qk, 1)
+        r_new = tl.maximum(r_i, rm)
         if TRACK_TIES:
             # -- how many scores lie within eps of the running maximum (earlier blocks too)
             thr = r_new - eps_raw
+            c_new = tl.where(r_i >= thr, c_i, 0)
             if TIE_MODE == 0:
-                c_new = tl.sum((qk >= thr[:, None]).to(tl.int32), 1)
+                c_new += tl.sum((qk >= thr[:, None]).to(tl.int32), 1)
+            elif TIE_MODE == 1:
+                c_new += tl.sum(tl.where(qk >= thr[:, None], 1.0, 0.0), 1).to(tl.int32)
             else:
-                c_new = tl.sum(tl.where(qk >= thr[:, None], 1.0, 0.0), 1).to(tl.int32)
-            c_new += tl.where(r_i >= thr, c_i, 0)
+                # count only when some row of the tile has a score near its running maximum here
+                if tl.max((rm >= thr).to(tl.int32), 0) > 0:
+                    c_new += tl.sum((qk >= thr[:, None]).to(tl.int32), 1)
             if HAS_STAB:
                 # -- stabilized heads shift above a repeated maximum (paper Alg. 3)
                 tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
