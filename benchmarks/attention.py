@@ -234,16 +234,14 @@ def sweep(kind, shape_names, variant="standard"):
 
 
 def kernel_resources():
-    """Registers and spills of every compiled forward variant so far (from Triton's cache)."""
+    """Registers, spills and shared memory of every compiled forward variant, in compile order."""
     fn = ta._attn_fwd
     while not hasattr(fn, "device_caches"):
         fn = fn.fn
     out = []
     for entry in fn.device_caches.values():
         for kernel in entry[0].values():
-            c = kernel.constants if hasattr(kernel, "constants") else {}
-            flags = {k: v for k, v in (getattr(kernel, "src", None) and getattr(kernel.src, "constants", {}) or {}).items()}
-            out.append(f"regs={kernel.n_regs} spills={kernel.n_spills} shared={kernel.metadata.shared} {flags or c}")
+            out.append(f"regs={kernel.n_regs} spills={kernel.n_spills} shared={kernel.metadata.shared}")
     return out
 
 
