@@ -82,15 +82,24 @@ def variants(shape):
 
 
 def time_variant(fn, q, k, v, do, graph=True):
-    """Forward and backward milliseconds. With ``graph``, each is captured in a CUDA graph and
-    replayed, so host-side launch overhead (Python for us, C++ for PyTorch) drops out and the
-    numbers are GPU time; without it, eager calls as a training loop makes them."""
-    timer = triton.testing.do_bench_cudagraph if graph else bench
-    kwargs = dict(rep=100) if graph else {}
-    fwd = timer(lambda: fn(q, k, v), **kwargs)
+    """Forward and backward milliseconds.
+
+    With ``graph`` the calls are captured in a CUDA graph and replayed, so host-side launch
+    overhead (Python for us, C++ for PyTorch) drops out and the numbers are GPU time. Autograd
+    runs a backward on its forward's stream, so the backward is timed as (forward + backward)
+    captured together, minus the forward. Without ``graph``: eager calls, as a training loop
+    makes them (the backward alone, through ``autograd.grad`` on a kept graph).
+    """
     qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+    if graph:
+        fwd = triton.testing.do_bench_cudagraph(lambda: fn(q, k, v), rep=100)
+        both = triton.testing.do_bench_cudagraph(
+            lambda: torch.autograd.grad(fn(qq, kk, vv), (qq, kk, vv), do), rep=100
+        )
+        return fwd, both - fwd
+    fwd = bench(lambda: fn(q, k, v))
     o = fn(qq, kk, vv)
-    bwd = timer(lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True), **kwargs)
+    bwd = bench(lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True))
     return fwd, bwd
 
 
@@ -184,12 +193,20 @@ BWD_GRID = [
 
 def keep(cfg, head_dim):
     """Drop configurations that cannot fit or that the H100 never favours."""
-    bm, bn, w, st = cfg
+    bm, bn, w, st = cfg[:4]
     if head_dim >= 128 and bm * bn >= 128 * 128 and st > 2:
         return False  # shared memory: two 128x128 tiles per stage
     if bm == 64 and bn == 64 and w == 8:
         return False  # too little work per warp
     return True
+
+
+TIE_GRID = [
+    cfg + (mode, maxnreg)
+    for cfg in [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3)]
+    for mode in (0, 1)
+    for maxnreg in (None, 128)
+]
 
 
 def sweep(kind, shape_names, variant="standard"):
@@ -203,10 +220,10 @@ def sweep(kind, shape_names, variant="standard"):
         probe = Probe(shape["H"], "cuda") if variant == "probe" else None
         counts, values = (probe.counts, probe.values) if probe is not None else (None, None)
         o, lse2 = ta.attention_forward(q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3, counts=counts, values=values)
-        grid = FWD_GRID if kind == "fwd" else BWD_GRID
+        grid = {"fwd": FWD_GRID, "fwdtie": TIE_GRID}.get(kind, BWD_GRID)
         timings = []
         for cfg in (c for c in grid if keep(c, head_dim)):
-            if kind == "fwd":
+            if kind in ("fwd", "fwdtie"):
                 fn = lambda: ta.attention_forward(  # noqa: E731
                     q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3,
                     counts=counts, values=values, config=cfg,
@@ -323,7 +340,7 @@ def host_overhead(calls=300):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="gpt2,llama", help="comma-separated: " + ",".join(SHAPES))
-    ap.add_argument("--sweep", choices=["fwd", "dkdv", "dq"], action="append", help="sweep one kernel's launch configs")
+    ap.add_argument("--sweep", choices=["fwd", "fwdtie", "dkdv", "dq"], action="append", help="sweep one kernel's launch configs")
     ap.add_argument("--sweep-variant", default="standard", choices=["standard", "stabilized", "probe"])
     ap.add_argument("--tie-ab", action="store_true", help="compare the tie-tracking formulations")
     ap.add_argument("--eager", action="store_true", help="time eager calls (host overhead included) instead of CUDA graphs")

@@ -433,6 +433,8 @@ def attention_forward(
     head_dim = _head_dim_tile(D)
     block_m, block_n, warps, stages, *extra = _config(FWD_CONFIGS, head_dim, config)
     tie_mode = extra[0] if extra else TIE_MODE
+    maxnreg = extra[1] if len(extra) > 1 else None
+    launch = dict(maxnreg=maxnreg) if maxnreg else {}
     stab = stabilize.view(torch.uint8) if stabilize is not None else None
     has_probe = counts is not None
     grid = (triton.cdiv(N, block_m), B * H)
@@ -446,7 +448,7 @@ def attention_forward(
         scale * LOG2E, scale, eps / scale, beta, max_shift_for(q.dtype),
         CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe, TIE_MODE=tie_mode,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, **launch,
     )
     return o, lse2
 
