@@ -180,9 +180,10 @@ def print_table(results):
 
 
 FWD_GRID = [
-    (bm, bn, w, st)
+    (bm, bn, w, st, maxnreg)
     for bm, bn in [(64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
     for w, st in [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4)]
+    for maxnreg in (None, 128)
 ]
 BWD_GRID = [
     (bm, bn, w, st)
@@ -194,19 +195,13 @@ BWD_GRID = [
 def keep(cfg, head_dim):
     """Drop configurations that cannot fit or that the H100 never favours."""
     bm, bn, w, st = cfg[:4]
+    if len(cfg) > 4 and cfg[4] and (head_dim > 64 or w == 8):
+        return False  # the register cap only matters where 4 programs of 4 warps can share an SM
     if head_dim >= 128 and bm * bn >= 128 * 128 and st > 2:
         return False  # shared memory: two 128x128 tiles per stage
     if bm == 64 and bn == 64 and w == 8:
         return False  # too little work per warp
     return True
-
-
-TIE_GRID = [
-    cfg + (mode, maxnreg)
-    for cfg in [(64, 64, 4, 3), (64, 64, 4, 2), (128, 64, 8, 3), (128, 64, 4, 3), (128, 32, 4, 3), (128, 128, 8, 2), (64, 128, 4, 3)]
-    for mode in (0, 1)
-    for maxnreg in (None, 128)
-]
 
 
 def sweep(kind, shape_names, variant="standard"):
@@ -220,10 +215,10 @@ def sweep(kind, shape_names, variant="standard"):
         probe = Probe(shape["H"], "cuda") if variant == "probe" else None
         counts, values = (probe.counts, probe.values) if probe is not None else (None, None)
         o, lse2 = ta.attention_forward(q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3, counts=counts, values=values)
-        grid = {"fwd": FWD_GRID, "fwdtie": TIE_GRID}.get(kind, BWD_GRID)
+        grid = FWD_GRID if kind == "fwd" else BWD_GRID
         timings = []
         for cfg in (c for c in grid if keep(c, head_dim)):
-            if kind in ("fwd", "fwdtie"):
+            if kind == "fwd":
                 fn = lambda: ta.attention_forward(  # noqa: E731
                     q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3,
                     counts=counts, values=values, config=cfg,
@@ -259,40 +254,6 @@ def kernel_resources():
     for entry in fn.device_caches.values():
         for kernel in entry[0].values():
             out.append(f"regs={kernel.n_regs} spills={kernel.n_spills} shared={kernel.metadata.shared}")
-    return out
-
-
-def tie_ab(shape_names, rounds=3):
-    """Forward cost of the tie tracking per formulation (TIE_MODE), against the plain kernel."""
-    out = {}
-    for name in shape_names:
-        shape = SHAPES[name]
-        q, k, v, _ = inputs(shape)
-        H, scale = shape["H"], shape["D"] ** -0.5
-        cfg = ta.FWD_CONFIGS[ta._head_dim_tile(shape["D"])]
-        all_heads = torch.ones(H, dtype=torch.bool, device="cuda")
-        no_heads = torch.zeros(H, dtype=torch.bool, device="cuda")
-        probe = Probe(H, "cuda")
-        cases = {"plain": (None, None, None, 0)}
-        for mode in (0, 1, 2):
-            cases[f"stabilized/mode{mode}"] = (all_heads, None, None, mode)
-            cases[f"probe/mode{mode}"] = (no_heads, probe.counts, probe.values, mode)
-        times = {}
-        for _ in range(rounds):
-            for case, (stab, counts, values, mode) in cases.items():
-                fn = lambda: ta.attention_forward(  # noqa: E731
-                    q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3,
-                    counts=counts, values=values, config=cfg + (mode,),
-                )
-                fn()
-                times.setdefault(case, []).append(bench(fn))
-        med = {c: sorted(t)[len(t) // 2] for c, t in times.items()}
-        regs = kernel_resources()
-        for c, ms in med.items():
-            print(f"{name} tie-ab {c:<18} {ms:.4f} ms  {100 * (ms / med['plain'] - 1):+.1f}% vs plain")
-        for r in regs:
-            print(f"{name} compiled {r}")
-        out[name] = med
     return out
 
 
@@ -340,9 +301,8 @@ def host_overhead(calls=300):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="gpt2,llama", help="comma-separated: " + ",".join(SHAPES))
-    ap.add_argument("--sweep", choices=["fwd", "fwdtie", "dkdv", "dq"], action="append", help="sweep one kernel's launch configs")
+    ap.add_argument("--sweep", choices=["fwd", "dkdv", "dq"], action="append", help="sweep one kernel's launch configs")
     ap.add_argument("--sweep-variant", default="standard", choices=["standard", "stabilized", "probe"])
-    ap.add_argument("--tie-ab", action="store_true", help="compare the tie-tracking formulations")
     ap.add_argument("--eager", action="store_true", help="time eager calls (host overhead included) instead of CUDA graphs")
     ap.add_argument("--host", action="store_true", help="measure host (CPU) time per call")
     ap.add_argument("--json", help="write the results here as JSON")
@@ -363,12 +323,10 @@ def main(argv=None):
     }
     print(json.dumps(header))
     result = dict(header)
-    if args.sweep or args.tie_ab or args.host:
+    if args.sweep or args.host:
         warm_gpu()
         if args.host:
             result["host_us"] = host_overhead()
-        if args.tie_ab:
-            result["tie_ab"] = tie_ab(names)
         if args.sweep:
             result["sweeps"] = {kind: sweep(kind, names, args.sweep_variant) for kind in args.sweep}
     else:
@@ -376,6 +334,8 @@ def main(argv=None):
         print(f"timing: {result['timing']}")
         result["table"] = run_table(names, graph=not args.eager)
         print_table(result["table"])
+        result["forward_kernels"] = kernel_resources()
+        print("compiled forward variants: " + "; ".join(result["forward_kernels"]))
     if args.json:
         Path(args.json).write_text(json.dumps(result, indent=1, default=str))
     return 0

@@ -11,8 +11,15 @@ Statistics (each of shape ``(H,)``, one entry per *query* head):
 ``rows``           int64    query rows processed (B * N per forward call)
 ``multi_max_rows`` int64    rows whose maximum score is attained more than once
                             (scores within ``eps`` of it): the rows where the
-                            paper's rounding bias arises; the same count for
-                            standard and stabilized heads
+                            paper's rounding bias arises; counted among
+                            ``tie_rows``
+``tie_rows``       int64    rows over which ``multi_max_rows`` was counted: all
+                            rows on the reference path and for stabilized heads;
+                            for the other heads the Triton kernel samples about
+                            a quarter of the query tiles (at most 1 in 16), a
+                            rotating sample, because counting costs a compare
+                            per score. The multi-max frequency is
+                            ``multi_max_rows / tie_rows``
 ``max_score``      float32  largest attention logit ``scale * q.k`` seen
 ``nonfinite_rows`` int64    rows whose output or log-sum-exp is not finite
 ``shadow_rows``    int64    rows that went through a shadow backward
@@ -34,7 +41,7 @@ from typing import Dict, Optional
 import torch
 
 # Integer counters: rows of ``Probe.counts`` (int64, shape (len(COUNT_FIELDS), H)).
-COUNT_FIELDS = ("rows", "multi_max_rows", "nonfinite_rows", "shadow_rows", "delta_err_pos")
+COUNT_FIELDS = ("rows", "multi_max_rows", "tie_rows", "nonfinite_rows", "shadow_rows", "delta_err_pos")
 # Real-valued statistics: rows of ``Probe.values`` (float32, shape (len(VALUE_FIELDS), H)).
 VALUE_FIELDS = ("max_score", "delta_err_sum", "delta_err_abs")
 # The value each statistic is reset to.

@@ -62,7 +62,7 @@ def test_triton_matches_reference(N, D, causal, heads, stabilize):
         assert max_err(t, x) <= 2 * max_err(p, x) + 1e-6, (name, max_err(t, x), max_err(p, x))
         assert max_err(t, r) <= 2 * max_err(r, x) + 1e-6, (name, max_err(t, r), max_err(r, x))
     tp, rp = tri_fn.probe, ref_fn.probe
-    for name in ("rows", "multi_max_rows", "nonfinite_rows", "shadow_rows"):
+    for name in ("rows", "multi_max_rows", "tie_rows", "nonfinite_rows", "shadow_rows"):
         assert getattr(tp, name).tolist() == getattr(rp, name).tolist(), name
     assert torch.allclose(tp.max_score, rp.max_score, rtol=1e-5)
     # The shadow drift from Triton's own O: delta_lp - delta_hp with O_hp in float64.
@@ -179,3 +179,21 @@ def test_triton_backend_needs_cuda_without_interpreter(monkeypatch):
         flash_attention(q, k, v, backend="triton")
     with pytest.raises(TypeError, match=r"backend='triton' supports dtypes"):
         flash_attention(q.double(), k.double(), v.double(), backend="triton")
+
+
+def test_probe_samples_query_tiles_of_unstabilized_heads():
+    """With many query tiles, unstabilized heads count ties on a rotating sample of them."""
+    from instability_watch.kernels import triton_attention as ta
+
+    B, H, N = 8, 2, 64  # 8 * 4 tiles of 16 rows per head -> stride min(16, 32 // 4) = 8
+    q, k, v, _ = _inputs(("sampling",), B, H, H, N, 32)
+    mask = torch.tensor([False, True])
+    probe = Probe(H)
+    o = flash_attention(q, k, v, causal=True, stabilize=mask, probe=probe, backend="triton")
+    stride, tiles = 8, N // 16
+    sampled = sum(1 for b in range(B) for t in range(tiles) if (t + b) % stride == 0)
+    assert ta.TIE_SAMPLE_MAX >= stride
+    assert probe.tie_rows.tolist() == [sampled * 16, B * N]  # head 1 is stabilized: every row
+    assert probe.rows.tolist() == [B * N, B * N]
+    # Tracking never changes an unstabilized head's output.
+    assert torch.equal(o[:, 0], flash_attention(q, k, v, causal=True, backend="triton")[:, 0])

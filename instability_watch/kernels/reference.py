@@ -194,6 +194,7 @@ def attention_forward(
     if probe is not None:
         probe.rows.add_(B * N)
         probe.multi_max_rows.add_((c > 1).sum(dim=(0, 2)))
+        probe.tie_rows.add_(B * N)
         torch.maximum(probe.max_score, s_max.amax(dim=0).to(torch.float32), out=probe.max_score)
         bad = ~torch.isfinite(o).all(dim=-1) | ~torch.isfinite(lse)  # (B, H, N)
         probe.nonfinite_rows.add_(bad.sum(dim=(0, 2)))

@@ -36,6 +36,7 @@ LN2 = 0.6931471805599453
 # Rows of the probe buffers, as constexprs for the kernels.
 C_ROWS = tl.constexpr(COUNT_FIELDS.index("rows"))
 C_MULTI = tl.constexpr(COUNT_FIELDS.index("multi_max_rows"))
+C_TIE_ROWS = tl.constexpr(COUNT_FIELDS.index("tie_rows"))
 C_NONFINITE = tl.constexpr(COUNT_FIELDS.index("nonfinite_rows"))
 C_SHADOW = tl.constexpr(COUNT_FIELDS.index("shadow_rows"))
 C_DPOS = tl.constexpr(COUNT_FIELDS.index("delta_err_pos"))
@@ -72,7 +73,7 @@ def _fwd_inner(
     qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
     lo, hi,
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, TRACK_TIES: tl.constexpr, HAS_STAB: tl.constexpr,
-    TIE_MODE: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
@@ -99,14 +100,8 @@ def _fwd_inner(
             # -- how many scores lie within eps of the running maximum (earlier blocks too)
             thr = r_new - eps_raw
             c_new = tl.where(r_i >= thr, c_i, 0)
-            if TIE_MODE == 0:
-                c_new += tl.sum((qk >= thr[:, None]).to(tl.int32), 1)
-            elif TIE_MODE == 1:
-                c_new += tl.sum(tl.where(qk >= thr[:, None], 1.0, 0.0), 1).to(tl.int32)
-            else:
-                # count only when some row of the tile has a score near its running maximum here
-                if tl.max((rm >= thr).to(tl.int32), 0) > 0:
-                    c_new += tl.sum((qk >= thr[:, None]).to(tl.int32), 1)
+            # (a float count: one set-and-add per score, cheaper than an int32 convert)
+            c_new += tl.sum(tl.where(qk >= thr[:, None], 1.0, 0.0), 1).to(tl.int32)
             if HAS_STAB:
                 # -- stabilized heads shift above a repeated maximum (paper Alg. 3)
                 tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
@@ -148,8 +143,8 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     H, GROUP, N_Q, N_KV, D,
-    qk_scale, sm_scale, eps_raw, beta, max_shift,
-    CAUSAL: tl.constexpr, HAS_STAB: tl.constexpr, HAS_PROBE: tl.constexpr, TIE_MODE: tl.constexpr,
+    qk_scale, sm_scale, eps_raw, beta, max_shift, tie_stride,
+    CAUSAL: tl.constexpr, HAS_STAB: tl.constexpr, HAS_PROBE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -179,11 +174,19 @@ def _attn_fwd(
     c_i = tl.zeros([BLOCK_M], dtype=tl.int32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    # -- which programs track ties (a per-program decision, read at run time): every
+    #    stabilized head (the fix needs it), and with a probe a rotating 1-in-tie_stride
+    #    sample of the other heads' query tiles (the multi-max statistic). Tracking costs
+    #    a compare-and-add per score; the rest run the plain loop.
     if HAS_STAB:
         stab_h = tl.load(Stab + off_h) != 0
     else:
         stab_h = False
-    TRACK_TIES: tl.constexpr = HAS_STAB or HAS_PROBE
+    if HAS_PROBE:
+        sampled = (start_m + off_b) % tie_stride == 0
+    else:
+        sampled = False
+    track = stab_h | sampled
 
     # -- KV range: causal (top-left) rows see keys <= row; split the blocks that
     #    need no causal mask from the ones on the diagonal.
@@ -196,20 +199,36 @@ def _attn_fwd(
     else:
         hi = N_KV
         n_full = N_KV // BLOCK_N * BLOCK_N
-    acc, l_i, m_i, r_i, c_i = _fwd_inner(
-        acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
-        0, n_full,
-        MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB, TIE_MODE=TIE_MODE,
-        BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-    )
-    acc, l_i, m_i, r_i, c_i = _fwd_inner(
-        acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
-        n_full, hi,
-        MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB, TIE_MODE=TIE_MODE,
-        BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-    )
+    if track:
+        acc, l_i, m_i, r_i, c_i = _fwd_inner(
+            acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+            offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
+            0, n_full,
+            MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=True, HAS_STAB=HAS_STAB,
+            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+        )
+        acc, l_i, m_i, r_i, c_i = _fwd_inner(
+            acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+            offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
+            n_full, hi,
+            MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=True, HAS_STAB=HAS_STAB,
+            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+        )
+    else:
+        acc, l_i, m_i, r_i, c_i = _fwd_inner(
+            acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+            offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
+            0, n_full,
+            MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=False, HAS_STAB=HAS_STAB,
+            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+        )
+        acc, l_i, m_i, r_i, c_i = _fwd_inner(
+            acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+            offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
+            n_full, hi,
+            MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=False, HAS_STAB=HAS_STAB,
+            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+        )
 
     # -- epilogue: O rounded once, LSE in log2 units
     o = acc / l_i[:, None]
@@ -224,13 +243,14 @@ def _attn_fwd(
     if HAS_PROBE:
         # -- per-head statistics of this tile, one atomic each
         n_rows = tl.sum(row_ok.to(tl.int64), 0)
-        multi = tl.sum(((c_i > 1) & row_ok).to(tl.int64), 0)
+        multi = tl.sum(((c_i > 1) & row_ok).to(tl.int64), 0)  # 0 where ties were not tracked
         finite = (o == o) & (tl.abs(o) < float("inf"))  # padded head dims hold 0 / l
         row_finite = (tl.sum(finite.to(tl.int32), 1) == HEAD_DIM) & (lse2 == lse2) & (tl.abs(lse2) < float("inf"))
         bad = tl.sum((row_ok & ~row_finite).to(tl.int64), 0)
         s_max = tl.max(tl.where(row_ok, r_i, float("-inf")), 0) * sm_scale
         tl.atomic_add(Counts + C_ROWS * H + off_h, n_rows)
         tl.atomic_add(Counts + C_MULTI * H + off_h, multi)
+        tl.atomic_add(Counts + C_TIE_ROWS * H + off_h, tl.where(track, n_rows, 0))
         tl.atomic_add(Counts + C_NONFINITE * H + off_h, bad)
         tl.atomic_max(Values + V_MAXS * H + off_h, s_max)
 
@@ -406,10 +426,12 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # chosen with `python benchmarks/attention.py --sweep` on an H100 (see
 # benchmarks/RESULTS.md). A fixed table rather than triton.autotune: tuning at run
 # time would run the probe atomics several times and stall the first training step.
-FWD_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3)}
+# The forward's fifth entry caps registers: at D <= 64 the plain loop needs 128 and the
+# tie-tracking loop ~150, which would drop an SM from 4 resident programs to 3.
+FWD_CONFIGS = {16: (64, 64, 4, 3, 128), 32: (64, 64, 4, 3, 128), 64: (64, 64, 4, 3, 128), 128: (64, 64, 4, 3)}
 DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 128, 8, 3)}
 DQ_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
-TIE_MODE = 0  # A/B: 0 counts near-maximum scores in int32, 1 in float32
+TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
 _INTERPRETER_CONFIG = (16, 16, 4, 1)  # one program at a time on CPU: small tiles, odd sizes covered
 
 
@@ -432,9 +454,12 @@ def attention_forward(
     lse2 = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     head_dim = _head_dim_tile(D)
     block_m, block_n, warps, stages, *extra = _config(FWD_CONFIGS, head_dim, config)
-    tie_mode = extra[0] if extra else TIE_MODE
-    maxnreg = extra[1] if len(extra) > 1 else None
-    launch = dict(maxnreg=maxnreg) if maxnreg else {}
+    maxnreg = extra[0] if extra else None
+    launch = dict(maxnreg=maxnreg) if (maxnreg and not is_interpreter()) else {}
+    # Query tiles per head in this call; sample about a quarter of them for the
+    # multi-max statistic, at most 1 in TIE_SAMPLE_MAX (small calls: all of them).
+    tiles = B * triton.cdiv(N, block_m)
+    tie_stride = max(1, min(TIE_SAMPLE_MAX, tiles // 4))
     stab = stabilize.view(torch.uint8) if stabilize is not None else None
     has_probe = counts is not None
     grid = (triton.cdiv(N, block_m), B * H)
@@ -445,8 +470,8 @@ def attention_forward(
         v.stride(0), v.stride(1), v.stride(2),
         o.stride(0), o.stride(1), o.stride(2),
         H, H // h_kv, N, n_kv, D,
-        scale * LOG2E, scale, eps / scale, beta, max_shift_for(q.dtype),
-        CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe, TIE_MODE=tie_mode,
+        scale * LOG2E, scale, eps / scale, beta, max_shift_for(q.dtype), tie_stride,
+        CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe,
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
         num_warps=warps, num_stages=stages, **launch,
     )
