@@ -70,7 +70,7 @@ def _fwd_inner(
     acc, l_i, m_i, r_i, c_i,
     q, K_ptrs, V_ptrs, stride_kn, stride_vn,
     offs_m, offs_n, offs_d, D, N_KV,
-    qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
+    qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h, track,
     lo, hi,
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, TRACK_TIES: tl.constexpr, HAS_STAB: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -100,8 +100,9 @@ def _fwd_inner(
             # -- how many scores lie within eps of the running maximum (earlier blocks too)
             thr = r_new - eps_raw
             c_new = tl.where(r_i >= thr, c_i, 0)
-            # (a float count: one set-and-add per score, cheaper than an int32 convert)
-            c_new += tl.sum(tl.where(qk >= thr[:, None], 1.0, 0.0), 1).to(tl.int32)
+            if track:  # uniform per program: untracked programs skip the per-score work
+                # (a float count: one set-and-add per score, cheaper than an int32 convert)
+                c_new += tl.sum(tl.where(qk >= thr[:, None], 1.0, 0.0), 1).to(tl.int32)
             if HAS_STAB:
                 # -- stabilized heads shift above a repeated maximum (paper Alg. 3)
                 tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
@@ -199,36 +200,23 @@ def _attn_fwd(
     else:
         hi = N_KV
         n_full = N_KV // BLOCK_N * BLOCK_N
-    if track:
-        acc, l_i, m_i, r_i, c_i = _fwd_inner(
-            acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-            offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
-            0, n_full,
-            MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=True, HAS_STAB=HAS_STAB,
-            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-        )
-        acc, l_i, m_i, r_i, c_i = _fwd_inner(
-            acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-            offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
-            n_full, hi,
-            MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=True, HAS_STAB=HAS_STAB,
-            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-        )
-    else:
-        acc, l_i, m_i, r_i, c_i = _fwd_inner(
-            acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-            offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
-            0, n_full,
-            MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=False, HAS_STAB=HAS_STAB,
-            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-        )
-        acc, l_i, m_i, r_i, c_i = _fwd_inner(
-            acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-            offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h,
-            n_full, hi,
-            MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=False, HAS_STAB=HAS_STAB,
-            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-        )
+    # One loop body for both (a branch around two loops would give each its own
+    # software pipeline and double the shared memory).
+    TRACK_TIES: tl.constexpr = HAS_STAB or HAS_PROBE
+    acc, l_i, m_i, r_i, c_i = _fwd_inner(
+        acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h, track,
+        0, n_full,
+        MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+        BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+    )
+    acc, l_i, m_i, r_i, c_i = _fwd_inner(
+        acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h, track,
+        n_full, hi,
+        MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+        BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+    )
 
     # -- epilogue: O rounded once, LSE in log2 units
     o = acc / l_i[:, None]
