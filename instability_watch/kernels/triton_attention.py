@@ -87,7 +87,7 @@ def _fwd_inner(
             k = tl.load(K_ptrs + start_n * stride_kn, mask=kv_mask, other=0.0)
         else:
             k = tl.load(K_ptrs + start_n * stride_kn)
-        # -- raw scores q.k in float32; the scale (> 0) is folded into the exponent below
+        # -- raw scores q.k in float32; the scale (> 0) is applied in the exponent below
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASK_CAUSAL:
             qk = tl.where(offs_m[:, None] >= cols[None, :], qk, float("-inf"))
@@ -113,9 +113,14 @@ def _fwd_inner(
             c_i = c_new
         else:
             m_new = r_new * qk_scale
-        # -- online softmax update: P = exp2(q.k * scale - m) in float32 (one FMA), l from float32 P
+        # -- online softmax update: P in float32, l from float32 P. The exponent is taken
+        #    relative to the raw row maximum, q.k - r (exact for the scores near it, whatever
+        #    their magnitude), minus e, the stabilized shift beyond the maximum (0 for
+        #    standard heads, so the maximum gets P = 1 exactly, as in the reference).
         alpha = tl.math.exp2(m_i - m_new)
-        p = tl.math.exp2(qk * qk_scale - m_new[:, None])
+        r_safe = tl.where(r_new > float("-inf"), r_new, 0.0)
+        e = m_new - r_safe * qk_scale
+        p = tl.math.exp2((qk - r_safe[:, None]) * qk_scale - e[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         # -- P rounded to the input dtype for P V, float32 accumulator
