@@ -67,7 +67,7 @@ def _stabilized_shift2(r, beta, max_shift):
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, m_i, r_i, c_i,
+    acc, l_i, e_i, r_i, c_i,
     q, K_ptrs, V_ptrs, stride_kn, stride_vn,
     offs_m, offs_n, offs_d, D, N_KV,
     qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h, track,
@@ -75,6 +75,11 @@ def _fwd_inner(
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, TRACK_TIES: tl.constexpr, HAS_STAB: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
+    # The softmax shift is m = r * qk_scale + e: r the running maximum of the raw scores
+    # q.k (exact), e >= 0 the stabilized shift beyond it, in log2 units (0 for standard
+    # heads). Carrying (r, e) instead of m keeps the rescale alpha exactly 1 while the
+    # maximum does not move: with m ~ 1e6 a recomputed m_old - m_new leaves FMA rounding
+    # residuals of 2^-4 per block that compound.
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -94,33 +99,30 @@ def _fwd_inner(
         if MASK_KV:
             qk = tl.where(cols[None, :] < N_KV, qk, float("-inf"))
         # -- running maximum of the raw scores (comparisons stay exact at any magnitude)
-        rm = tl.max(qk, 1)
-        r_new = tl.maximum(r_i, rm)
-        if TRACK_TIES:
-            # -- how many scores lie within eps of the running maximum (earlier blocks too)
-            thr = r_new - eps_raw
-            c_new = tl.where(r_i >= thr, c_i, 0)
-            if track:  # uniform per program: untracked programs skip the per-score work
-                # (a float count: one set-and-add per score, cheaper than an int32 convert)
-                c_new += tl.sum(tl.where(qk >= thr[:, None], 1.0, 0.0), 1).to(tl.int32)
-            if HAS_STAB:
-                # -- stabilized heads shift above a repeated maximum (paper Alg. 3)
-                tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
-                d2 = _stabilized_shift2(r_new * sm_scale, beta, max_shift)
-                m_new = tl.maximum(m_i, r_new * qk_scale + tl.where(tie, d2, 0.0))
-            else:
-                m_new = r_new * qk_scale
-            c_i = c_new
-        else:
-            m_new = r_new * qk_scale
-        # -- online softmax update: P in float32, l from float32 P. The exponent is taken
-        #    relative to the raw row maximum, q.k - r (exact for the scores near it, whatever
-        #    their magnitude), minus e, the stabilized shift beyond the maximum (0 for
-        #    standard heads, so the maximum gets P = 1 exactly, as in the reference).
-        alpha = tl.math.exp2(m_i - m_new)
+        r_new = tl.maximum(r_i, tl.max(qk, 1))
         r_safe = tl.where(r_new > float("-inf"), r_new, 0.0)
-        e = m_new - r_safe * qk_scale
-        p = tl.math.exp2((qk - r_safe[:, None]) * qk_scale - e[:, None])
+        dr = (r_i - r_safe) * qk_scale  # <= 0; exactly 0 while the maximum stays; -inf at first
+        e_new = e_i
+        if TRACK_TIES:
+            if track:  # uniform per program: untracked programs skip all of the tie work
+                # -- how many scores lie within eps of the running maximum (earlier blocks
+                #    too); a float count: one set-and-add per score
+                thr = r_new - eps_raw
+                c_new = tl.where(r_i >= thr, c_i, 0)
+                c_new += tl.sum(tl.where(qk >= thr[:, None], 1.0, 0.0), 1).to(tl.int32)
+                if HAS_STAB:
+                    # -- stabilized heads shift above a repeated maximum (paper Alg. 3):
+                    #    m_new = max(m_old, m'), here relative to r_new
+                    tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
+                    e_new = tl.maximum(e_i + dr, 0.0)
+                    if tl.max(tie.to(tl.int32), 0) > 0:  # rare: a repeated maximum in this tile
+                        d2 = _stabilized_shift2(r_new * sm_scale, beta, max_shift)
+                        e_new = tl.maximum(e_new, tl.where(tie, d2, 0.0))
+                c_i = c_new
+        # -- online softmax update: P in float32, l from float32 P; the exponent is taken
+        #    relative to the raw maximum (q.k - r is exact for the scores near it)
+        alpha = tl.math.exp2(dr + e_i - e_new)
+        p = tl.math.exp2((qk - r_safe[:, None]) * qk_scale - e_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         # -- P rounded to the input dtype for P V, float32 accumulator
@@ -129,9 +131,9 @@ def _fwd_inner(
         else:
             v = tl.load(V_ptrs + start_n * stride_vn)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        m_i = m_new
+        e_i = e_new
         r_i = r_new
-    return acc, l_i, m_i, r_i, c_i
+    return acc, l_i, e_i, r_i, c_i
 
 
 @triton.heuristics(
@@ -174,8 +176,8 @@ def _attn_fwd(
     else:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
-    # -- running state per row: shift m (log2 units), raw maximum r of q.k, near-maximum count c, l, acc
-    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    # -- running state per row: raw maximum r of q.k, extra shift e, near-maximum count c, l, acc
+    e_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     c_i = tl.zeros([BLOCK_M], dtype=tl.int32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -208,15 +210,15 @@ def _attn_fwd(
     # One loop body for both (a branch around two loops would give each its own
     # software pipeline and double the shared memory).
     TRACK_TIES: tl.constexpr = HAS_STAB or HAS_PROBE
-    acc, l_i, m_i, r_i, c_i = _fwd_inner(
-        acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+    acc, l_i, e_i, r_i, c_i = _fwd_inner(
+        acc, l_i, e_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h, track,
         0, n_full,
         MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
         BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
     )
-    acc, l_i, m_i, r_i, c_i = _fwd_inner(
-        acc, l_i, m_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+    acc, l_i, e_i, r_i, c_i = _fwd_inner(
+        acc, l_i, e_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h, track,
         n_full, hi,
         MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
@@ -225,7 +227,7 @@ def _attn_fwd(
 
     # -- epilogue: O rounded once, LSE in log2 units
     o = acc / l_i[:, None]
-    lse2 = m_i + tl.math.log2(l_i)
+    lse2 = r_i * qk_scale + e_i + tl.math.log2(l_i)
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
     if EVEN_M and EVEN_D:
         tl.store(o_ptrs, o.to(O.dtype.element_ty))
