@@ -113,11 +113,11 @@ def _fwd_inner(
                 if HAS_STAB:
                     # -- stabilized heads shift above a repeated maximum (paper Alg. 3):
                     #    m_new = max(m_old, m'), here relative to r_new
+                    # (no "any tie in this tile?" shortcut: that cross-warp reduction costs a
+                    #  shared-memory round trip and a barrier per block, more than it saves)
                     tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
-                    e_new = tl.maximum(e_i + dr, 0.0)
-                    if tl.max(tie.to(tl.int32), 0) > 0:  # rare: a repeated maximum in this tile
-                        d2 = _stabilized_shift2(r_new * sm_scale, beta, max_shift)
-                        e_new = tl.maximum(e_new, tl.where(tie, d2, 0.0))
+                    d2 = _stabilized_shift2(r_new * sm_scale, beta, max_shift)
+                    e_new = tl.maximum(e_i + dr, tl.where(tie, d2, 0.0))
                 c_i = c_new
         # -- online softmax update: P in float32, l from float32 P; the exponent is taken
         #    relative to the raw maximum (q.k - r is exact for the scores near it)
