@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import itertools
 import json
-import os
 import sys
 from pathlib import Path
 

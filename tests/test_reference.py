@@ -1,5 +1,4 @@
 """The reference path: FA2-precision emulation, the stabilized variant, the probe statistics."""
-import itertools
 import math
 
 import pytest

@@ -4,12 +4,15 @@ Reads top to bottom: helpers, the forward (inner loop, kernel), the backward
 (delta preprocessing, dK/dV kernel, dQ kernel with the shadow delta_hp), then
 the launchers. The numerics are those of ``reference.py`` (the test oracle):
 
-* ``S`` in float32 from the low-precision ``Q, K``, kept in log2 units
-  (``s = q.k * scale * log2(e)``) so that ``exp2`` gives ``P``;
-* ``P = exp2(s - m)`` in float32, ``l`` summed from it, ``P`` rounded to the
-  input dtype for ``P V`` with a float32 accumulator, ``O = acc / l`` rounded once;
-* the log-sum-exp is stored in log2 units (``LSE2``) for the backward, and
-  converted to natural units for the caller.
+* ``S = q.k`` in float32 from the low-precision ``Q, K``; the softmax scale is
+  applied in the exponent, in log2 units (``qk_scale = scale * log2(e)``);
+* ``P = exp2((q.k - r) * qk_scale - e)`` in float32, with ``r`` the running
+  maximum of the raw scores and ``e >= 0`` the stabilized shift beyond it (0 for
+  standard heads); ``l`` summed from the float32 ``P``; ``P`` rounded to the
+  input dtype for ``P V`` with a float32 accumulator; ``O = acc / l`` rounded once;
+* the log-sum-exp is stored in log2 units (``LSE2``) for the backward, which
+  recomputes ``P = exp2(q.k * qk_scale - LSE2)`` (FA2's backward, unchanged by
+  stabilization).
 
 Stabilized heads (a per-head flag read from a tensor, so flipping one never
 recompiles) move the softmax shift above the row maximum where that maximum is
@@ -19,7 +22,6 @@ feeds the probe's ``multi_max_rows``.
 """
 from __future__ import annotations
 
-import math
 import os
 from typing import Optional, Tuple
 
@@ -31,7 +33,6 @@ from ..probe import COUNT_FIELDS, VALUE_FIELDS
 from .reference import max_shift_for
 
 LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 # Rows of the probe buffers, as constexprs for the kernels.
 C_ROWS = tl.constexpr(COUNT_FIELDS.index("rows"))
