@@ -278,7 +278,6 @@ def _bwd_preprocess(
     tl.store(Delta + off_bh * N_Q + offs_m, delta, mask=offs_m < N_Q)
 
 
-@triton.heuristics({"EVEN_D": lambda a: a["D"] == a["HEAD_DIM"]})
 @triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, DO, LSE2, Delta, DK, DV,
@@ -291,7 +290,7 @@ def _attn_bwd_dkdv(
     H, H_KV, N_Q, N_KV, D,
     qk_scale, scale,
     CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     """One KV block of one KV head: dK, dV summed over the query heads that read it (GQA)."""
     start_n = tl.program_id(0) * BLOCK_N
@@ -343,7 +342,6 @@ def _attn_bwd_dkdv(
     tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
-@triton.heuristics({"EVEN_D": lambda a: a["D"] == a["HEAD_DIM"]})
 @triton.jit
 def _attn_bwd_dq(
     Q, K, V, DO, LSE2, Delta, DQ, Counts, Values,
@@ -355,7 +353,7 @@ def _attn_bwd_dq(
     H, GROUP, N_Q, N_KV, D,
     qk_scale, scale,
     CAUSAL: tl.constexpr, SHADOW: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One query block: dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta."""
     start_m = tl.program_id(0) * BLOCK_M
