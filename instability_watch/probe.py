@@ -100,10 +100,11 @@ class Probe:
 
     def __getattr__(self, name: str) -> torch.Tensor:
         # Only reached for names that are not regular attributes: the statistics.
-        if name in COUNT_FIELDS:
-            return self.__dict__["counts"][COUNT_FIELDS.index(name)]
-        if name in VALUE_FIELDS:
-            return self.__dict__["values"][VALUE_FIELDS.index(name)]
+        buffers = self.__dict__
+        if name in COUNT_FIELDS and "counts" in buffers:
+            return buffers["counts"][COUNT_FIELDS.index(name)]
+        if name in VALUE_FIELDS and "values" in buffers:
+            return buffers["values"][VALUE_FIELDS.index(name)]
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def counters(self) -> Dict[str, torch.Tensor]:

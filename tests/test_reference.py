@@ -320,3 +320,15 @@ def test_probe_rejects_bad_construction():
         Probe(0)
     with pytest.raises(ValueError, match="num_heads"):
         Probe(True)
+
+
+def test_probe_views_and_copies():
+    import copy
+
+    probe = Probe(2)
+    probe.rows.add_(3)
+    assert probe.counts[0].tolist() == [3, 3]  # the attribute is a view into the buffer
+    clone = copy.deepcopy(probe)
+    assert clone.rows.tolist() == [3, 3] and clone.counts.data_ptr() != probe.counts.data_ptr()
+    with pytest.raises(AttributeError):
+        probe.no_such_statistic

@@ -40,11 +40,8 @@ _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 
 
-def _triton_available() -> bool:
-    return _TRITON_AVAILABLE
-
-
-def _interpreting() -> bool:
+def interpreting() -> bool:
+    """Whether Triton kernels run in Triton's CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
@@ -65,16 +62,16 @@ def resolve_backend(q: torch.Tensor, backend: str) -> str:
     if backend == "triton":
         if q.dtype not in _TRITON_DTYPES:
             raise TypeError(f"backend='triton' supports dtypes {_TRITON_DTYPES}, got {q.dtype}")
-        if not _triton_available():
+        if not _TRITON_AVAILABLE:
             raise ImportError("backend='triton' needs the triton package: pip install triton")
-        if not q.is_cuda and not _interpreting():
+        if not q.is_cuda and not interpreting():
             raise ValueError(
                 f"backend='triton' needs CUDA tensors, got device {q.device}; to run Triton's "
                 "interpreter on CPU set TRITON_INTERPRET=1 before importing instability_watch"
             )
         return backend
     if q.is_cuda and q.dtype in _TRITON_DTYPES:
-        if _triton_available():
+        if _TRITON_AVAILABLE:
             return "triton"
         if not _warned_fallback:
             _warned_fallback = True

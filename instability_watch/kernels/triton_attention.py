@@ -22,7 +22,6 @@ feeds the probe's ``multi_max_rows``.
 """
 from __future__ import annotations
 
-import os
 from typing import Optional, Tuple
 
 import torch
@@ -30,6 +29,7 @@ import triton
 import triton.language as tl
 
 from ..probe import COUNT_FIELDS, VALUE_FIELDS
+from . import interpreting as is_interpreter  # imported lazily, after the package itself
 from .reference import max_shift_for
 
 LOG2E = 1.4426950408889634
@@ -44,10 +44,6 @@ C_DPOS = tl.constexpr(COUNT_FIELDS.index("delta_err_pos"))
 V_MAXS = tl.constexpr(VALUE_FIELDS.index("max_score"))
 V_DSUM = tl.constexpr(VALUE_FIELDS.index("delta_err_sum"))
 V_DABS = tl.constexpr(VALUE_FIELDS.index("delta_err_abs"))
-
-
-def is_interpreter() -> bool:
-    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
 
 
 # ---------------------------------------------------------------------------
