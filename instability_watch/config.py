@@ -1,0 +1,137 @@
+"""``WatchConfig``: every knob of the watch, validated when it is built."""
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Optional, Tuple
+
+from .detectors import KINDS
+
+# The alert kinds that the stabilized kernel addresses (the paper's mechanism).
+STABILIZABLE = ("multi_max", "delta_drift", "spectral_growth")
+
+
+@dataclass
+class WatchConfig:
+    """Configuration of :class:`~instability_watch.InstabilityWatch`.
+
+    Cadence (in optimizer steps; steps count from 1):
+        log_every: read the device statistics back (one host sync) and run the
+            detectors every this many steps. Per-step metrics are kept on the
+            device in between, so no step is lost.
+        shadow_every: compute the shadow ``delta_hp`` on steps 1, 1 + n, ...
+            (0 turns it off).
+        spectral_every: compute sigma(W_Q) per head on steps 1, 1 + n, ... (0 off).
+
+    Detectors (see :mod:`instability_watch.detectors`):
+        detectors: which rules run, a subset of ``KINDS``.
+        warmup_steps: steps whose metrics form the baselines; no
+            baseline-relative alert fires before it ends.
+        sustain: consecutive observations over threshold before an alert (K).
+        multi_max_factor, multi_max_min_rise: multi-max frequency threshold is
+            ``max(factor * baseline, baseline + min_rise)`` (``min_rise`` is a
+            fraction of rows, 0.01 = 1%).
+        delta_cusum_k, delta_cusum_h: allowance and decision level of the sign
+            CUSUM on ``sum(delta_lp - delta_hp)``; ``h = 13`` needs about 26
+            one-signed shadow steps and false-alarms about once in 10^7 per head.
+        spectral_rel_factor: alert when a head's sigma(W_Q) growth since warm-up
+            exceeds this multiple of the median head's growth.
+        spectral_abs_factor: also alert when growth alone exceeds this (``None`` off).
+        logit_factor, logit_min: max-logit threshold ``max(logit_min, factor * baseline)``.
+
+    Action:
+        auto_switch: move a head to the stabilized kernel when an alert of a
+            kind in ``switch_on`` trips (sticky; recorded as an event).
+        switch_on: the kinds that switch, a subset of ``("multi_max",
+            "delta_drift", "spectral_growth")`` (what the stabilized kernel fixes).
+        beta, eps: the stabilized kernel's shift factor and tie tolerance.
+
+    Robustness:
+        strict: re-raise failures inside the watch instead of turning the
+            failing part off.
+        sync_distributed: under ``torch.distributed``, reduce the statistics
+            across ranks before the detectors run, so every rank decides the same.
+    """
+
+    log_every: int = 10
+    shadow_every: int = 10
+    spectral_every: int = 10
+    detectors: Tuple[str, ...] = KINDS
+    warmup_steps: int = 100
+    sustain: int = 5
+    multi_max_factor: float = 3.0
+    multi_max_min_rise: float = 0.01
+    delta_cusum_k: float = 0.5
+    delta_cusum_h: float = 13.0
+    spectral_rel_factor: float = 3.0
+    spectral_abs_factor: Optional[float] = None
+    logit_factor: float = 50.0
+    logit_min: float = 500.0
+    auto_switch: bool = False
+    switch_on: Tuple[str, ...] = STABILIZABLE
+    beta: float = 2.0
+    eps: float = 1e-3
+    strict: bool = False
+    sync_distributed: bool = True
+
+    def __post_init__(self) -> None:
+        def integer(name: str, low: int) -> None:
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"WatchConfig.{name} must be an int >= {low}, got {v!r}")
+
+        def number(name: str, low: float, inclusive: bool = True, optional: bool = False) -> None:
+            v = getattr(self, name)
+            if v is None and optional:
+                return
+            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
+            ok = ok and (v >= low if inclusive else v > low)
+            if not ok:
+                rel = ">=" if inclusive else ">"
+                extra = " or None" if optional else ""
+                raise ValueError(f"WatchConfig.{name} must be a finite number {rel} {low}{extra}, got {v!r}")
+
+        def flag(name: str) -> None:
+            if not isinstance(getattr(self, name), bool):
+                raise TypeError(f"WatchConfig.{name} must be a bool, got {getattr(self, name)!r}")
+
+        def kinds(name: str, allowed: Tuple[str, ...]) -> None:
+            v = getattr(self, name)
+            if isinstance(v, str) or not isinstance(v, (tuple, list)):
+                raise TypeError(f"WatchConfig.{name} must be a tuple of names from {allowed}, got {v!r}")
+            bad = [k for k in v if k not in allowed]
+            if bad:
+                raise ValueError(f"WatchConfig.{name} must name kinds from {allowed}, got unknown {bad}")
+            setattr(self, name, tuple(dict.fromkeys(v)))
+
+        integer("log_every", 1)
+        integer("shadow_every", 0)
+        integer("spectral_every", 0)
+        integer("warmup_steps", 0)
+        integer("sustain", 1)
+        number("multi_max_factor", 1.0)
+        number("multi_max_min_rise", 0.0)
+        number("delta_cusum_k", 0.0)
+        number("delta_cusum_h", 0.0, inclusive=False)
+        number("spectral_rel_factor", 1.0, inclusive=False)
+        number("spectral_abs_factor", 1.0, inclusive=False, optional=True)
+        number("logit_factor", 1.0)
+        number("logit_min", 0.0)
+        number("beta", 1.0, inclusive=False)
+        number("eps", 0.0)
+        for name in ("auto_switch", "strict", "sync_distributed"):
+            flag(name)
+        kinds("detectors", KINDS)
+        kinds("switch_on", STABILIZABLE)
+        if self.delta_cusum_k >= 1.0:
+            raise ValueError(
+                f"WatchConfig.delta_cusum_k must be < 1 (a sign step is +-1, so k >= 1 never accumulates), "
+                f"got {self.delta_cusum_k!r}"
+            )
+
+    def to_dict(self) -> dict:
+        d = asdict(self)
+        for f in fields(self):
+            if isinstance(d[f.name], tuple):
+                d[f.name] = list(d[f.name])
+        return d

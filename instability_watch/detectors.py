@@ -1,0 +1,307 @@
+"""Early-warning rules: per-head metric streams in, :class:`Alert` records out.
+
+Every detector sees one step at a time, as an array ``(L, H)`` (layers x
+heads) in which ``NaN`` marks "no observation this step" (a head that does not
+exist in a narrower layer, a step without a shadow or spectral computation).
+All arithmetic is vectorised over heads with numpy on the host; the watch runs
+the detectors once per logging step over the steps it has just read back.
+
+Each kind alerts at most once per head (the alert is latched); the metric keeps
+going to the CSV. Baselines come from the warm-up window ``step <=
+warmup_steps``; no baseline-relative alert fires inside it.
+
+==================  ===========================================================
+``multi_max``       multi-max frequency above ``max(factor * baseline,
+                    baseline + min_rise)`` for ``sustain`` consecutive steps
+``delta_drift``     the shadow steps' ``sum(delta_lp - delta_hp)`` keeps one
+                    sign: a two-sided CUSUM of the signs (+1 / -1 per shadow
+                    step, allowance ``k``) exceeds ``h``
+``spectral_growth`` sigma(W_Q[h]) / its warm-up baseline exceeds ``rel_factor``
+                    times the median head's growth (or ``abs_factor``, if set)
+                    for ``sustain`` consecutive spectral steps
+``logit_growth``    the max attention logit above ``max(min_logit, factor *
+                    baseline)`` for ``sustain`` consecutive steps
+``nonfinite``       a non-finite output row, logit or sigma(W_Q): at once
+==================  ===========================================================
+"""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+from typing import Dict, List, Optional, Tuple
+
+import numpy as np
+
+KINDS = ("multi_max", "delta_drift", "spectral_growth", "logit_growth", "nonfinite")
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One early warning about one head.
+
+    Attributes:
+        step: optimizer step at which the rule tripped.
+        layer, head: the watched layer's index (module order) and query head.
+        kind: one of :data:`KINDS`.
+        value: the metric that tripped (see the table above for its units).
+        threshold: what it was compared against.
+        message: one plain sentence.
+        layer_name: the layer's module name.
+        action: ``"reported"`` or ``"switched to the stabilized kernel"``.
+    """
+
+    step: int
+    layer: int
+    head: int
+    kind: str
+    value: float
+    threshold: float
+    message: str
+    layer_name: str = ""
+    action: str = "reported"
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+Trip = Tuple[int, int, float, float, str]  # (layer, head, value, threshold, message)
+
+
+def _as_list(a: Optional[np.ndarray]):
+    return None if a is None else np.asarray(a, dtype=np.float64).tolist()
+
+
+def _from_list(x, shape, fill=np.nan) -> np.ndarray:
+    if x is None:
+        return np.full(shape, fill)
+    a = np.asarray(x, dtype=np.float64)
+    if a.shape != shape:
+        raise ValueError(f"detector state has shape {a.shape}, the watched model has {shape}")
+    return a
+
+
+class Detector:
+    """Base: latching, warm-up bookkeeping and plain-type state."""
+
+    kind = ""
+    _state_arrays: Tuple[str, ...] = ()
+
+    def __init__(self, shape: Tuple[int, int], warmup_steps: int) -> None:
+        self.shape = tuple(shape)
+        self.warmup_steps = int(warmup_steps)
+        self.fired = np.zeros(self.shape, dtype=bool)
+
+    def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        raise NotImplementedError
+
+    def _trips(self, hit: np.ndarray, value: np.ndarray, threshold: np.ndarray, fmt) -> List[Trip]:
+        hit = hit & ~self.fired
+        self.fired |= hit
+        out = []
+        for layer, head in zip(*np.nonzero(hit)):
+            v, t = float(value[layer, head]), float(threshold[layer, head])
+            out.append((int(layer), int(head), v, t, fmt(v, t)))
+        return out
+
+    def state_dict(self) -> dict:
+        state = {"fired": self.fired.tolist()}
+        for name in self._state_arrays:
+            state[name] = _as_list(getattr(self, name))
+        return state
+
+    def load_state_dict(self, state: dict) -> None:
+        self.fired = _from_list(state["fired"], self.shape).astype(bool)
+        for name in self._state_arrays:
+            setattr(self, name, _from_list(state[name], self.shape))
+
+
+class _Baseline:
+    """Mean of a stream over the warm-up window, per head."""
+
+    def __init__(self, shape) -> None:
+        self.sum = np.zeros(shape)
+        self.n = np.zeros(shape)
+
+    def add(self, x: np.ndarray) -> None:
+        ok = np.isfinite(x)
+        self.sum[ok] += x[ok]
+        self.n[ok] += 1
+
+    @property
+    def mean(self) -> np.ndarray:
+        with np.errstate(invalid="ignore", divide="ignore"):
+            return np.where(self.n > 0, self.sum / np.maximum(self.n, 1), np.nan)
+
+
+class _Sustained(Detector):
+    """Baseline-relative level rule: ``x > threshold(baseline)`` for ``sustain`` observations."""
+
+    _state_arrays = ("base_sum", "base_n", "run")
+
+    def __init__(self, shape, warmup_steps: int, sustain: int) -> None:
+        super().__init__(shape, warmup_steps)
+        self.sustain = int(sustain)
+        self._base = _Baseline(self.shape)
+        self.run = np.zeros(self.shape)
+
+    # the baseline's arrays are part of the state
+    base_sum = property(lambda self: self._base.sum, lambda self, v: setattr(self._base, "sum", v))
+    base_n = property(lambda self: self._base.n, lambda self, v: setattr(self._base, "n", v))
+
+    def threshold(self, base: np.ndarray) -> np.ndarray:
+        raise NotImplementedError
+
+    def message(self, v: float, t: float) -> str:
+        raise NotImplementedError
+
+    def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        seen = np.isfinite(x)
+        if step <= self.warmup_steps:
+            self._base.add(x)
+            return []
+        base = self._base.mean
+        # Heads with no warm-up observation take their first observation as the baseline.
+        late = seen & (self._base.n == 0)
+        if late.any():
+            self._base.add(np.where(late, x, np.nan))
+            base = self._base.mean
+        thr = self.threshold(base)
+        above = seen & (x > thr)
+        self.run = np.where(above, self.run + 1, np.where(seen, 0, self.run))
+        return self._trips(self.run >= self.sustain, x, thr, self.message)
+
+
+class MultiMaxRise(_Sustained):
+    kind = "multi_max"
+
+    def __init__(self, shape, warmup_steps: int, sustain: int, factor: float, min_rise: float) -> None:
+        super().__init__(shape, warmup_steps, sustain)
+        self.factor, self.min_rise = float(factor), float(min_rise)
+
+    def threshold(self, base):
+        return np.maximum(self.factor * base, base + self.min_rise)
+
+    def message(self, v, t):
+        return (f"{100 * v:.2f}% of rows have a repeated maximum score (threshold {100 * t:.2f}%, "
+                f"sustained {self.sustain} steps): BF16 rounds their P to 1 together and biases O")
+
+
+class LogitGrowth(_Sustained):
+    kind = "logit_growth"
+
+    def __init__(self, shape, warmup_steps: int, sustain: int, factor: float, min_logit: float) -> None:
+        super().__init__(shape, warmup_steps, sustain)
+        self.factor, self.min_logit = float(factor), float(min_logit)
+
+    def threshold(self, base):
+        return np.maximum(self.min_logit, self.factor * np.abs(base))
+
+    def message(self, v, t):
+        return (f"max attention logit {v:.4g} above {t:.4g} for {self.sustain} steps: attention-logit growth "
+                f"(consider QK-norm or a lower learning rate; the stabilized kernel does not address this)")
+
+
+class DeltaDrift(Detector):
+    """Two-sided CUSUM of the signs of the per-shadow-step ``sum(delta_lp - delta_hp)``."""
+
+    kind = "delta_drift"
+    _state_arrays = ("pos", "neg", "n_obs")
+
+    def __init__(self, shape, warmup_steps: int, k: float, h: float) -> None:
+        super().__init__(shape, warmup_steps)
+        self.k, self.h = float(k), float(h)
+        self.pos = np.zeros(self.shape)
+        self.neg = np.zeros(self.shape)
+        self.n_obs = np.zeros(self.shape)
+
+    def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        seen = np.isfinite(x)
+        if not seen.any():
+            return []
+        s = np.where(seen, np.sign(np.where(seen, x, 0.0)), 0.0)
+        self.pos = np.where(seen, np.maximum(0.0, self.pos + s - self.k), self.pos)
+        self.neg = np.where(seen, np.maximum(0.0, self.neg - s - self.k), self.neg)
+        self.n_obs += seen
+        if step <= self.warmup_steps:
+            return []
+        stat = np.maximum(self.pos, self.neg)
+        thr = np.full(self.shape, self.h)
+
+        def fmt(v, t):
+            return (f"sum(delta_lp - delta_hp) keeps one sign over the shadow steps (sign CUSUM {v:.1f} > {t:.1f}): "
+                    f"the backward's delta is biased, and the error adds up along one direction of W_Q")
+
+        return self._trips(seen & (stat > self.h), stat, thr, fmt)
+
+
+class SpectralGrowth(Detector):
+    """sigma(W_Q[h]) growth vs warm-up baseline, relative to the median head (and optionally absolute)."""
+
+    kind = "spectral_growth"
+    _state_arrays = ("base_sum", "base_n", "run")
+
+    def __init__(self, shape, warmup_steps: int, sustain: int, rel_factor: float, abs_factor: Optional[float]) -> None:
+        super().__init__(shape, warmup_steps)
+        self.sustain = int(sustain)
+        self.rel_factor = float(rel_factor)
+        self.abs_factor = None if abs_factor is None else float(abs_factor)
+        self._base = _Baseline(self.shape)
+        self.run = np.zeros(self.shape)
+
+    base_sum = property(lambda self: self._base.sum, lambda self, v: setattr(self._base, "sum", v))
+    base_n = property(lambda self: self._base.n, lambda self, v: setattr(self._base, "n", v))
+
+    def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        seen = np.isfinite(x) & (x > 0)
+        if not seen.any():
+            return []
+        if step <= self.warmup_steps or not (self._base.n > 0).any():
+            self._base.add(np.where(seen, x, np.nan))
+            return []
+        late = seen & (self._base.n == 0)
+        if late.any():
+            self._base.add(np.where(late, x, np.nan))
+        with np.errstate(invalid="ignore", divide="ignore"):
+            growth = np.where(seen, x / self._base.mean, np.nan)
+        ok = np.isfinite(growth) & (growth > 0)
+        thr = np.full(self.shape, np.inf)
+        if ok.sum() >= 3:  # a median needs a few heads to mean anything
+            median = float(np.median(growth[ok]))
+            thr = np.full(self.shape, self.rel_factor * median)
+        if self.abs_factor is not None:
+            thr = np.minimum(thr, self.abs_factor)
+        above = ok & (growth > thr)
+        self.run = np.where(above, self.run + 1, np.where(ok, 0, self.run))
+
+        def fmt(v, t):
+            return (f"sigma(W_Q) grew {v:.2f}x since warm-up (threshold {t:.2f}x, sustained {self.sustain} "
+                    f"spectral steps): the head's query weights are growing along one direction")
+
+        return self._trips(self.run >= self.sustain, np.where(ok, growth, np.nan), thr, fmt)
+
+
+class NonFinite(Detector):
+    kind = "nonfinite"
+
+    def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        hit = np.isfinite(x) & (x > 0)
+        thr = np.zeros(self.shape)
+
+        def fmt(v, t):
+            return f"{v:.0f} non-finite attention rows/values: the run is already numerically broken at this head"
+
+        return self._trips(hit, np.where(hit, x, 0.0), thr, fmt)
+
+
+def build_detectors(config, shape: Tuple[int, int]) -> Dict[str, Detector]:
+    """The detectors ``config.detectors`` names, configured from a :class:`~instability_watch.WatchConfig`."""
+    c = config
+    make = {
+        "multi_max": lambda: MultiMaxRise(shape, c.warmup_steps, c.sustain, c.multi_max_factor, c.multi_max_min_rise),
+        "delta_drift": lambda: DeltaDrift(shape, c.warmup_steps, c.delta_cusum_k, c.delta_cusum_h),
+        "spectral_growth": lambda: SpectralGrowth(
+            shape, c.warmup_steps, c.sustain, c.spectral_rel_factor, c.spectral_abs_factor
+        ),
+        "logit_growth": lambda: LogitGrowth(shape, c.warmup_steps, c.sustain, c.logit_factor, c.logit_min),
+        "nonfinite": lambda: NonFinite(shape, c.warmup_steps),
+    }
+    return {kind: make[kind]() for kind in c.detectors}

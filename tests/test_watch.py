@@ -1,0 +1,285 @@
+"""The engine end to end: near-tie drift -> alert -> switch -> drift flattens; resume; fail-open."""
+import json
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from instability_watch import InstabilityWatch, WatchConfig, WatchError
+from instability_watch.attach import AttentionLayer
+from instability_watch.nanogpt import GPT, GPTConfig
+from watch_models import TiedAttention, tied_batch
+
+E2E = dict(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3)
+
+
+def _train_tied(model, watch, steps, start=0, opt=None):
+    opt = opt or torch.optim.SGD(model.parameters(), lr=1e-3)
+    metrics = []
+    for i in range(start, start + steps):
+        o = model(*tied_batch(i))
+        loss = 0.5 * o.float().pow(2).sum() / o.shape[0]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        watch.step(loss)
+        if (i + 1) % watch.config.log_every == 0:
+            metrics += watch.last_metrics
+    return metrics, opt
+
+
+def test_end_to_end_near_ties_alert_switch_and_drift_flattens():
+    torch.manual_seed(0)
+    model = TiedAttention()  # heads 0, 1: four near-tied maxima per row; heads 2, 3: one maximum
+    watch = InstabilityWatch(model, WatchConfig(auto_switch=True, **E2E), layers=model.layers())
+    metrics, _ = _train_tied(model, watch, 80)
+    assert [m.step for m in metrics] == list(range(1, 81))
+
+    freq = np.array([m["multi_max_freq"][0] for m in metrics])
+    drift = np.array([m["delta_err_sum"][0] for m in metrics])
+    # the affected heads: nearly every row has a repeated maximum; the others none
+    assert (freq[:, :2] > 0.9).all() and (freq[:, 2:] < 0.05).all()
+
+    # one-signed drift trips an alert on each affected head, which is switched
+    drift_alerts = [a for a in watch.alerts if a.kind == "delta_drift"]
+    assert sorted(a.head for a in drift_alerts) == [0, 1]
+    assert all(a.action == "switched to the stabilized kernel" for a in drift_alerts)
+    assert set(watch.switched) == {(0, 0), (0, 1)}
+    assert [(e.kind, e.head, e.reason) for e in watch.events] == [("switch", 0, "delta_drift"), ("switch", 1, "delta_drift")]
+    switch_step = max(watch.switched.values())
+    assert switch_step <= 30
+    before = drift[:switch_step, :2]
+    assert (before > 0).mean() > 0.9  # one-signed before
+
+    # after the switch (it takes effect at the read-back step) the drift flattens
+    after = drift[switch_step + watch.config.log_every:, :2]
+    rate_before = np.abs(before.sum(axis=0)) / len(before)
+    rate_after = np.abs(after.sum(axis=0)) / len(after)
+    assert (rate_after < 0.1 * rate_before).all()
+    cum = np.array([m["delta_cum"][0] for m in metrics])
+    assert (np.abs(cum[-1, :2] - cum[switch_step + 5, :2]) < 0.1 * np.abs(cum[switch_step, :2])).all()
+    stab = np.array([m["stabilized"][0] for m in metrics])
+    assert (stab[-1] == [1, 1, 0, 0]).all() and (stab[0] == 0).all()
+    assert watch.attachment.stabilized() == [[True, True, False, False]]
+
+
+def test_without_auto_switch_only_reports():
+    torch.manual_seed(0)
+    model = TiedAttention()
+    watch = InstabilityWatch(model, WatchConfig(auto_switch=False, **E2E), layers=model.layers())
+    metrics, _ = _train_tied(model, watch, 40)
+    assert {a.head for a in watch.alerts if a.kind == "delta_drift"} == {0, 1}
+    assert all(a.action == "reported" for a in watch.alerts)
+    assert watch.switched == {} and watch.events == []
+    drift = np.array([m["delta_err_sum"][0] for m in metrics])
+    assert (drift[:, :2] > 0).mean() > 0.9
+
+
+def test_state_dict_round_trip_resumes_identically():
+    cfg = WatchConfig(auto_switch=True, **E2E)
+
+    torch.manual_seed(0)
+    ref = TiedAttention()
+    ref_watch = InstabilityWatch(ref, cfg, layers=ref.layers())
+    _train_tied(ref, ref_watch, 40)
+
+    torch.manual_seed(0)
+    first = TiedAttention()
+    first_watch = InstabilityWatch(first, cfg, layers=first.layers())
+    _, opt = _train_tied(first, first_watch, 17)  # 17: two steps not yet read back
+    state = json.loads(json.dumps(first_watch.state_dict()))  # plain types only
+    assert state["pending_steps"] == [16, 17]
+    model_state = {k: v.clone() for k, v in first.state_dict().items()}
+    opt_state = opt.state_dict()
+
+    resumed = TiedAttention()
+    resumed.load_state_dict(model_state)
+    watch = InstabilityWatch(resumed, cfg, layers=resumed.layers())
+    watch.load_state_dict(state)
+    opt2 = torch.optim.SGD(resumed.parameters(), lr=1e-3)
+    opt2.load_state_dict(opt_state)
+    _train_tied(resumed, watch, 23, start=17, opt=opt2)
+
+    a, b = ref_watch.state_dict(), watch.state_dict()
+    assert a["step"] == b["step"] == 40
+    assert a["switched"] == b["switched"] and len(a["switched"]) == 2
+    assert a["delta_cum"] == b["delta_cum"]
+    assert a["detectors"] == b["detectors"]
+    assert a["alerts"] == b["alerts"] and a["events"] == b["events"]
+    assert watch.attachment.stabilized() == ref_watch.attachment.stabilized()
+
+    with pytest.raises(ValueError, match="state was saved for layers"):
+        other = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=8))
+        InstabilityWatch(other).load_state_dict(state)
+    with pytest.raises(ValueError, match="not an InstabilityWatch state"):
+        watch.load_state_dict({"step": 3})
+
+
+def test_gradient_accumulation_counts_optimizer_steps():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+    watch = InstabilityWatch(model, WatchConfig(log_every=2, shadow_every=1, spectral_every=0))
+    x = torch.randint(0, 256, (3, 16))
+    for _ in range(2):
+        for _ in range(4):  # micro-batches
+            model(x, x)[1].backward()
+        watch.step()
+    assert watch.step_count == 2
+    assert [m.step for m in watch.last_metrics] == [1, 2]
+    for m in watch.last_metrics:
+        assert (m["rows"] == 4 * 3 * 16).all() and (m["shadow_rows"] == 4 * 3 * 16).all()
+
+
+def test_cadence_of_shadow_and_spectral_steps():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+    watch = InstabilityWatch(model, WatchConfig(log_every=6, shadow_every=3, spectral_every=2))
+    x = torch.randint(0, 256, (2, 16))
+    for _ in range(6):
+        model(x, x)[1].backward()
+        watch.step()
+    shadow = [int(m["shadow_rows"][0, 0]) for m in watch.last_metrics]
+    sigma = [bool(np.isfinite(m["sigma_wq"][0, 0])) for m in watch.last_metrics]
+    assert shadow == [32, 0, 0, 32, 0, 0]
+    assert sigma == [True, False, True, False, True, False]
+
+
+def test_listeners_receive_metrics_and_a_failing_listener_is_dropped(caplog):
+    torch.manual_seed(0)
+    model = TiedAttention()
+    seen = []
+
+    def good(metrics, alerts, watch):
+        seen.append((len(metrics), len(alerts)))
+
+    def bad(metrics, alerts, watch):
+        raise RuntimeError("disk full")
+
+    watch = InstabilityWatch(model, WatchConfig(**E2E), layers=model.layers(), listeners=[bad, good])
+    with caplog.at_level(logging.ERROR, logger="instability_watch"):
+        _train_tied(model, watch, 20)
+    assert len(seen) == 4 and sum(n for n, _ in seen) == 20
+    assert watch.listeners == [good]
+    errors = [r for r in caplog.records if "failed and is turned off" in r.getMessage()]
+    assert len(errors) == 1 and "disk full" in errors[0].getMessage() and errors[0].exc_info
+
+
+# ---------------------------------------------------------------- fail-open / strict
+
+
+def _nano():
+    torch.manual_seed(0)
+    return GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+
+
+def _steps(model, watch, n=4):
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(0))
+    opt = torch.optim.SGD(model.parameters(), lr=1e-2)
+    losses = []
+    for _ in range(n):
+        loss = model(x, x)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        watch.step(loss)
+        losses.append(loss.item())
+    return losses
+
+
+def test_raising_locator_does_not_stop_training(caplog):
+    def locator(model):
+        raise KeyError("no such module")
+
+    model = _nano()
+    with caplog.at_level(logging.ERROR, logger="instability_watch"):
+        watch = InstabilityWatch(model, WatchConfig(log_every=2), layers=locator)
+        losses = _steps(model, watch)
+    assert not watch.active and "attach" in watch.disabled
+    assert all(np.isfinite(losses)) and losses[-1] < losses[0]
+    assert all("forward" not in m.__dict__ for m in model.modules())
+    assert sum("attach failed" in r.getMessage() for r in caplog.records) == 1
+    with pytest.raises(KeyError):
+        InstabilityWatch(_nano(), WatchConfig(strict=True), layers=locator)
+
+
+def test_raising_w_q_turns_off_spectral_only():
+    model = _nano()
+    layers = [AttentionLayer(b.attn, 2, lambda: (_ for _ in ()).throw(RuntimeError("sharded"))) for b in model.h]
+    watch = InstabilityWatch(model, WatchConfig(log_every=2, spectral_every=1), layers=layers)
+    _steps(model, watch, 4)
+    assert set(watch.disabled) == {"spectral"}
+    assert watch.step_count == 4
+    assert all((m["rows"] == 32).all() and np.isnan(m["sigma_wq"]).all() for m in watch.last_metrics)
+
+    model = _nano()
+    layers = [AttentionLayer(b.attn, 2, lambda: (_ for _ in ()).throw(RuntimeError("sharded"))) for b in model.h]
+    watch = InstabilityWatch(model, WatchConfig(log_every=2, spectral_every=1, strict=True), layers=layers)
+    with pytest.raises(RuntimeError, match="sharded"):
+        _steps(model, watch, 1)
+
+
+def _nan_into_delta(watch):
+    """A forward hook that writes NaN into the first layer's shadow delta sum (a broken metric)."""
+    probe_values = lambda: watch.attachment.sites[0].probe.values  # noqa: E731
+
+    def hook(module, args, out):
+        probe_values()[1].fill_(float("nan"))
+
+    return watch.attachment.sites[0].layer.module.register_forward_hook(hook)
+
+
+def test_nan_metric_is_reported_not_fatal(caplog):
+    model = _nano()
+    watch = InstabilityWatch(model, WatchConfig(log_every=2, shadow_every=1))
+    _nan_into_delta(watch)
+    with caplog.at_level(logging.WARNING, logger="instability_watch"):
+        losses = _steps(model, watch, 4)
+    assert all(np.isfinite(losses)) and watch.step_count == 4
+    assert sum("non-finite delta_err_sum" in r.getMessage() for r in caplog.records) == 1
+    m = watch.last_metrics[-1]
+    assert np.isnan(m["delta_err_sum"][0]).all() and np.isfinite(m["delta_err_sum"][1]).all()
+    assert np.isfinite(m["delta_cum"]).all()
+
+    model = _nano()
+    watch = InstabilityWatch(model, WatchConfig(log_every=2, shadow_every=1, strict=True))
+    _nan_into_delta(watch)
+    with pytest.raises(WatchError, match="non-finite delta_err_sum"):
+        _steps(model, watch, 2)
+
+
+def test_kernel_failure_falls_back_to_pytorch_sdpa(monkeypatch, caplog):
+    import instability_watch.attach as attach_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("kernel launch failed")
+
+    model = _nano()
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        ref = model(x, x)[1]
+    watch = InstabilityWatch(model, WatchConfig(log_every=1))
+    monkeypatch.setattr(attach_mod, "flash_attention", broken)
+    with caplog.at_level(logging.ERROR, logger="instability_watch"):
+        with torch.no_grad():
+            out = model(x, x)[1]
+    assert torch.equal(out, ref)  # PyTorch's SDPA served the call
+    assert "routing" in watch.disabled and not watch.attachment.routing
+    assert sum("routing failed" in r.getMessage() for r in caplog.records) == 1
+
+    model = _nano()
+    watch = InstabilityWatch(model, WatchConfig(log_every=1, strict=True))
+    with pytest.raises(RuntimeError, match="kernel launch failed"):
+        model(x, x)
+
+
+def test_engine_argument_errors():
+    with pytest.raises(TypeError, match="config must be an instability_watch.WatchConfig"):
+        InstabilityWatch(_nano(), config={"log_every": 1})
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        InstabilityWatch("model")
+    watch = InstabilityWatch(_nano())
+    with pytest.raises(ValueError, match=r"layer must be in \[0, 2\), got 5"):
+        watch.switch(5, 0)
+    with pytest.raises(ValueError, match=r"head must be in \[0, 2\)"):
+        watch.switch(0, 7)

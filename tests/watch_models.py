@@ -1,0 +1,45 @@
+"""Small models for the watch tests."""
+from __future__ import annotations
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from instability_watch.attach import AttentionLayer
+from instability_watch.mechanism import near_tie_inputs
+
+
+class TiedAttention(nn.Module):
+    """Attention with learnable per-head Q/K/V maps, fed inputs whose rows hold near-tied maxima.
+
+    Not a model the built-in locators know: it is watched through an
+    :class:`AttentionLayer` description. Its objective ``0.5 * |O|^2`` gives an
+    upstream gradient ``dO = O``, negative where ``V`` is (the situation of the
+    paper's Sec. 3.3.2), so the rounding bias of near-tied rows gives a
+    one-signed ``sum(delta_lp - delta_hp)``.
+    """
+
+    def __init__(self, heads: int = 4, head_dim: int = 32) -> None:
+        super().__init__()
+        eye = torch.eye(head_dim).repeat(heads, 1, 1)
+        self.wq = nn.Parameter(eye.clone())
+        self.wk = nn.Parameter(eye.clone())
+        self.wv = nn.Parameter(eye.clone())
+
+    def forward(self, q_in, k_in, v_in):
+        q = torch.einsum("bhnd,hed->bhne", q_in, self.wq).to(torch.bfloat16)
+        k = torch.einsum("bhnd,hed->bhne", k_in, self.wk).to(torch.bfloat16)
+        v = torch.einsum("bhnd,hed->bhne", v_in, self.wv).to(torch.bfloat16)
+        return F.scaled_dot_product_attention(q, k, v)
+
+    def layers(self):
+        return [AttentionLayer(self, self.wq.shape[0], lambda: self.wq, name="tied")]
+
+
+def tied_batch(step: int, *, tied_heads: int = 2, free_heads: int = 2, seq: int = 128, head_dim: int = 32):
+    """Fresh inputs for ``step``: the first ``tied_heads`` heads have 4 near-tied maxima per row, the rest one."""
+    g = torch.Generator().manual_seed(1000 + step)
+    kw = dict(batch=2, seq=seq, head_dim=head_dim, dtype=torch.float32, generator=g)
+    a = near_tie_inputs(heads=tied_heads, n_ties=4, **kw)
+    b = near_tie_inputs(heads=free_heads, n_ties=1, **kw)
+    return tuple(torch.cat([x, y], dim=1) for x, y in ((a.q, b.q), (a.k, b.k), (a.v, b.v)))
