@@ -336,8 +336,7 @@ class InstabilityWatch:
         dist.all_reduce(maxed, op=dist.ReduceOp.MAX)
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         out = torch.where(max_cols, maxed, summed)
-        sig = out[:, (nc + nv) * total: -1]
-        sig[torch.isinf(sig) & (sig < 0)] = float("nan")
+        out = torch.where(max_cols & torch.isneginf(out), torch.full_like(out, float("nan")), out)
         out[:, -1] /= world
         return out
 
