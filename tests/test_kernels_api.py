@@ -89,3 +89,21 @@ def test_gqa_and_noncontiguous_inputs():
     qt = q.transpose(1, 2).contiguous().transpose(1, 2)
     assert not qt.is_contiguous()
     assert torch.equal(flash_attention(qt, k, v, causal=True), flash_attention(q, k, v, causal=True))
+
+
+def test_outputs_and_grads_keep_the_inputs_layout():
+    # q, k, v as nanoGPT makes them: transposed views of a (B, N, 3, H, D) projection
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(2, 17, 3 * 4 * 16, generator=g).to(torch.bfloat16).requires_grad_(True)
+    q, k, v = (t.view(2, 17, 4, 16).transpose(1, 2) for t in qkv.split(64, dim=2))
+    o = flash_attention(q, k, v, causal=True)
+    assert o.stride() == q.new_empty(2, 17, 4, 16).transpose(1, 2).stride()
+    ref = flash_attention(q.contiguous(), k.contiguous(), v.contiguous(), causal=True)
+    assert torch.equal(o, ref)
+    assert o.transpose(1, 2).is_contiguous()  # the model's transpose back is free
+    o.float().square().sum().backward()
+    grad = qkv.grad.clone()
+    qkv.grad = None
+    q2, k2, v2 = (t.view(2, 17, 4, 16).transpose(1, 2).contiguous() for t in qkv.split(64, dim=2))
+    flash_attention(q2, k2, v2, causal=True).float().square().sum().backward()
+    assert torch.equal(grad, qkv.grad)

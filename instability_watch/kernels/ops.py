@@ -21,6 +21,15 @@ from torch import Tensor
 
 from ..probe import Probe
 from . import reference
+from .layout import empty_like_layout
+
+
+def _into(like: Tensor, t: Tensor) -> Tensor:
+    """``t`` in ``like``'s layout (a copy only if the layouts differ)."""
+    out = empty_like_layout(like, t.shape, t.dtype)
+    if out.stride() == t.stride():
+        return t
+    return out.copy_(t)
 
 
 def _triton():
@@ -43,7 +52,7 @@ def _forward(
     o, lse = reference.attention_forward(
         q, k, v, causal=causal, scale=scale, stabilize=stabilize, beta=beta, eps=eps, probe=probe
     )
-    return o, lse
+    return _into(q, o), lse
 
 
 attention_fwd = torch.library.custom_op("instability_watch::attention_fwd", _forward, mutates_args=("counts", "values"))
@@ -53,7 +62,7 @@ attention_fwd = torch.library.custom_op("instability_watch::attention_fwd", _for
 def _(q, k, v, stabilize, counts, values, causal, scale, beta, eps, backend):
     B, H, N, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return q.new_empty((B, H, N, D)), q.new_empty((B, H, N), dtype=lse_dtype)
+    return empty_like_layout(q), q.new_empty((B, H, N), dtype=lse_dtype)
 
 
 def _backward(
@@ -67,7 +76,8 @@ def _backward(
             q, k, v, o, lse, do, causal=causal, scale=scale, counts=counts, values=values, shadow=shadow
         )
     probe = Probe.from_buffers(counts, values) if shadow else None
-    return reference.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale, shadow_probe=probe)
+    dq, dk, dv = reference.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale, shadow_probe=probe)
+    return _into(q, dq), _into(k, dk), _into(v, dv)
 
 
 attention_bwd = torch.library.custom_op("instability_watch::attention_bwd", _backward, mutates_args=("counts", "values"))
@@ -75,7 +85,7 @@ attention_bwd = torch.library.custom_op("instability_watch::attention_bwd", _bac
 
 @attention_bwd.register_fake
 def _(q, k, v, o, lse, do, counts, values, causal, scale, shadow, backend):
-    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+    return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
 
 
 class FlashAttention(torch.autograd.Function):

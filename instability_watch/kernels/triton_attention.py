@@ -30,6 +30,7 @@ import triton.language as tl
 
 from ..probe import COUNT_FIELDS, VALUE_FIELDS
 from . import interpreting as is_interpreter  # imported lazily, after the package itself
+from .layout import empty_like_layout
 from .reference import max_shift_for
 
 LOG2E = 1.4426950408889634
@@ -438,11 +439,11 @@ def attention_forward(
     causal: bool, scale: float, stabilize: Optional[torch.Tensor], beta: float, eps: float,
     counts: Optional[torch.Tensor], values: Optional[torch.Tensor], config=None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward (``config`` overrides the launch configuration). Returns ``(o, lse2)``: o (B, H, N, D) contiguous, lse2 (B, H, N) float32 in log2 units."""
+    """Launch the forward (``config`` overrides the launch configuration). Returns ``(o, lse2)``: o (B, H, N, D) in q's layout, lse2 (B, H, N) float32 in log2 units."""
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
-    o = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
+    o = empty_like_layout(q)  # PyTorch's layout: the model's transpose back is free
     lse2 = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     head_dim = _head_dim_tile(D)
     block_m, block_n, warps, stages, *extra = _config(FWD_CONFIGS, head_dim, config)
@@ -487,9 +488,7 @@ def attention_backward(
         o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
         H, N, D, HEAD_DIM=head_dim, BLOCK_M=pre_m,
     )
-    dq = torch.empty((B, H, N, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, h_kv, n_kv, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, h_kv, n_kv, D), dtype=v.dtype, device=q.device)
+    dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
     block_m, block_n, warps, stages = _config(DKDV_CONFIGS, head_dim, config_dkdv)
     _attn_bwd_dkdv[(triton.cdiv(n_kv, block_n), B * h_kv)](
         q, k, v, do, lse2, delta, dk, dv,

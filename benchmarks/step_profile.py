@@ -1,0 +1,71 @@
+"""Where the time of a GPT-2-small training step goes: top GPU kernels per variant (torch.profiler).
+
+Companion of ``watch_overhead.py``: same model and variants, one profiled step
+each after warm-up. Run:  python benchmarks/step_profile.py [--batch 16] [--top 12]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import sys
+from pathlib import Path
+
+import torch
+from torch.nn.attention import SDPBackend, sdpa_kernel
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from instability_watch import InstabilityWatch, WatchConfig  # noqa: E402
+from instability_watch.attach import attach  # noqa: E402
+from instability_watch.nanogpt import GPT, GPTConfig  # noqa: E402
+
+
+def main() -> int:
+    p = argparse.ArgumentParser()
+    p.add_argument("--batch", type=int, default=16)
+    p.add_argument("--top", type=int, default=12)
+    args = p.parse_args()
+    torch.manual_seed(0)
+    base = GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)).cuda()
+    x = torch.randint(0, 256, (args.batch, 1025), device="cuda")
+    inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
+    for name in ("sdpa-flash", "ours", "watch"):
+        model = copy.deepcopy(base)
+        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+        watch = None
+        if name == "ours":
+            attach(model, probes=False)
+        elif name == "watch":
+            watch = InstabilityWatch(model, WatchConfig(log_every=1000))
+
+        def step():
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                if name == "sdpa-flash":
+                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                        loss = model(inp, tgt)[1]
+                else:
+                    loss = model(inp, tgt)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if watch is not None:
+                watch.step(loss)
+
+        for _ in range(5):
+            step()
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA, ProfilerActivity.CPU]) as prof:
+            step()
+            torch.cuda.synchronize()
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        total = sum(e.self_device_time_total for e in events)
+        print(f"\n== {name}: GPU kernel time {total / 1e3:.2f} ms per step")
+        for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
+            print(f"  {e.self_device_time_total / 1e3:8.3f} ms  {e.count:5d}x  {e.key[:90]}")
+        del model, opt, watch
+        torch.cuda.empty_cache()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
