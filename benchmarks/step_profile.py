@@ -62,7 +62,6 @@ def main() -> int:
         print(f"\n== {name}: GPU kernel time {total / 1e3:.2f} ms per step")
         for e in sorted(events, key=lambda e: -e.self_device_time_total)[: args.top]:
             print(f"  {e.self_device_time_total / 1e3:8.3f} ms  {e.count:5d}x  {e.key[:90]}")
-        del model, opt, watch
         torch.cuda.empty_cache()
     return 0
 

@@ -34,6 +34,8 @@ from __future__ import annotations
 
 import logging
 import math
+import types
+import weakref
 from dataclasses import dataclass, field
 from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 
@@ -43,6 +45,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from .kernels import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, flash_attention
+from .kernels.ops import ERROR_HANDLER as _ERROR_HANDLER
 from .probe import COUNT_FIELDS, VALUE_FIELDS, Probe
 
 log = logging.getLogger("instability_watch")
@@ -255,6 +258,23 @@ class _Router(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
+# module -> (router, the forward it had before): the wrapper looks its router up
+# here, so a deepcopy of a watched model (an EMA or eval copy) runs unrouted on
+# its own weights instead of through the original's, and pickling works.
+_ROUTED: "weakref.WeakKeyDictionary[nn.Module, Tuple[_Router, Optional[Callable]]]" = weakref.WeakKeyDictionary()
+
+
+def _routed_forward(self: nn.Module, *args, **kwargs):
+    entry = _ROUTED.get(self)
+    if entry is None:  # a copy of a watched module
+        return type(self).forward(self, *args, **kwargs)
+    router, own = entry
+    with router:
+        if own is not None:
+            return own(*args, **kwargs)
+        return type(self).forward(self, *args, **kwargs)
+
+
 def _unsupported(site: Site, q, k, v, attn_mask, dropout_p, scale, enable_gqa) -> Optional[str]:
     """Why the kernels cannot serve this SDPA call (None if they can)."""
     if attn_mask is not None:
@@ -302,7 +322,6 @@ class Attachment:
         device = _param_device(model)
         self.bank = ProbeBank([layer.num_heads for layer in layers], device)
         self.sites: List[Site] = []
-        self._saved_forward: Dict[int, Tuple[bool, object]] = {}
         seen = set()
         for i, layer in enumerate(layers):
             if id(layer.module) in seen:
@@ -310,25 +329,31 @@ class Attachment:
             seen.add(id(layer.module))
             mask = torch.zeros(layer.num_heads, dtype=torch.bool, device=device)
             self.sites.append(Site(i, layer, self, mask))
-        for site in self.sites:
-            self._wrap(site)
         self.attached = True
+        try:
+            for site in self.sites:
+                self._wrap(site)
+        except Exception:
+            self.detach()
+            raise
+        for site in self.sites:
+            if isinstance(site.layer.module, nn.MultiheadAttention):
+                _log_rank_zero(
+                    logging.WARNING,
+                    "instability_watch: layer %s is an nn.MultiheadAttention: its attention cannot be routed "
+                    "(F.multi_head_attention_forward hides its SDPA call), only sigma(W_Q) is watched",
+                    site.name,
+                )
 
     # -- install / remove --------------------------------------------------------------
 
     def _wrap(self, site: Site) -> None:
         module = site.layer.module
-        had_own = "forward" in module.__dict__
-        self._saved_forward[id(module)] = (had_own, module.__dict__.get("forward"))
-        inner = module.forward  # bound method (or the instance's own callable)
-        router = _Router(site)
-
-        def forward(*args, **kwargs):
-            with router:
-                return inner(*args, **kwargs)
-
-        forward.__wrapped__ = inner  # type: ignore[attr-defined]
-        module.forward = forward
+        if module in _ROUTED:
+            raise ValueError(f"layer {site.name!r} is already watched by another attachment; detach that one first")
+        own = module.__dict__.get("forward")  # an instance-level forward the user set, if any
+        _ROUTED[module] = (_Router(site), own)
+        module.forward = types.MethodType(_routed_forward, module)
 
     def detach(self) -> None:
         """Restore every module's ``forward`` exactly as it was."""
@@ -336,8 +361,11 @@ class Attachment:
             return
         for site in self.sites:
             module = site.layer.module
-            had_own, own = self._saved_forward.pop(id(module))
-            if had_own:
+            entry = _ROUTED.pop(module, None)
+            if entry is None:
+                continue
+            own = entry[1]
+            if own is not None:
                 module.forward = own
             else:
                 module.__dict__.pop("forward", None)
@@ -358,9 +386,14 @@ class Attachment:
         if reason is not None:
             self._count_unwatched(site, reason)
             return None
+        if site.stabilize.device != q.device:
+            if _param_device(self.model) != q.device:
+                self._count_unwatched(site, f"layer on {q.device}, apart from the model's other layers")
+                return None
+            self._relocate(q.device)  # the model was moved after attaching
+        compiling = torch.compiler.is_compiling()
+        token = None if compiling else _ERROR_HANDLER.set(self.on_error)
         try:
-            if site.stabilize.device != q.device:
-                self._relocate(q.device)
             out = flash_attention(
                 q, k, v, causal=is_causal, scale=scale, stabilize=site.stabilize,
                 probe=site.probe if self.probes else None, beta=self.beta, eps=self.eps,
@@ -370,7 +403,10 @@ class Attachment:
                 raise
             self.on_error(exc)
             return None
-        if not torch.compiler.is_compiling():
+        finally:
+            if token is not None:
+                _ERROR_HANDLER.reset(token)
+        if not compiling:
             site.watched_calls += 1
         return out
 

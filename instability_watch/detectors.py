@@ -178,7 +178,8 @@ class MultiMaxRise(_Sustained):
         self.factor, self.min_rise = float(factor), float(min_rise)
 
     def threshold(self, base):
-        return np.maximum(self.factor * base, base + self.min_rise)
+        # capped halfway between the baseline and 1, so a head that starts high can still alert
+        return np.minimum(np.maximum(self.factor * base, base + self.min_rise), base + (1.0 - base) / 2)
 
     def message(self, v, t):
         return (f"{100 * v:.2f}% of rows have a repeated maximum score (threshold {100 * t:.2f}%, "

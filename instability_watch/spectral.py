@@ -105,4 +105,9 @@ def top_singular_values(
         v = (gram @ v[:, :, None]).squeeze(-1)
         v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
     lam = (v[:, None, :] @ gram @ v[:, :, None]).reshape(n)
-    return lam.clamp_min(0).sqrt(), v
+    sigma = lam.clamp_min(0).sqrt()
+    # Non-finite weights (or a Gram matrix that overflows) give +inf, never NaN:
+    # NaN means "not measured" downstream, +inf is an alert.
+    sigma = torch.where(torch.isfinite(sigma), sigma, torch.full_like(sigma, float("inf")))
+    v = torch.nan_to_num(v, nan=0.0, posinf=0.0, neginf=0.0)
+    return sigma, v

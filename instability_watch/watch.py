@@ -146,6 +146,7 @@ class InstabilityWatch:
         self.layer_names: List[str] = []
         self.head_counts: List[int] = []
         self._pending_steps: List[int] = []
+        self._flushed_through = 0  # last step read back
         self._ring: Optional[torch.Tensor] = None
         self._reported_problems: set = set()
         self.spectral = SpectralNorms()
@@ -177,9 +178,11 @@ class InstabilityWatch:
         return (len(self.head_counts), max(self.head_counts) if self.head_counts else 0)
 
     def detach(self) -> None:
-        """Restore the model exactly (SDPA goes to PyTorch again). Pending statistics are kept."""
-        if self.attachment is not None:
-            self.attachment.detach()
+        """Read back the pending steps (alerts go to the listeners), then restore the model exactly."""
+        if self.attachment is None or not self.attachment.attached:
+            return
+        self.flush()
+        self.attachment.detach()
 
     def __enter__(self) -> "InstabilityWatch":
         return self
@@ -196,10 +199,12 @@ class InstabilityWatch:
         if component in self.disabled:
             return
         self.disabled[component] = f"{type(exc).__name__}: {exc}"
-        if component == "routing" and self.attachment is not None:
-            self.attachment.routing = False
-        if component in ("attach", "statistics") and self.attachment is not None:
-            self.attachment.routing = False
+        if self.attachment is not None:
+            if component == "routing":
+                self.attachment.routing = False  # every call goes to PyTorch's SDPA
+            elif component == "statistics":
+                # keep routing: heads already switched stay on the stabilized kernel
+                self.attachment.probes = False
         # A failure is reported by the process it happened in (once), with the rank.
         log.error(
             "instability_watch (rank %d): %s failed and is turned off; training goes on. %s",
@@ -223,7 +228,7 @@ class InstabilityWatch:
     def _ensure_ring(self) -> torch.Tensor:
         bank = self.attachment.bank
         total = sum(self.head_counts)
-        width = (len(COUNT_FIELDS) + len(VALUE_FIELDS) + 1) * total + 1
+        width = (len(COUNT_FIELDS) + len(VALUE_FIELDS) + 1) * total + 2  # + loss, + ok
         if self._ring is None or self._ring.device != bank.device:
             ring = torch.full((self.config.log_every, width), float("nan"), dtype=torch.float64, device=bank.device)
             if self._ring is not None:
@@ -242,13 +247,13 @@ class InstabilityWatch:
         """
         self.step_count += 1
         s = self.step_count
-        if not self.active:
+        if self.attachment is None or not self.attachment.attached:
             return []
-        try:
-            self._record(s, loss)
-        except Exception as exc:
-            self._fail("statistics", exc)
-            return []
+        if "statistics" not in self.disabled:
+            try:
+                self._record(s, loss)
+            except Exception as exc:
+                self._fail("statistics", exc)
         self._set_shadow(_due(s + 1, self.config.shadow_every))
         if s % self.config.log_every == 0:
             return self.flush()
@@ -263,7 +268,7 @@ class InstabilityWatch:
         row = ring[slot]
         row[: nc * total].copy_(bank.counts)
         row[nc * total: (nc + nv) * total].copy_(bank.values)
-        sig = row[(nc + nv) * total: -1]
+        sig = row[(nc + nv) * total: -2]
         sig.fill_(float("nan"))
         if _due(s, self.config.spectral_every) and "spectral" not in self.disabled:
             try:
@@ -272,34 +277,60 @@ class InstabilityWatch:
             except Exception as exc:
                 self._fail("spectral", exc)
         if isinstance(loss, torch.Tensor):
-            row[-1:].copy_(loss.detach().reshape(-1)[:1])
+            row[-2:-1].copy_(loss.detach().reshape(-1)[:1])
         else:
-            row[-1] = float("nan") if loss is None else float(loss)
+            row[-2] = float("nan") if loss is None else float(loss)
+        row[-1] = 1.0  # this rank recorded the step (summed across ranks)
         bank.zero_()
         self._pending_steps.append(s)
 
     def flush(self) -> List[Alert]:
-        """Read back pending steps now (one host sync), run the detectors, act; returns new alerts."""
-        if not self.active or not self._pending_steps:
+        """Read back pending steps now (one host sync), run the detectors, act; returns new alerts.
+
+        Under ``torch.distributed`` every rank must call it at the same steps
+        (``step`` does, every ``log_every`` steps): a rank whose statistics
+        failed still takes part, and then every rank turns statistics off.
+        """
+        if self.attachment is None:
             return []
-        n = len(self._pending_steps)
-        steps, self._pending_steps = self._pending_steps, []
+        distributed = self._distributed()
+        n = self.step_count - self._flushed_through
+        if n <= 0 or (not distributed and not self._pending_steps):
+            return []
+        steps = list(range(self._flushed_through + 1, self.step_count + 1))
+        recorded = len(self._pending_steps) == n and "statistics" not in self.disabled
+        self._flushed_through = self.step_count
+        self._pending_steps = []
+        if not distributed and not recorded:
+            return []
         try:
-            data = self._reduce(self._ring[:n].clone())
+            ring = self._ensure_ring()
+            if recorded:
+                data = ring[:n].clone()
+            else:  # this rank has nothing valid: take part with an "unhealthy" block
+                data = torch.full((n, ring.shape[1]), float("nan"), dtype=torch.float64, device=ring.device)
+                data[:, -1] = 0.0
+            if distributed:
+                data = self._reduce(data)
             host = data.cpu().numpy()  # the one host sync
         except Exception as exc:
             self._fail("statistics", exc)
             return []
-        metrics = [self._metrics(step, host[i]) for i, step in enumerate(steps)]
+        healthy_ranks = self._world() if distributed else 1
+        if not (host[:, -1] == healthy_ranks).all():
+            self._fail("statistics", WatchError("statistics failed on another rank; turned off on every rank"))
+            return []
         alerts: List[Alert] = []
-        if "detectors" not in self.disabled:
-            try:
+        try:
+            metrics = [self._metrics(step, host[i]) for i, step in enumerate(steps)]
+            if "detectors" not in self.disabled:
                 for m in metrics:
                     alerts.extend(self._detect(m))
-            except WatchError:
-                raise
-            except Exception as exc:
-                self._fail("detectors", exc)
+        except WatchError:
+            raise
+        except Exception as exc:
+            self._fail("detectors", exc)
+            return alerts
         self.last_metrics = metrics
         for listener in list(self.listeners):
             try:
@@ -311,14 +342,20 @@ class InstabilityWatch:
                 self._fail(f"listener {getattr(listener, '__name__', type(listener).__name__)}", exc)
         return alerts
 
+    def _distributed(self) -> bool:
+        dist = torch.distributed
+        return bool(
+            self.config.sync_distributed and dist.is_available() and dist.is_initialized()
+            and dist.get_world_size() > 1
+        )
+
+    def _world(self) -> int:
+        return torch.distributed.get_world_size()
+
     def _reduce(self, data: torch.Tensor) -> torch.Tensor:
         """Under torch.distributed: sum counts, delta sums and loss (loss averaged), max the logits and sigma."""
         dist = torch.distributed
-        if not (self.config.sync_distributed and dist.is_available() and dist.is_initialized()):
-            return data
         world = dist.get_world_size()
-        if world == 1:
-            return data
         total = sum(self.head_counts)
         nc, nv = len(COUNT_FIELDS), len(VALUE_FIELDS)
         max_cols = torch.zeros(data.shape[1], dtype=torch.bool)
@@ -328,7 +365,7 @@ class InstabilityWatch:
             start = nc * total + nv * offs + i_max * h
             max_cols[start:start + h] = True
             offs += h
-        max_cols[(nc + nv) * total: -1] = True  # sigma
+        max_cols[(nc + nv) * total: -2] = True  # sigma
         max_cols = max_cols.to(data.device)
         # NaN does not survive all_reduce(MAX) portably: reduce with -inf in its place.
         maxed = torch.where(max_cols & ~torch.isnan(data), data, torch.full_like(data, float("-inf")))
@@ -337,7 +374,7 @@ class InstabilityWatch:
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         out = torch.where(max_cols, maxed, summed)
         out = torch.where(max_cols & torch.isneginf(out), torch.full_like(out, float("nan")), out)
-        out[:, -1] /= world
+        out[:, -2] /= world  # loss: the mean over ranks; the ok column stays a count
         return out
 
     # ------------------------------------------------------------------ metrics
@@ -354,7 +391,7 @@ class InstabilityWatch:
                 out[name] = counts[:, i].copy()
             for i, name in enumerate(VALUE_FIELDS):
                 out[name] = values[:, i].copy()
-            out["sigma_wq"] = row[(nc + nv) * total: -1].reshape(L, Hm).copy()
+            out["sigma_wq"] = row[(nc + nv) * total: -2].reshape(L, Hm).copy()
             return out
         oc = ov = os_ = 0
         for l, h in enumerate(self.head_counts):  # non-uniform layers: per layer, at read-back only
@@ -401,7 +438,7 @@ class InstabilityWatch:
         values = {k: m[k] for k in METRICS}
         # not a CSV column: a logit that is NaN or +inf where rows ran (for the nonfinite rule)
         values["_bad_logit"] = ((raw["rows"] > 0) & (np.isnan(max_score) | np.isposinf(max_score))).astype(float)
-        return StepMetrics(step=step, loss=float(row[-1]), values=values)
+        return StepMetrics(step=step, loss=float(row[-2]), values=values)
 
     # ------------------------------------------------------------------ detection and action
 
@@ -473,6 +510,7 @@ class InstabilityWatch:
             "detectors": {k: d.state_dict() for k, d in getattr(self, "detectors", {}).items()},
             "spectral": self.spectral.state_dict(),
             "pending_steps": list(self._pending_steps),
+            "flushed_through": self._flushed_through,
             "pending": pending,
             "alerts": [a.to_dict() for a in self.alerts],
             "events": [e.to_dict() for e in self.events],
@@ -480,6 +518,8 @@ class InstabilityWatch:
 
     def load_state_dict(self, state: dict) -> None:
         """Resume from :meth:`state_dict`; the model must have the same watched layers."""
+        if self.attachment is None:  # attaching failed (reported); nothing to restore into
+            return
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
             raise ValueError(f"not an InstabilityWatch state (version {STATE_VERSION}): {type(state).__name__}")
         if state["layers"] != self.layer_names or state["heads"] != self.head_counts:
@@ -500,6 +540,7 @@ class InstabilityWatch:
                 d.load_state_dict(state["detectors"][kind])
         self.spectral.load_state_dict(state["spectral"])
         self._pending_steps = [int(s) for s in state["pending_steps"]]
+        self._flushed_through = int(state.get("flushed_through", self.step_count - len(self._pending_steps)))
         self._ring = None
         if self._pending_steps:
             ring = self._ensure_ring()

@@ -164,11 +164,10 @@ class site_mode:
         self.module = module
 
     def __enter__(self):
-        fwd = self.module.forward
-        # the wrapper closes over the router: reach it through the closure
-        router = next(c.cell_contents for c in fwd.__closure__ if type(c.cell_contents).__name__ == "_Router")
-        self.router = router
-        router.__enter__()
+        from instability_watch.attach import _ROUTED
+
+        self.router = _ROUTED[self.module][0]
+        self.router.__enter__()
 
     def __exit__(self, *exc):
         self.router.__exit__(*exc)

@@ -174,3 +174,15 @@ def test_config_defaults_and_subset():
     assert cfg.detectors == ("nonfinite", "multi_max")
     assert set(build_detectors(cfg, SHAPE)) == {"nonfinite", "multi_max"}
     assert WatchConfig().to_dict()["switch_on"] == ["multi_max", "delta_drift", "spectral_growth"]
+
+
+def test_multi_max_threshold_is_capped_for_heads_that_start_high():
+    cfg = _config(warmup_steps=10)
+    det = build_detectors(cfg, (1, 2))["multi_max"]
+    for step in range(1, 11):
+        det.update(step, np.array([[0.5, 0.5]]))
+    alerts = []
+    for step in range(11, 20):
+        alerts += det.update(step, np.array([[0.5, 0.9]]))
+    # 3x a 50% baseline is unreachable; the cap (halfway to 100%) still lets a rise to 90% alert
+    assert [(t[1], round(t[3], 3)) for t in alerts] == [(1, 0.75)]

@@ -283,3 +283,130 @@ def test_engine_argument_errors():
         watch.switch(5, 0)
     with pytest.raises(ValueError, match=r"head must be in \[0, 2\)"):
         watch.switch(0, 7)
+
+
+# ---------------------------------------------------------------- review findings
+
+
+def test_deepcopy_and_pickle_of_a_watched_model():
+    import copy
+    import io
+
+    model = _nano()
+    watch = InstabilityWatch(model, WatchConfig(log_every=1))
+    twin = copy.deepcopy(model)
+    with torch.no_grad():
+        for p in twin.parameters():
+            p.zero_()
+    x = torch.randint(0, 256, (2, 16))
+    calls = watch.attachment.sites[0].watched_calls
+    with torch.no_grad():
+        twin(x, x)
+    assert watch.attachment.sites[0].watched_calls == calls  # the copy runs unrouted, on its own weights
+    torch.save(model, io.BytesIO())  # picklable while attached
+    with pytest.raises(ValueError, match="already watched by another attachment"):
+        InstabilityWatch(model, WatchConfig(strict=True))
+    watch.detach()
+    assert all("forward" not in m.__dict__ for m in model.modules())
+
+
+def test_backward_failure_falls_back_to_pytorch(monkeypatch, caplog):
+    import torch.nn.functional as F
+
+    import instability_watch.kernels.ops as ops
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("backward kernel failed")
+
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 16, 16, requires_grad=True) for _ in range(3))
+
+    class Attn(torch.nn.Module):
+        def forward(self, q, k, v):
+            return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+    model = Attn()
+    watch = InstabilityWatch(model, WatchConfig(), layers=[AttentionLayer(model, 2, lambda: torch.zeros(2, 4, 4))])
+    monkeypatch.setattr(ops, "_backward", broken)
+    with caplog.at_level(logging.ERROR, logger="instability_watch"):
+        model(q, k, v).sum().backward()
+    ref = [torch.autograd.grad(F.scaled_dot_product_attention(q, k, v, is_causal=True).sum(), t)[0] for t in (q, k, v)]
+    for t, r in zip((q, k, v), ref):
+        torch.testing.assert_close(t.grad, r)
+    assert "routing" in watch.disabled
+    watch.detach()
+    strict = InstabilityWatch(model, WatchConfig(strict=True), layers=[AttentionLayer(model, 2, lambda: torch.zeros(2, 4, 4))])
+    with pytest.raises(RuntimeError, match="backward kernel failed"):
+        model(q, k, v).sum().backward()
+    strict.detach()
+
+
+def test_detach_reads_back_pending_steps():
+    torch.manual_seed(0)
+    model = TiedAttention()
+    seen = []
+    watch = InstabilityWatch(model, WatchConfig(**E2E), layers=model.layers(),
+                             listeners=[lambda m, a, w: seen.extend(x.step for x in m)])
+    _train_tied(model, watch, 7)
+    watch.detach()
+    assert seen == list(range(1, 8))
+
+
+def test_nonfinite_weights_alert():
+    model = _nano()
+    watch = InstabilityWatch(model, WatchConfig(log_every=2, spectral_every=1))
+    with torch.no_grad():
+        model.h[1].attn.c_attn.weight[3, 0] = float("inf")
+    x = torch.randint(0, 256, (2, 16))
+    for _ in range(2):
+        with torch.no_grad():
+            model(x, x)
+        watch.step()
+    kinds = {(a.layer, a.kind) for a in watch.alerts}
+    assert (1, "nonfinite") in kinds
+
+
+def test_statistics_failure_keeps_switched_heads_stabilized(monkeypatch):
+    model = _nano()
+    watch = InstabilityWatch(model, WatchConfig(log_every=1))
+    watch.switch(0, 1)
+    monkeypatch.setattr(watch, "_record", lambda s, loss: (_ for _ in ()).throw(RuntimeError("boom")))
+    _steps(model, watch, 2)
+    assert "statistics" in watch.disabled
+    assert watch.attachment.routing and not watch.attachment.probes
+    calls = watch.attachment.sites[0].watched_calls
+    _steps(model, watch, 1)
+    assert watch.attachment.sites[0].watched_calls == calls + 1  # still on our (stabilized) kernel
+
+
+def test_load_state_after_failed_attach_is_a_no_op():
+    watch = InstabilityWatch(_nano(), layers=lambda m: 1 / 0)
+    watch.load_state_dict({"version": 1})
+    assert watch.step() == []
+
+
+def test_ddp_two_ranks_decide_the_same_and_a_failing_rank_does_not_hang(tmp_path):
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    script = os.path.join(os.path.dirname(__file__), "scripts", "ddp_watch.py")
+    env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
+    for case, extra in (("ok", []), ("fail", ["1", "12"])):
+        out = tmp_path / case
+        out.mkdir()
+        with socket.socket() as sock:
+            sock.bind(("127.0.0.1", 0))
+            port = sock.getsockname()[1]
+        proc = subprocess.run([sys.executable, script, str(out), str(port), *extra], env=env,
+                              capture_output=True, text=True, timeout=300)
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        r0, r1 = (json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1))
+        assert r0["steps"] == r1["steps"] == 40
+        if case == "ok":
+            assert r0["switched"] == r1["switched"] and len(r0["switched"]) == 2
+            assert r0["alerts"] == r1["alerts"] and r0["last_loss"] == r1["last_loss"]
+            assert r0["disabled"] == r1["disabled"] == []
+        else:  # rank 1 failed at step 12: both turn statistics off at the step-15 read-back, nobody hangs
+            assert r0["disabled"] == r1["disabled"] == ["statistics"]

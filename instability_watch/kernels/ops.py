@@ -14,6 +14,7 @@ log2 for Triton) and only ever passed back to the same backend's backward.
 """
 from __future__ import annotations
 
+import contextvars
 from typing import Optional, Tuple
 
 import torch
@@ -30,6 +31,22 @@ def _into(like: Tensor, t: Tensor) -> Tensor:
     if out.stride() == t.stride():
         return t
     return out.copy_(t)
+
+
+# Set by the watch around a routed call: where a failure in this call's backward
+# is reported before the backward falls back to PyTorch (fail-open). ``None``:
+# failures propagate (plain calls, ``strict=True``).
+ERROR_HANDLER: contextvars.ContextVar = contextvars.ContextVar("instability_watch_error_handler", default=None)
+
+
+def _pytorch_backward(q, k, v, do, causal: bool, scale: float):
+    """Gradients from PyTorch's SDPA, recomputed from the saved inputs (the fail-open path)."""
+    with torch.enable_grad():
+        qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
+        o = torch.nn.functional.scaled_dot_product_attention(
+            qq, kk, vv, is_causal=causal, scale=scale, enable_gqa=qq.shape[1] != kk.shape[1]
+        )
+        return torch.autograd.grad(o, (qq, kk, vv), do)
 
 
 def _triton():
@@ -105,6 +122,7 @@ class FlashAttention(torch.autograd.Function):
         ctx.shadow = bool(shadow and counts is not None)
         ctx.probe_buffers = (counts, values) if ctx.shadow else (None, None)
         ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        ctx.on_error = None if torch.compiler.is_compiling() else ERROR_HANDLER.get()
         return o
 
     @staticmethod
@@ -112,7 +130,13 @@ class FlashAttention(torch.autograd.Function):
         q, k, v, o, lse = ctx.saved_tensors
         counts, values = ctx.probe_buffers
         bwd = attention_bwd if torch.compiler.is_compiling() else _backward
-        dq, dk, dv = bwd(
-            q, k, v, o, lse, do, counts, values, ctx.causal, ctx.scale, ctx.shadow, ctx.backend
-        )
+        try:
+            dq, dk, dv = bwd(
+                q, k, v, o, lse, do, counts, values, ctx.causal, ctx.scale, ctx.shadow, ctx.backend
+            )
+        except Exception as exc:
+            if ctx.on_error is None:
+                raise
+            ctx.on_error(exc)  # reported once by the watch, which turns routing off
+            dq, dk, dv = _pytorch_backward(q, k, v, do, ctx.causal, ctx.scale)
         return dq, dk, dv, None, None, None, None, None, None, None, None, None

@@ -1,0 +1,62 @@
+"""Two CPU processes (gloo) run the watch on different data; print each rank's decisions as JSON.
+
+Usage: python ddp_watch.py OUT_DIR PORT [fail_rank fail_step]
+"""
+import json
+import os
+import sys
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
+
+
+def run(rank, out_dir, port, fail_rank, fail_step):
+    from instability_watch import InstabilityWatch, WatchConfig
+    from watch_models import TiedAttention, tied_batch
+
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    torch.manual_seed(0)
+    model = TiedAttention()
+    cfg = WatchConfig(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
+    watch = InstabilityWatch(model, cfg, layers=model.layers())
+    if rank == fail_rank:
+        original = watch._record
+
+        def record(s, loss):
+            if s >= fail_step:
+                raise RuntimeError("injected failure")
+            return original(s, loss)
+
+        watch._record = record
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for i in range(40):
+        o = model(*tied_batch(2 * i + rank))  # each rank its own data
+        loss = 0.5 * o.float().pow(2).sum() / o.shape[0]
+        loss.backward()
+        for p in model.parameters():  # what DDP does to gradients
+            dist.all_reduce(p.grad)
+            p.grad /= 2
+        opt.step()
+        opt.zero_grad()
+        watch.step(loss)
+    watch.detach()
+    result = {
+        "switched": sorted([l, h, s] for (l, h), s in watch.switched.items()),
+        "alerts": [[a.step, a.layer, a.head, a.kind] for a in watch.alerts],
+        "disabled": sorted(watch.disabled),
+        "steps": watch.step_count,
+        "last_loss": watch.last_metrics[-1].loss if watch.last_metrics else None,
+    }
+    with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
+        json.dump(result, f)
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    out_dir, port = sys.argv[1], int(sys.argv[2])
+    fail_rank, fail_step = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (-1, 0)
+    mp.spawn(run, args=(out_dir, port, fail_rank, fail_step), nprocs=2, join=True)
