@@ -444,7 +444,7 @@ class Attachment:
         site = self.sites[layer]
         if not 0 <= head < site.num_heads:
             raise ValueError(f"head must be in [0, {site.num_heads}) for layer {site.name}, got {head}")
-        site.stabilize[head] = on
+        site.stabilize[head:head + 1].fill_(bool(on))  # a kernel, not a host-to-device copy
 
     def w_q(self) -> List[torch.Tensor]:
         """``W_Q`` per layer, each ``(H, head_dim, d_in)``, detached."""

@@ -279,8 +279,10 @@ class InstabilityWatch:
         if isinstance(loss, torch.Tensor):
             row[-2:-1].copy_(loss.detach().reshape(-1)[:1])
         else:
-            row[-2] = float("nan") if loss is None else float(loss)
-        row[-1] = 1.0  # this rank recorded the step (summed across ranks)
+            row[-2:-1].fill_(float("nan") if loss is None else float(loss))
+        # fill_, not ``row[-1] = 1.0``: item assignment of a Python number copies a
+        # host scalar into device memory, which waits for the stream (a sync per step)
+        row[-1:].fill_(1.0)  # this rank recorded the step (summed across ranks)
         bank.zero_()
         self._pending_steps.append(s)
 
@@ -309,7 +311,7 @@ class InstabilityWatch:
                 data = ring[:n].clone()
             else:  # this rank has nothing valid: take part with an "unhealthy" block
                 data = torch.full((n, ring.shape[1]), float("nan"), dtype=torch.float64, device=ring.device)
-                data[:, -1] = 0.0
+                data[:, -1:].fill_(0.0)
             if distributed:
                 data = self._reduce(data)
             host = data.cpu().numpy()  # the one host sync

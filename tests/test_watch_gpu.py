@@ -77,3 +77,26 @@ def test_switching_a_head_does_not_recompile_and_changes_only_that_head():
     # exact in exact arithmetic: the logits move by rounding only
     assert (out.float() - base.float()).abs().max().item() < 0.25
     att.detach()
+
+
+def test_no_host_sync_between_read_backs():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=256, block_size=256)).cuda()
+    watch = InstabilityWatch(model, WatchConfig(log_every=4, shadow_every=2, spectral_every=2))
+    x = torch.randint(0, 256, (2, 256), device="cuda")
+    for step in range(1, 4):  # steps 1-3: shadow and spectral steps included, no read-back
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, x)[1]
+        loss.backward()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            watch.step(loss)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        watch.switch(0, 1)  # also without a sync
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert watch.step_count == 3 and len(watch.last_metrics) == 0
+    watch.detach()
