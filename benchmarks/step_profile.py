@@ -6,18 +6,17 @@ each after warm-up. Run:  python benchmarks/step_profile.py [--batch 16] [--top 
 from __future__ import annotations
 
 import argparse
-import copy
 import sys
 from pathlib import Path
 
 import torch
-from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.profiler import ProfilerActivity, profile
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from instability_watch import InstabilityWatch, WatchConfig  # noqa: E402
-from instability_watch.attach import attach  # noqa: E402
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from instability_watch import WatchConfig  # noqa: E402
 from instability_watch.nanogpt import GPT, GPTConfig  # noqa: E402
+from watch_overhead import VARIANTS, make_variant, train_step  # noqa: E402
 
 
 def main() -> int:
@@ -29,27 +28,11 @@ def main() -> int:
     base = GPT(GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)).cuda()
     x = torch.randint(0, 256, (args.batch, 1025), device="cuda")
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
-    for name in ("sdpa-flash", "ours", "watch"):
-        model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-        watch = None
-        if name == "ours":
-            attach(model, probes=False)
-        elif name == "watch":
-            watch = InstabilityWatch(model, WatchConfig(log_every=1000))
+    for name in VARIANTS:
+        v = make_variant(base, name, WatchConfig(log_every=1000))
 
         def step():
-            with torch.autocast("cuda", dtype=torch.bfloat16):
-                if name == "sdpa-flash":
-                    with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                        loss = model(inp, tgt)[1]
-                else:
-                    loss = model(inp, tgt)[1]
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-            if watch is not None:
-                watch.step(loss)
+            train_step(v, name, inp, tgt)
 
         for _ in range(5):
             step()

@@ -32,6 +32,35 @@ from instability_watch.attach import attach  # noqa: E402
 from instability_watch.nanogpt import GPT, GPTConfig  # noqa: E402
 
 
+VARIANTS = ("sdpa-flash", "ours", "watch")
+
+
+def make_variant(base, name: str, config: WatchConfig | None = None) -> dict:
+    """A copy of ``base`` with its optimizer, set up as variant ``name`` (see the module docstring)."""
+    model = copy.deepcopy(base)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
+    watch = None
+    if name == "ours":
+        attach(model, probes=False)
+    elif name == "watch":
+        watch = InstabilityWatch(model, config or WatchConfig())
+    return dict(model=model, opt=opt, watch=watch, times=[], alerts=0)
+
+
+def train_step(v: dict, name: str, inp, tgt) -> list:
+    """One BF16 training step of variant ``v``; returns the watch's alerts (if any)."""
+    with torch.autocast("cuda", dtype=torch.bfloat16):
+        if name == "sdpa-flash":
+            with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
+                loss = v["model"](inp, tgt)[1]
+        else:
+            loss = v["model"](inp, tgt)[1]
+    loss.backward()
+    v["opt"].step()
+    v["opt"].zero_grad(set_to_none=True)
+    return v["watch"].step(loss) if v["watch"] is not None else []
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--batch", type=int, default=16)
@@ -51,29 +80,10 @@ def main() -> int:
     x = torch.randint(0, 256, (args.batch, args.seq + 1), device=dev)
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
-    variants = {}
-    for name in ("sdpa-flash", "ours", "watch"):
-        model = copy.deepcopy(base)
-        opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
-        watch = None
-        if name == "ours":
-            attach(model, probes=False)
-        elif name == "watch":
-            watch = InstabilityWatch(model, WatchConfig())
-        variants[name] = dict(model=model, opt=opt, watch=watch, times=[], alerts=0)
+    variants = {name: make_variant(base, name) for name in VARIANTS}
 
     def step(v, name):
-        with torch.autocast("cuda", dtype=torch.bfloat16):
-            if name == "sdpa-flash":
-                with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                    loss = v["model"](inp, tgt)[1]
-            else:
-                loss = v["model"](inp, tgt)[1]
-        loss.backward()
-        v["opt"].step()
-        v["opt"].zero_grad(set_to_none=True)
-        if v["watch"] is not None:
-            v["alerts"] += len(v["watch"].step(loss))
+        v["alerts"] += len(train_step(v, name, inp, tgt))
 
     for name, v in variants.items():
         for _ in range(args.warmup):

@@ -132,20 +132,23 @@ class _Baseline:
             return np.where(self.n > 0, self.sum / np.maximum(self.n, 1), np.nan)
 
 
-class _Sustained(Detector):
-    """Baseline-relative level rule: ``x > threshold(baseline)`` for ``sustain`` observations."""
+class _WithBaseline(Detector):
+    """A detector with a warm-up baseline; its arrays are part of the state."""
 
     _state_arrays = ("base_sum", "base_n", "run")
+
+    base_sum = property(lambda self: self._base.sum, lambda self, v: setattr(self._base, "sum", v))
+    base_n = property(lambda self: self._base.n, lambda self, v: setattr(self._base, "n", v))
 
     def __init__(self, shape, warmup_steps: int, sustain: int) -> None:
         super().__init__(shape, warmup_steps)
         self.sustain = int(sustain)
         self._base = _Baseline(self.shape)
-        self.run = np.zeros(self.shape)
+        self.run = np.zeros(self.shape)  # consecutive observations over threshold
 
-    # the baseline's arrays are part of the state
-    base_sum = property(lambda self: self._base.sum, lambda self, v: setattr(self._base, "sum", v))
-    base_n = property(lambda self: self._base.n, lambda self, v: setattr(self._base, "n", v))
+
+class _Sustained(_WithBaseline):
+    """Baseline-relative level rule: ``x > threshold(baseline)`` for ``sustain`` observations."""
 
     def threshold(self, base: np.ndarray) -> np.ndarray:
         raise NotImplementedError
@@ -234,22 +237,15 @@ class DeltaDrift(Detector):
         return self._trips(seen & (stat > self.h), stat, thr, fmt)
 
 
-class SpectralGrowth(Detector):
+class SpectralGrowth(_WithBaseline):
     """sigma(W_Q[h]) growth vs warm-up baseline, relative to the median head (and optionally absolute)."""
 
     kind = "spectral_growth"
-    _state_arrays = ("base_sum", "base_n", "run")
 
     def __init__(self, shape, warmup_steps: int, sustain: int, rel_factor: float, abs_factor: Optional[float]) -> None:
-        super().__init__(shape, warmup_steps)
-        self.sustain = int(sustain)
+        super().__init__(shape, warmup_steps, sustain)
         self.rel_factor = float(rel_factor)
         self.abs_factor = None if abs_factor is None else float(abs_factor)
-        self._base = _Baseline(self.shape)
-        self.run = np.zeros(self.shape)
-
-    base_sum = property(lambda self: self._base.sum, lambda self, v: setattr(self._base, "sum", v))
-    base_n = property(lambda self: self._base.n, lambda self, v: setattr(self._base, "n", v))
 
     def update(self, step: int, x: np.ndarray) -> List[Trip]:
         seen = np.isfinite(x) & (x > 0)
