@@ -9,6 +9,9 @@ Public API (grows with each milestone):
   a model, tracks every head and raises :class:`Alert` records.
 * :class:`AttentionLayer` -- describe an attention layer the built-in locators
   do not know.
+* :class:`InstabilityWatchCallback` -- the watch in a Lightning ``Trainer``
+  (imported on first use, so ``import instability_watch`` does not load Lightning).
+* :func:`load_run` -- a run directory's CSVs as pandas DataFrames.
 """
 from .attach import AttentionLayer
 from .config import WatchConfig
@@ -21,5 +24,17 @@ __version__ = "0.1.0"
 
 __all__ = [
     "flash_attention", "Probe", "InstabilityWatch", "WatchConfig", "Alert", "Event", "StepMetrics",
-    "WatchError", "AttentionLayer", "KINDS", "__version__",
+    "WatchError", "AttentionLayer", "KINDS", "InstabilityWatchCallback", "load_run", "__version__",
 ]
+
+
+def __getattr__(name):
+    if name == "InstabilityWatchCallback":
+        from .callbacks.lightning import InstabilityWatchCallback
+
+        return InstabilityWatchCallback
+    if name == "load_run":
+        from .export import load_run
+
+        return load_run
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

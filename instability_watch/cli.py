@@ -26,7 +26,32 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_argument("--draws", type=_positive_int, default=8, help="random draws per case (default 8)")
     demo.add_argument("--seq", type=_positive_int, default=256, help="sequence length (default 256)")
     demo.add_argument("--device", default="cpu", help="torch device to run on (default cpu)")
+    report = sub.add_parser(
+        "report",
+        help="summarise a run directory per head and plot its diagnostics",
+        description="Print a per-head summary of a run directory written by RunWriter and write "
+        "PNG plots of sigma(W_Q), multi-max frequency, sum(delta_lp - delta_hp), max logit and loss.",
+    )
+    report.add_argument("run_dir", metavar="RUN_DIR", help="the run directory (holds metrics.csv)")
+    report.add_argument("--out", metavar="DIR", default=None,
+                        help="where to write the PNGs (default RUN_DIR/report/)")
+    report.add_argument("--top", type=_positive_int, default=20,
+                        help="heads shown in the table (default 20); the plots colour the first 6 of them")
+    report.add_argument("--no-plots", action="store_true", help="print the summary only, write no PNGs")
     return parser
+
+
+def _report(args: argparse.Namespace) -> int:
+    """Run `instability-watch report`; a bad run directory is one line on stderr and status 2."""
+    from . import report
+    from .export import RunDirError
+
+    try:
+        return report.main(args.run_dir, out_dir=args.out, top=args.top, plots=not args.no_plots)
+    except (RunDirError, OSError) as exc:
+        message = " ".join(str(exc).splitlines())
+        print(f"instability-watch report: error: {message}", file=sys.stderr)
+        return 2
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -35,6 +60,8 @@ def main(argv: Optional[List[str]] = None) -> int:
         from . import demo
 
         return demo.main(draws=args.draws, seq=args.seq, device=args.device)
+    if args.command == "report":
+        return _report(args)
     return 2  # unreachable: argparse requires a known command
 
 

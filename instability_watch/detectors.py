@@ -103,12 +103,14 @@ class Detector:
         return out
 
     def state_dict(self) -> dict:
-        state = {"fired": self.fired.tolist()}
+        state = {"fired": self.fired.tolist(), "warmup_steps": self.warmup_steps}
         for name in self._state_arrays:
             state[name] = _as_list(getattr(self, name))
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        # the warm-up's end moves when a watch starts on a resumed model (InstabilityWatch.start_at)
+        self.warmup_steps = int(state.get("warmup_steps", self.warmup_steps))
         self.fired = _from_list(state["fired"], self.shape).astype(bool)
         for name in self._state_arrays:
             setattr(self, name, _from_list(state[name], self.shape))

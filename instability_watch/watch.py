@@ -184,6 +184,39 @@ class InstabilityWatch:
         self.flush()
         self.attachment.detach()
 
+    @property
+    def flushed_through(self) -> int:
+        """The last step read back (steps after it are still on the device)."""
+        return self._flushed_through
+
+    def pause_statistics(self) -> None:
+        """Stop collecting (e.g. during validation); attention stays routed, so switched heads stay stabilized."""
+        if self.attachment is not None:
+            self.attachment.probes = False
+
+    def resume_statistics(self) -> None:
+        """Collect again after :meth:`pause_statistics` (unless statistics were turned off by a failure)."""
+        if self.attachment is not None and "statistics" not in self.disabled:
+            self.attachment.probes = True
+
+    def start_at(self, step: int) -> None:
+        """Continue counting after optimizer step ``step`` (a model resumed without watch state).
+
+        Anything pending is discarded; the detectors' warm-up starts again from here.
+        """
+        if not isinstance(step, int) or step < 0:
+            raise ValueError(f"step must be a non-negative integer, got {step!r}")
+        self.step_count = step
+        self._flushed_through = step
+        self._pending_steps = []
+        if self.attachment is not None:
+            self.attachment.bank.zero_()
+            shape = self.shape
+            self.detectors = build_detectors(self.config, shape)
+            for d in self.detectors.values():
+                d.warmup_steps = step + self.config.warmup_steps
+        self._set_shadow(_due(step + 1, self.config.shadow_every))
+
     def __enter__(self) -> "InstabilityWatch":
         return self
 

@@ -1,0 +1,352 @@
+"""``InstabilityWatchCallback``: the watch in a Lightning ``Trainer``.
+
+A thin adapter over :class:`~instability_watch.InstabilityWatch` (all logic
+lives in the engine): it attaches in ``setup``, calls ``watch.step`` once per
+optimizer step, pauses the statistics during validation and sanity checking,
+sends a few scalars to the trainer's loggers, keeps the watch's state in
+checkpoints and detaches on teardown. Rank 0 prints alert panels (and the live
+table) and writes the run directory; under DDP the engine reduces the
+statistics across ranks first, so every rank switches the same heads at the
+same step.
+"""
+from __future__ import annotations
+
+import logging
+import math
+import os
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+
+import torch
+
+try:
+    import lightning.pytorch as pl
+    from lightning.pytorch.callbacks import Callback
+    from lightning.pytorch.utilities.exceptions import MisconfigurationException
+except ImportError as exc:  # pragma: no cover - lightning is a dependency
+    raise ImportError(
+        "InstabilityWatchCallback needs PyTorch Lightning: pip install 'lightning>=2.4'"
+    ) from exc
+
+from ..attach import AttentionLayer, find_attention_layers
+from ..config import WatchConfig
+from ..console import ConsoleReporter
+from ..export import RunWriter
+from ..watch import InstabilityWatch, StepMetrics
+
+log = logging.getLogger("instability_watch")
+
+LayersArg = Union[None, Sequence[AttentionLayer], Callable[["pl.LightningModule"], Sequence[AttentionLayer]]]
+
+_STATE_VERSION = 1
+
+
+def _unsupported_strategy(strategy: Any) -> Optional[str]:
+    """Why a strategy cannot be watched (``None`` if it can): W_Q must be whole on every rank."""
+    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+
+    name = type(strategy).__name__
+    if "DeepSpeed" in name or "FSDP" in name or "ModelParallel" in name:
+        return f"{name} shards the weights, so W_Q per head is not whole on a rank"
+    if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+        return None
+    return f"{name} is not one of the supported strategies (single device, DDP)"
+
+
+class InstabilityWatchCallback(Callback):
+    """Watch every attention head while a Lightning ``Trainer`` fits.
+
+    Args:
+        config: a :class:`~instability_watch.WatchConfig` (or a dict of its
+            fields); the defaults if ``None``.
+        layers: ``None`` to find attention layers with the built-in locators
+            (nanoGPT, Hugging Face GPT-2 / Llama-style, ``nn.MultiheadAttention``),
+            a list of :class:`~instability_watch.AttentionLayer`, or a function
+            of the LightningModule returning one.
+        run_dir: where to write ``metrics.csv``, ``events.csv`` and
+            ``meta.json``. ``None``: ``<trainer.log_dir>/instability_watch``
+            (or ``<default_root_dir>/instability_watch`` without a logger); a
+            resumed run continues the directory recorded in its checkpoint.
+        overwrite: replace a run already in ``run_dir`` (else that is an error).
+        write_csv: write the run directory at all.
+        console: the rich ``Console`` for alert panels and the live table;
+            rich's global console if ``None`` (the one ``RichProgressBar`` uses).
+        alerts: print a panel per alert.
+        live_table: show a live table of the ``top`` worst heads, refreshed at
+            every read-back.
+        top: rows in the live table.
+        log_scalars: send aggregate scalars (``instability_watch/...``) to the
+            trainer's loggers at every read-back.
+
+    Raises:
+        TypeError, ValueError: bad arguments, at construction.
+        MisconfigurationException: in ``setup``, for a strategy that shards
+            weights (FSDP, DeepSpeed, model parallel) or a model with no
+            attention layer the locators find.
+
+    Example::
+
+        from lightning.pytorch import Trainer
+        from instability_watch import InstabilityWatchCallback, WatchConfig
+
+        cb = InstabilityWatchCallback(WatchConfig(auto_switch=True), live_table=True)
+        Trainer(precision="bf16-mixed", callbacks=[cb]).fit(model, data)
+        # then: instability-watch report <trainer.log_dir>/instability_watch
+    """
+
+    def __init__(
+        self,
+        config: Optional[Union[WatchConfig, Dict[str, Any]]] = None,
+        *,
+        layers: LayersArg = None,
+        run_dir: Optional[Union[str, os.PathLike]] = None,
+        overwrite: bool = False,
+        write_csv: bool = True,
+        console: Any = None,
+        alerts: bool = True,
+        live_table: bool = False,
+        top: int = 8,
+        log_scalars: bool = True,
+    ) -> None:
+        if config is None:
+            config = WatchConfig()
+        elif isinstance(config, dict):
+            config = WatchConfig(**config)
+        elif not isinstance(config, WatchConfig):
+            raise TypeError(f"config must be a WatchConfig, a dict of its fields or None, got {type(config).__name__}")
+        if layers is not None and not callable(layers):
+            layers = list(layers)
+            bad = [type(x).__name__ for x in layers if not isinstance(x, AttentionLayer)]
+            if bad:
+                raise TypeError(f"layers must hold AttentionLayer descriptions, got {bad}")
+        if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+            raise ValueError(f"top must be a positive integer, got {top!r}")
+        if console is not None and not hasattr(console, "print"):
+            raise TypeError(f"console must be a rich.console.Console, got {type(console).__name__}")
+        self.config = config
+        self.layers = layers
+        self.run_dir: Optional[Path] = Path(run_dir) if run_dir is not None else None
+        self._run_dir_given = run_dir is not None
+        self.overwrite = bool(overwrite)
+        self.write_csv = bool(write_csv)
+        self.console = console
+        self.alerts = bool(alerts)
+        self.live_table = bool(live_table)
+        self.top = top
+        self.log_scalars = bool(log_scalars)
+
+        self.watch: Optional[InstabilityWatch] = None
+        self.writer: Optional[RunWriter] = None
+        self.reporter: Optional[ConsoleReporter] = None
+        self._trainer: Optional["pl.Trainer"] = None
+        self._pending_state: Optional[dict] = None  # loaded before the watch existed
+        self._restored = False
+        self._last_global_step = 0
+        self._loss_sum: Optional[torch.Tensor] = None
+        self._loss_n = 0
+        self._crashed = False
+        self._deferred = False
+
+    # ------------------------------------------------------------------ attach / detach
+
+    def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit":
+            return
+        why = _unsupported_strategy(trainer.strategy)
+        if why is not None:
+            raise MisconfigurationException(f"InstabilityWatchCallback cannot watch this run: {why}.")
+        self._trainer = trainer
+        self._crashed = False
+        layers = self._resolve_layers(pl_module)
+        if layers is None:  # the model's layers are built in configure_model: attach at fit start
+            self._deferred = True
+            return
+        self._attach(trainer, pl_module, layers)
+
+    def _resolve_layers(self, pl_module: "pl.LightningModule") -> Optional[List[AttentionLayer]]:
+        if callable(self.layers):
+            layers = list(self.layers(pl_module))
+        elif self.layers is not None:
+            layers = list(self.layers)
+        else:
+            layers = find_attention_layers(pl_module)
+        if layers:
+            return layers
+        from lightning.pytorch.utilities.model_helpers import is_overridden
+
+        if not self._deferred and is_overridden("configure_model", pl_module, pl.LightningModule):
+            return None
+        raise MisconfigurationException(
+            f"InstabilityWatchCallback found no attention layer in {type(pl_module).__name__}. The built-in "
+            "locators know nanoGPT-style blocks (c_attn + scaled_dot_product_attention), Hugging Face GPT-2 and "
+            "Llama-style attention (q_proj/k_proj, attn_implementation='sdpa') and nn.MultiheadAttention; "
+            "describe other layers with layers=[AttentionLayer(module, num_heads, w_q)]."
+        )
+
+    def _attach(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", layers: List[AttentionLayer]) -> None:
+        listeners = []
+        run_dir = self._default_run_dir(trainer)  # on every rank: trainer.log_dir is a collective under DDP
+        if trainer.is_global_zero:
+            if self.alerts or self.live_table:
+                self.reporter = ConsoleReporter(self.console, alerts=self.alerts, live_table=self.live_table,
+                                                top=self.top)
+                listeners.append(self.reporter)
+            if self.write_csv:
+                self.writer = RunWriter(run_dir, overwrite=self.overwrite)
+                listeners.append(self._write)
+        if self.log_scalars:
+            listeners.append(self._log_scalars)
+        self.watch = InstabilityWatch(pl_module, self.config, layers=layers, listeners=listeners)
+        if self._pending_state is not None:
+            self._load_watch_state(self._pending_state)
+            self._pending_state = None
+
+    def _default_run_dir(self, trainer: "pl.Trainer") -> Path:
+        if self.run_dir is not None:
+            return self.run_dir
+        base = trainer.log_dir if trainer.loggers else None
+        return Path(base or trainer.default_root_dir) / "instability_watch"
+
+    def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self._deferred and self.watch is None:
+            self._attach(trainer, pl_module, self._resolve_layers(pl_module))
+
+    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        watch = self.watch
+        if watch is None:
+            return
+        self._last_global_step = trainer.global_step
+        self._loss_sum, self._loss_n = None, 0
+        if watch.step_count != trainer.global_step:
+            # a checkpoint without our state (or of another run): count on from the trainer's step
+            if trainer.is_global_zero:
+                log.info("instability_watch: resuming at step %d without watch state; the warm-up starts again",
+                         trainer.global_step)
+            watch.start_at(trainer.global_step)
+            self._restored = False
+        if self.writer is not None:
+            if self._restored and not self._run_dir_given and self.run_dir is not None:
+                self.writer.run_dir = self.run_dir  # continue the directory of the checkpointed run
+            try:
+                self.writer.open(
+                    watch,
+                    resume_step=watch.flushed_through if self._restored else None,
+                    extra_meta={"trainer": {
+                        "precision": str(trainer.precision), "world_size": trainer.world_size,
+                        "accumulate_grad_batches": trainer.accumulate_grad_batches,
+                        "strategy": type(trainer.strategy).__name__,
+                    }},
+                )
+            except FileExistsError as exc:
+                raise MisconfigurationException(str(exc)) from None
+            self.run_dir = self.writer.run_dir
+
+    # ------------------------------------------------------------------ the step
+
+    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
+                           batch: Any, batch_idx: int) -> None:
+        watch = self.watch
+        if watch is None:
+            return
+        loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+            loss = loss.detach().float().reshape(())
+            if pl_module.automatic_optimization:
+                # Lightning hands back the loss divided by accumulate_grad_batches (what it backpropagated)
+                loss = loss * trainer.accumulate_grad_batches
+            self._loss_sum = loss if self._loss_sum is None else self._loss_sum + loss  # on device, no sync
+            self._loss_n += 1
+        stepped = trainer.global_step - self._last_global_step
+        if stepped <= 0:
+            return  # a micro-batch of gradient accumulation: its statistics add up into the coming step
+        self._last_global_step = trainer.global_step
+        mean = self._loss_sum / self._loss_n if self._loss_sum is not None else None
+        self._loss_sum, self._loss_n = None, 0
+        for i in range(stepped):  # several optimizers can step on one batch
+            watch.step(mean if i == stepped - 1 else None)
+
+    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.watch is not None:
+            self.watch.pause_statistics()  # validation and sanity checking are not training steps
+
+    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.watch is not None:
+            self.watch.resume_statistics()
+
+    # ------------------------------------------------------------------ outputs
+
+    def _write(self, metrics: List[StepMetrics], alerts, watch: InstabilityWatch) -> None:
+        self.writer(metrics, alerts, watch)
+
+    def _log_scalars(self, metrics: List[StepMetrics], alerts, watch: InstabilityWatch) -> None:
+        trainer = self._trainer
+        if trainer is None or not trainer.loggers or not metrics:
+            return
+        scalars = {f"instability_watch/{k}": v for k, v in watch.summary().items() if math.isfinite(v)}
+        if not scalars:
+            return
+        for logger in trainer.loggers:  # log_metrics is rank-zero only
+            logger.log_metrics(scalars, step=metrics[-1].step)
+
+    # ------------------------------------------------------------------ end
+
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        if self.watch is not None:
+            self.watch.flush()  # every rank: under DDP this is a collective
+        if self.reporter is not None:
+            self.reporter.close()  # stop the live table before the progress bar stops
+
+    def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
+        self._crashed = True
+
+    def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        if stage != "fit" or self.watch is None:
+            return
+        watch = self.watch
+        try:
+            if self._crashed and watch._distributed():
+                # the other ranks may never reach a collective again: no read-back, just restore the model
+                if watch.attachment is not None:
+                    watch.attachment.detach()
+            else:
+                watch.detach()  # reads back the steps still on the device, so the CSV has them
+        except Exception as exc:
+            if self.config.strict:
+                raise
+            log.error("instability_watch: detaching failed (%s); the model may still be routed", exc, exc_info=exc)
+        finally:
+            if self.reporter is not None:
+                self.reporter.close()
+            if self.writer is not None:
+                self.writer.close()
+            self._deferred = False
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> Dict[str, Any]:
+        if self.watch is None:
+            watch_state = self._pending_state
+        else:
+            watch_state = self.watch.state_dict()
+        return {
+            "version": _STATE_VERSION,
+            "watch": watch_state,
+            "run_dir": str(self.writer.run_dir) if self.writer is not None else (
+                str(self.run_dir) if self.run_dir is not None else None),
+        }
+
+    def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        watch_state = state_dict.get("watch")
+        run_dir = state_dict.get("run_dir")
+        if run_dir and not self._run_dir_given:
+            self.run_dir = Path(run_dir)
+        if watch_state is None:
+            return
+        if self.watch is None:
+            self._pending_state = watch_state
+        else:
+            self._load_watch_state(watch_state)
+
+    def _load_watch_state(self, state: dict) -> None:
+        self.watch.load_state_dict(state)
+        self._restored = self.watch.attachment is not None

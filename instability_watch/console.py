@@ -1,0 +1,313 @@
+"""Live ``rich`` output: a panel per alert and a compact table of the worst heads.
+
+The renderables (:class:`AlertPanel`, :class:`HeadTable`) are objects, separate
+from printing; :class:`ConsoleReporter` is the watch listener that prints them
+on a :class:`rich.console.Console` that is passed in (by default rich's global
+console, the one Lightning's ``RichProgressBar`` draws on, so panels appear
+above the progress bar instead of tearing it).
+
+The live table (``live_table=True``) is a :class:`rich.live.Live` updated at
+every read-back (every ``WatchConfig.log_every`` steps). When a progress bar
+already holds a live display on the same console, the table nests under it
+(rich >= 14.1 draws nested live displays together); where that is not possible,
+or the console is not a terminal, the table is printed as a plain block instead
+(when alerts arrive and at the end).
+
+Example::
+
+    from rich.console import Console
+    reporter = ConsoleReporter(Console(), live_table=True)
+    watch = InstabilityWatch(model, listeners=[reporter])
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+
+import numpy as np
+from rich.console import Console, ConsoleOptions, RenderResult
+from rich.panel import Panel
+from rich.table import Table
+from rich.text import Text
+
+from .detectors import Alert
+
+if TYPE_CHECKING:  # pragma: no cover
+    from .watch import InstabilityWatch, StepMetrics
+
+# One line per alert kind: what tripped, in words.
+KIND_TITLES: Dict[str, str] = {
+    "multi_max": "repeated row maxima became frequent",
+    "delta_drift": "delta error keeps one sign (biased backward)",
+    "spectral_growth": "sigma(W_Q) grows faster than the other heads",
+    "logit_growth": "attention logits grew",
+    "nonfinite": "non-finite values",
+}
+
+KIND_UNITS: Dict[str, str] = {
+    "multi_max": "fraction of rows whose maximum repeats",
+    "delta_drift": "sign CUSUM of sum(delta_lp - delta_hp)",
+    "spectral_growth": "sigma(W_Q) growth since warm-up",
+    "logit_growth": "largest attention logit",
+    "nonfinite": "count",
+}
+
+
+def _fmt(x: float, digits: int = 4) -> str:
+    if x is None or (isinstance(x, float) and math.isnan(x)):
+        return "-"
+    if isinstance(x, float) and math.isinf(x):
+        return "inf" if x > 0 else "-inf"
+    return f"{x:.{digits}g}"
+
+
+class AlertPanel:
+    """A rich panel for one :class:`Alert`: layer, head, what tripped, value vs threshold, action."""
+
+    def __init__(self, alert: Alert) -> None:
+        self.alert = alert
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        a = self.alert
+        switched = a.action.startswith("switched")
+        colour = "red" if a.kind == "nonfinite" else ("green" if switched else "yellow")
+        grid = Table.grid(padding=(0, 2))
+        grid.add_column(style="bold")
+        grid.add_column()
+        grid.add_row("layer", f"{a.layer_name or a.layer} (#{a.layer})")
+        grid.add_row("head", str(a.head))
+        grid.add_row("kind", f"{a.kind}: {KIND_TITLES.get(a.kind, a.kind)}")
+        grid.add_row("value", f"{_fmt(a.value)} vs threshold {_fmt(a.threshold)}  ({KIND_UNITS.get(a.kind, '')})")
+        grid.add_row("action", Text(a.action, style="bold green" if switched else ""))
+        grid.add_row("why", Text(a.message, style="dim"))
+        yield Panel(
+            grid,
+            title=f"[bold]instability_watch[/] · step {a.step} · {a.kind}",
+            title_align="left",
+            border_style=colour,
+            expand=False,
+        )
+
+
+class HeadTable:
+    """A compact table of the ``top`` worst heads of the latest read-back.
+
+    A head's score is the largest of its metrics relative to the median head:
+    multi-max frequency, largest logit, ``|sum(delta_lp - delta_hp)|`` so far
+    and sigma(W_Q) growth since first observed. Heads with alerts come first.
+
+    Args:
+        rows: per-head records, as built by :meth:`HeadTracker.rows`.
+        step: the step the table describes.
+        top: how many heads to show.
+    """
+
+    COLUMNS = ("layer", "head", "multi-max", "max logit", "Σδ drift", "σ(W_Q)", "σ growth", "state")
+
+    def __init__(self, rows: List[dict], *, step: int, top: int = 8) -> None:
+        self.rows = rows
+        self.step = step
+        self.top = top
+
+    def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
+        table = Table(
+            title=f"instability_watch · worst heads at step {self.step}",
+            title_justify="left",
+            caption=(f"{len(self.rows) - self.top} more heads not shown" if len(self.rows) > self.top else None),
+            caption_justify="left",
+            show_edge=False,
+            pad_edge=False,
+            header_style="bold",
+        )
+        for name in self.COLUMNS:
+            table.add_column(name, justify="left" if name in ("layer", "state") else "right",
+                             no_wrap=name != "state", overflow="fold" if name == "layer" else "ellipsis")
+        names = _short_names([r["layer_name"] for r in self.rows])
+        for r, name in zip(self.rows[: self.top], names):
+            style = "green" if r["stabilized"] else ("yellow" if r["alerts"] else None)
+            table.add_row(
+                name, str(r["head"]), _fmt(r["multi_max_freq"], 3), _fmt(r["max_score"], 4),
+                _fmt(r["delta_cum"], 3), _fmt(r["sigma_wq"], 4), _fmt(r["sigma_growth"], 3), r["state"],
+                style=style,
+            )
+        yield table
+
+
+def _short_names(names: List[str]) -> List[str]:
+    """Drop the dotted prefix all names share (``model.h.0.attn`` -> ``h.0.attn``)."""
+    if len(set(names)) < 2:
+        return list(names)
+    parts = [n.split(".") for n in names]
+    common = 0
+    while all(len(p) > common + 1 for p in parts) and len({p[common] for p in parts}) == 1:
+        common += 1
+    common = max(common - 1, 0)  # keep the container's name: h.0.attn, not 0.attn
+    return [".".join(p[common:]) for p in parts]
+
+
+class HeadTracker:
+    """Keeps what the head table needs between read-backs (first sigma(W_Q) seen, last values)."""
+
+    def __init__(self) -> None:
+        self.sigma0: Optional[np.ndarray] = None
+        self.last: Dict[str, np.ndarray] = {}
+        self.step = 0
+
+    def update(self, metrics: Sequence["StepMetrics"]) -> None:
+        if not metrics:
+            return
+        with np.errstate(all="ignore"):
+            for m in metrics:
+                sig = m["sigma_wq"]
+                if self.sigma0 is None:
+                    self.sigma0 = np.full(sig.shape, np.nan)
+                first = np.isnan(self.sigma0) & np.isfinite(sig)
+                self.sigma0 = np.where(first, sig, self.sigma0)
+                if np.isfinite(sig).any():
+                    self.last["sigma_wq"] = np.where(np.isnan(sig), self.last.get("sigma_wq", sig), sig)
+            stacked = {k: np.stack([m[k] for m in metrics]) for k in ("multi_max_freq", "max_score")}
+            self.last["multi_max_freq"] = _nanmean0(stacked["multi_max_freq"])
+            self.last["max_score"] = _nanmax0(stacked["max_score"])
+            self.last["delta_cum"] = metrics[-1]["delta_cum"]
+        self.step = metrics[-1].step
+
+    def rows(self, watch: "InstabilityWatch") -> List[dict]:
+        """Per-head records, worst first."""
+        if not self.last:
+            return []
+        shape = watch.shape
+        nan = np.full(shape, np.nan)
+        mmf = self.last.get("multi_max_freq", nan)
+        score = self.last.get("max_score", nan)
+        dcum = self.last.get("delta_cum", nan)
+        sig = self.last.get("sigma_wq", nan)
+        with np.errstate(all="ignore"):
+            growth = sig / self.sigma0 if self.sigma0 is not None else nan
+            parts = [np.abs(x) / np.nanmedian(np.abs(x)) if np.isfinite(x).any() else np.zeros(shape)
+                     for x in (mmf, score, dcum, growth)]
+            badness = np.nanmax(np.stack([np.nan_to_num(p, nan=0.0, posinf=1e300) for p in parts]), axis=0)
+        alerts: Dict[Tuple[int, int], List[str]] = {}
+        for a in watch.alerts:
+            alerts.setdefault((a.layer, a.head), []).append(a.kind)
+        out = []
+        for layer, heads in enumerate(watch.head_counts):
+            for head in range(heads):
+                kinds = alerts.get((layer, head), [])
+                stab = (layer, head) in watch.switched
+                state = []
+                if stab:
+                    state.append(f"stabilized@{watch.switched[(layer, head)]}")
+                if kinds:
+                    state.append("alert: " + ",".join(dict.fromkeys(kinds)))
+                out.append({
+                    "layer": layer, "layer_name": watch.layer_names[layer], "head": head,
+                    "multi_max_freq": float(mmf[layer, head]), "max_score": float(score[layer, head]),
+                    "delta_cum": float(dcum[layer, head]), "sigma_wq": float(sig[layer, head]),
+                    "sigma_growth": float(growth[layer, head]), "alerts": len(kinds), "stabilized": stab,
+                    "state": "; ".join(state) or "ok", "_badness": float(badness[layer, head]),
+                })
+        out.sort(key=lambda r: (-(r["alerts"] > 0 or r["stabilized"]), -r["_badness"]))
+        return out
+
+
+def _nanmean0(a: np.ndarray) -> np.ndarray:
+    ok = np.isfinite(a)
+    n = ok.sum(axis=0)
+    return np.where(n > 0, np.where(ok, a, 0.0).sum(axis=0) / np.maximum(n, 1), np.nan)
+
+
+def _nanmax0(a: np.ndarray) -> np.ndarray:
+    ok = ~np.isnan(a)
+    return np.where(ok.any(axis=0), np.where(ok, a, -np.inf).max(axis=0), np.nan)
+
+
+class ConsoleReporter:
+    """A watch listener that prints alert panels and (optionally) the live worst-heads table.
+
+    Args:
+        console: where to print; rich's global console if ``None`` (the one
+            Lightning's ``RichProgressBar`` uses).
+        alerts: print a panel per new alert.
+        live_table: keep a table of the worst heads, refreshed at every read-back.
+        top: rows in that table.
+    """
+
+    def __init__(self, console: Optional[Console] = None, *, alerts: bool = True, live_table: bool = False,
+                 top: int = 8) -> None:
+        if not isinstance(top, int) or isinstance(top, bool) or top < 1:
+            raise ValueError(f"top must be a positive integer, got {top!r}")
+        if console is None:
+            from rich import get_console
+
+            console = get_console()
+        self.console = console
+        self.show_alerts = bool(alerts)
+        self.live_table = bool(live_table)
+        self.top = top
+        self.tracker = HeadTracker()
+        self._live = None
+        self._closed = False
+        self._watch: Optional["InstabilityWatch"] = None
+
+    def table(self, watch: Optional["InstabilityWatch"] = None) -> Optional[HeadTable]:
+        """The current worst-heads table (``None`` before the first read-back)."""
+        watch = watch or self._watch
+        if watch is None or not self.tracker.last:
+            return None
+        return HeadTable(self.tracker.rows(watch), step=self.tracker.step, top=self.top)
+
+    def __call__(self, metrics: List["StepMetrics"], alerts: List[Alert], watch: "InstabilityWatch") -> None:
+        self._watch = watch
+        if self.live_table:
+            self.tracker.update(metrics)
+        if self.show_alerts:
+            for a in alerts:
+                self.console.print(AlertPanel(a))
+        if self.live_table:
+            table = self.table(watch)
+            if table is not None:
+                self._show(table, force_print=bool(alerts))
+
+    # -- the live display
+
+    def _on_console(self, live) -> bool:
+        """``live`` is still on the console's live stack (a progress bar restarting can pop it)."""
+        stack = getattr(self.console, "_live_stack", None)
+        return live is not None and (stack is None or live in stack)
+
+    def _show(self, table: HeadTable, *, force_print: bool) -> None:
+        if not self.console.is_terminal:
+            if force_print:
+                self.console.print(table)
+            return
+        if self._on_console(self._live):
+            self._live.update(table, refresh=True)
+            return
+        self._live = None  # never started, or removed from the console by someone else
+        from rich.errors import LiveError
+        from rich.live import Live
+
+        live = Live(table, console=self.console, auto_refresh=False, redirect_stdout=False, redirect_stderr=False)
+        try:
+            live.start(refresh=True)
+        except LiveError:  # an older rich with another live display active: print instead
+            self.console.print(table)
+            return
+        self._live = live
+
+    def close(self) -> None:
+        """Stop the live table, leaving its last state on screen (printed once on non-terminals)."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._live is not None:
+            live, self._live = self._live, None
+            if self._on_console(live):
+                try:
+                    live.stop()
+                except Exception:  # the console's live stack was changed under us
+                    pass
+        elif self.live_table and not self.console.is_terminal:
+            table = self.table()
+            if table is not None:
+                self.console.print(table)

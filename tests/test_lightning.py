@@ -1,0 +1,240 @@
+"""InstabilityWatchCallback in real Lightning Trainers (CPU)."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import numpy as np
+import pandas as pd
+import pytest
+import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
+from lightning.pytorch.loggers import CSVLogger
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+
+from instability_watch import InstabilityWatchCallback, WatchConfig, load_run
+from instability_watch.callbacks.lightning import _unsupported_strategy
+from lightning_models import TiedModule, TinyGPT
+
+REPO = Path(__file__).resolve().parents[1]
+TIED_CFG = dict(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
+
+
+def _trainer(tmp_path, **kw):
+    args = dict(
+        accelerator="cpu", devices=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False, default_root_dir=str(tmp_path),
+    )
+    args.update(kw)
+    return pl.Trainer(**args)
+
+
+def test_csv_rows_logger_scalars_and_gradient_accumulation(tmp_path):
+    torch.manual_seed(0)
+    model = TinyGPT(val=True)
+    cb = InstabilityWatchCallback(WatchConfig(log_every=4, shadow_every=2, spectral_every=4, warmup_steps=4),
+                                  alerts=False)
+    logger = CSVLogger(str(tmp_path / "logs"))
+    trainer = _trainer(
+        tmp_path, callbacks=[cb], logger=logger, max_steps=12, accumulate_grad_batches=2, precision="bf16-mixed",
+        limit_val_batches=2, val_check_interval=10, num_sanity_val_steps=2, log_every_n_steps=1,
+    )
+    trainer.fit(model)
+
+    # the default run directory sits in the logger's version directory
+    assert cb.run_dir == Path(logger.log_dir) / "instability_watch"
+    run = load_run(cb.run_dir)
+    m = run.metrics
+    # one row per optimizer step (not per micro-batch), layer and head, each exactly once
+    assert sorted(m["step"].unique()) == list(range(1, 13))
+    assert len(m) == 12 * 2 * 2
+    assert not m.duplicated(["step", "layer", "head"]).any()
+    assert list(m["layer_name"].unique()) == ["model.h.0.attn", "model.h.1.attn"]
+    # rows: both micro-batches add up into the step (2 x batch 2 x 24 positions); sanity
+    # checking and validation (which ran through the same layers) are not counted
+    assert (m["rows"] == 2 * 2 * 24).all()
+    # shadow every 2 steps, sigma every 4 (steps count from 1)
+    assert set(m.loc[m["shadow_rows"] > 0, "step"]) == set(range(1, 13, 2))
+    assert set(m.loc[m["sigma_wq"].notna(), "step"]) == {1, 5, 9}
+    # the loss column is the mean of the step's micro-batch losses
+    by_step = {}
+    for gs, loss in model.losses:
+        by_step.setdefault(gs + 1, []).append(loss)
+    steps = run.steps.set_index("step")["loss"]
+    for s in range(1, 13):
+        assert len(by_step[s]) == 2
+        assert steps[s] == pytest.approx(np.mean(by_step[s]), rel=1e-5)
+    # scalars reached the CSVLogger at the read-back steps
+    logged = pd.read_csv(Path(logger.log_dir) / "metrics.csv")
+    col = "instability_watch/multi_max_freq_max"
+    assert col in logged.columns and "instability_watch/switched_heads" in logged.columns
+    assert sorted(logged.loc[logged[col].notna(), "step"].astype(int)) == [4, 8, 12]
+    # detached at teardown: the model is untouched again
+    assert not any("forward" in vars(mod) for mod in model.modules())
+    meta = run.meta
+    assert meta["layers"] == ["model.h.0.attn", "model.h.1.attn"] and meta["heads"] == [2, 2]
+    assert meta["trainer"]["accumulate_grad_batches"] == 2
+
+
+def _state_of(cb):
+    st = cb.watch.state_dict()
+    return {k: st[k] for k in ("step", "switched", "delta_cum", "detectors", "alerts", "events")}
+
+
+def test_resume_from_checkpoint_is_identical_to_an_uninterrupted_run(tmp_path):
+    full = TiedModule()
+    cb_full = InstabilityWatchCallback(TIED_CFG, layers=full.watch_layers(), run_dir=tmp_path / "full", alerts=False)
+    _trainer(tmp_path / "a", callbacks=[cb_full], max_steps=40).fit(full)
+    assert cb_full.watch.switched, "the tied heads should have been switched in 40 steps"
+
+    # the first run checkpoints at step 17 (steps 16-17 not yet read back), goes on to 23, dies
+    first = TiedModule()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=17, save_top_k=-1)
+    cb1 = InstabilityWatchCallback(TIED_CFG, layers=first.watch_layers(), run_dir=tmp_path / "resumed", alerts=False)
+    _trainer(tmp_path / "b", callbacks=[cb1, ckpt], enable_checkpointing=True, max_steps=23).fit(first)
+    path = tmp_path / "ckpt" / "epoch=0-step=17.ckpt"
+    assert path.exists()
+    assert torch.load(path, weights_only=False)["callbacks"]  # our state is in the checkpoint
+    assert load_run(tmp_path / "resumed").metrics["step"].max() == 23
+
+    second = TiedModule()
+    cb2 = InstabilityWatchCallback(TIED_CFG, layers=second.watch_layers(), run_dir=tmp_path / "resumed", alerts=False)
+    _trainer(tmp_path / "c", callbacks=[cb2], max_steps=40).fit(second, ckpt_path=str(path))
+
+    assert cb2.watch.step_count == 40
+    assert cb2.watch.switched == cb_full.watch.switched
+    np.testing.assert_array_equal(cb2.watch.state_dict()["delta_cum"], cb_full.watch.state_dict()["delta_cum"])
+    assert _state_of(cb2) == _state_of(cb_full)
+    # the run directory holds every step once (rows the dead run wrote after the checkpoint were cut)
+    a, b = load_run(tmp_path / "full"), load_run(tmp_path / "resumed")
+    assert sorted(b.metrics["step"].unique()) == list(range(1, 41))
+    assert len(b.metrics) == len(a.metrics) == 40 * 4
+    pd.testing.assert_frame_equal(a.metrics, b.metrics)
+    pd.testing.assert_frame_equal(a.events, b.events)
+    assert b.meta["resumed_at"] == [15]
+
+
+def test_default_run_dir_continues_after_resume(tmp_path):
+    first = TiedModule()
+    ckpt = ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=10, save_top_k=-1)
+    cb1 = InstabilityWatchCallback(TIED_CFG, layers=first.watch_layers(), alerts=False)
+    _trainer(tmp_path, callbacks=[cb1, ckpt], enable_checkpointing=True, logger=CSVLogger(str(tmp_path / "logs")),
+             max_steps=10).fit(first)
+    second = TiedModule()
+    cb2 = InstabilityWatchCallback(TIED_CFG, layers=second.watch_layers(), alerts=False)
+    _trainer(tmp_path, callbacks=[cb2], logger=CSVLogger(str(tmp_path / "logs")), max_steps=20).fit(
+        second, ckpt_path=str(tmp_path / "ckpt" / "epoch=0-step=10.ckpt"))
+    assert cb2.run_dir == cb1.run_dir  # not the new logger version's directory
+    assert sorted(load_run(cb1.run_dir).metrics["step"].unique()) == list(range(1, 21))
+
+
+def _clean_env(tmp_path):
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+
+
+def test_ddp_two_processes_switch_the_same_heads_and_write_one_csv(tmp_path):
+    script = REPO / "tests" / "scripts" / "lightning_run.py"
+    proc = subprocess.run([sys.executable, str(script), "ddp", str(tmp_path)], env=_clean_env(tmp_path),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0 = json.loads((tmp_path / "rank0.json").read_text())
+    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    assert r0["steps"] == r1["steps"] == 40
+    assert r0["switched"], "the tied heads should be switched"
+    assert r0["switched"] == r1["switched"]
+    assert r0["alerts"] == r1["alerts"]
+    assert r0["disabled"] == r1["disabled"] == []
+    assert (r0["wrote"], r1["wrote"]) == (True, False)
+    csvs = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("metrics.csv"))
+    assert csvs == [Path("run/metrics.csv")]
+    run = load_run(tmp_path / "run")
+    assert sorted(run.metrics["step"].unique()) == list(range(1, 41))
+    switches = run.events[run.events["event"] == "switch"]
+    assert sorted([int(l), int(h), int(s)] for l, h, s in zip(switches["layer"], switches["head"], switches["step"])) \
+        == r0["switched"]
+
+
+def test_killed_run_keeps_every_step_before_the_last_flush(tmp_path):
+    script = REPO / "tests" / "scripts" / "lightning_run.py"
+    proc = subprocess.run([sys.executable, str(script), "kill", str(tmp_path), "24"], env=_clean_env(tmp_path),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    run = load_run(tmp_path / "run")
+    # log_every=2: steps 1..22 were read back and written; 23 was on the device, 24 in flight
+    assert sorted(run.metrics["step"].unique()) == list(range(1, 23))
+    assert len(run.metrics) == 22 * 4
+    assert run.metrics["rows"].notna().all()
+    from instability_watch.cli import main
+
+    assert main(["report", str(tmp_path / "run"), "--no-plots"]) == 0
+
+
+class NoAttention(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.lin = torch.nn.Linear(4, 4)
+
+    def training_step(self, batch, batch_idx):
+        return self.lin(batch.float()).sum()
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self):
+        return torch.utils.data.DataLoader(torch.ones(8, 4), batch_size=2)
+
+
+def test_setup_errors_and_argument_checks(tmp_path):
+    cb = InstabilityWatchCallback()
+    with pytest.raises(MisconfigurationException, match="found no attention layer in NoAttention"):
+        _trainer(tmp_path, callbacks=[cb], max_steps=2).fit(NoAttention())
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+
+    assert "shards the weights" in _unsupported_strategy(FSDPStrategy())
+    assert _unsupported_strategy(DDPStrategy()) is None
+    assert _unsupported_strategy(SingleDeviceStrategy("cpu")) is None
+    with pytest.raises(TypeError, match="config must be a WatchConfig"):
+        InstabilityWatchCallback(config=3)
+    with pytest.raises(ValueError, match="log_every"):
+        InstabilityWatchCallback(config={"log_every": 0})
+    with pytest.raises(ValueError, match="top must be a positive integer, got 0"):
+        InstabilityWatchCallback(top=0)
+    with pytest.raises(TypeError, match="AttentionLayer"):
+        InstabilityWatchCallback(layers=[torch.nn.Linear(2, 2)])
+
+
+def test_existing_run_dir_is_not_overwritten(tmp_path):
+    run_dir = tmp_path / "run"
+    for overwrite, expect_error in ((False, False), (False, True), (True, False)):
+        model = TiedModule()
+        cb = InstabilityWatchCallback(TIED_CFG, layers=model.watch_layers(), run_dir=run_dir, overwrite=overwrite,
+                                      alerts=False)
+        trainer = _trainer(tmp_path, callbacks=[cb], max_steps=5)
+        if expect_error:
+            with pytest.raises(MisconfigurationException, match="already holds a run; pass overwrite=True"):
+                trainer.fit(model)
+        else:
+            trainer.fit(model)
+            assert sorted(load_run(run_dir).metrics["step"].unique()) == [1, 2, 3, 4, 5]
+
+
+def test_monitoring_failure_does_not_stop_training(tmp_path, caplog):
+    model = TiedModule()
+    cb = InstabilityWatchCallback(TIED_CFG, layers=model.watch_layers(), run_dir=tmp_path / "run", alerts=False)
+
+    class Boom(pl.Callback):
+        def on_train_start(self, trainer, pl_module):
+            def fail(*a, **k):
+                raise RuntimeError("disk full")
+            cb.writer.format_metrics = fail  # the CSV listener fails at the first read-back
+
+    trainer = _trainer(tmp_path, callbacks=[cb, Boom()], max_steps=12)
+    trainer.fit(model)
+    assert trainer.global_step == 12
+    assert cb.watch.step_count == 12
+    assert any("disk full" in r.getMessage() for r in caplog.records)
