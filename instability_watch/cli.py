@@ -54,6 +54,16 @@ def _report(args: argparse.Namespace) -> int:
         return 2
 
 
+def report_command(run_dir) -> str:
+    """The shell command that reports on ``run_dir`` (the script beside this interpreter, if installed there)."""
+    import os
+    import shlex
+
+    exe = os.path.join(os.path.dirname(sys.executable), "instability-watch")
+    prog = shlex.quote(os.path.relpath(exe)) if os.path.exists(exe) else "instability-watch"
+    return f"{prog} report {shlex.quote(str(run_dir))}"
+
+
 def main(argv: Optional[List[str]] = None) -> int:
     args = build_parser().parse_args(argv)
     if args.command == "demo":

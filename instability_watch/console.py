@@ -26,6 +26,7 @@ from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from rich.console import Console, ConsoleOptions, RenderResult
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -42,6 +43,11 @@ KIND_TITLES: Dict[str, str] = {
     "spectral_growth": "sigma(W_Q) grows faster than the other heads",
     "logit_growth": "attention logits grew",
     "nonfinite": "non-finite values",
+}
+
+KIND_SHORT: Dict[str, str] = {  # for the table's state column
+    "multi_max": "multi-max", "delta_drift": "δ-drift", "spectral_growth": "σ-growth",
+    "logit_growth": "logits", "nonfinite": "non-finite",
 }
 
 KIND_UNITS: Dict[str, str] = {
@@ -74,9 +80,9 @@ class AlertPanel:
         grid = Table.grid(padding=(0, 2))
         grid.add_column(style="bold")
         grid.add_column()
-        grid.add_row("layer", f"{a.layer_name or a.layer} (#{a.layer})")
+        grid.add_row("layer", Text(f"{a.layer_name or a.layer} (#{a.layer})"))
         grid.add_row("head", str(a.head))
-        grid.add_row("kind", f"{a.kind}: {KIND_TITLES.get(a.kind, a.kind)}")
+        grid.add_row("kind", escape(f"{a.kind}: {KIND_TITLES.get(a.kind, a.kind)}"))
         grid.add_row("value", f"{_fmt(a.value)} vs threshold {_fmt(a.threshold)}  ({KIND_UNITS.get(a.kind, '')})")
         grid.add_row("action", Text(a.action, style="bold green" if switched else ""))
         grid.add_row("why", Text(a.message, style="dim"))
@@ -92,7 +98,8 @@ class AlertPanel:
 class HeadTable:
     """A compact table of the ``top`` worst heads of the latest read-back.
 
-    A head's score is the largest of its metrics relative to the median head:
+    The state column says ``stabilized@STEP`` for a switched head and lists the
+    kinds that alerted. A head's score is the largest of its metrics relative to the median head:
     multi-max frequency, largest logit, ``|sum(delta_lp - delta_hp)|`` so far
     and sigma(W_Q) growth since first observed. Heads with alerts come first.
 
@@ -102,7 +109,7 @@ class HeadTable:
         top: how many heads to show.
     """
 
-    COLUMNS = ("layer", "head", "multi-max", "max logit", "Σδ drift", "σ(W_Q)", "σ growth", "state")
+    COLUMNS = ("layer", "head", "multi-max", "max logit", "Σδ drift", "σ growth", "state")
 
     def __init__(self, rows: List[dict], *, step: int, top: int = 8) -> None:
         self.rows = rows
@@ -126,8 +133,8 @@ class HeadTable:
         for r, name in zip(self.rows[: self.top], names):
             style = "green" if r["stabilized"] else ("yellow" if r["alerts"] else None)
             table.add_row(
-                name, str(r["head"]), _fmt(r["multi_max_freq"], 3), _fmt(r["max_score"], 4),
-                _fmt(r["delta_cum"], 3), _fmt(r["sigma_wq"], 4), _fmt(r["sigma_growth"], 3), r["state"],
+                Text(name), str(r["head"]), _fmt(r["multi_max_freq"], 3), _fmt(r["max_score"], 4),
+                _fmt(r["delta_cum"], 3), _fmt(r["sigma_growth"], 3), Text(r["state"]),
                 style=style,
             )
         yield table
@@ -198,7 +205,7 @@ class HeadTracker:
                 if stab:
                     state.append(f"stabilized@{watch.switched[(layer, head)]}")
                 if kinds:
-                    state.append("alert: " + ",".join(dict.fromkeys(kinds)))
+                    state.append(",".join(KIND_SHORT.get(k, k) for k in dict.fromkeys(kinds)))
                 out.append({
                     "layer": layer, "layer_name": watch.layer_names[layer], "head": head,
                     "multi_max_freq": float(mmf[layer, head]), "max_score": float(score[layer, head]),

@@ -8,7 +8,7 @@ A run directory holds three files::
 
 :class:`RunWriter` is a listener of :class:`~instability_watch.InstabilityWatch`:
 after every read-back it appends the steps just read and the new events, then
-flushes and fsyncs both files. A run that is killed keeps every step read back
+flushes both files (and fsyncs them with ``fsync=True``). A run that is killed keeps every step read back
 before the kill; what is lost is at most the steps since the last read-back
 (``WatchConfig.log_every``) and, at worst, one partly written last line, which
 :func:`load_run` drops.
@@ -106,7 +106,9 @@ class RunWriter:
         overwrite: replace an existing run in ``run_dir``. Without it, opening a
             directory that already holds a run is an error, unless resuming.
         fsync: also ``os.fsync`` after each append, so the data survives a
-            machine crash, not only a killed process.
+            machine crash, not only a killed process (a flush alone survives a
+            killed process). Off by default: the read-back happens while the GPU
+            waits, and an fsync can take tens of milliseconds.
 
     Raises:
         FileExistsError: at :meth:`open`, ``run_dir`` holds a run and neither
@@ -115,7 +117,7 @@ class RunWriter:
             run of other layers or heads.
     """
 
-    def __init__(self, run_dir: str | os.PathLike, *, overwrite: bool = False, fsync: bool = True) -> None:
+    def __init__(self, run_dir: str | os.PathLike, *, overwrite: bool = False, fsync: bool = False) -> None:
         self.run_dir = Path(run_dir)
         self.overwrite = bool(overwrite)
         self.fsync = bool(fsync)
@@ -189,12 +191,12 @@ class RunWriter:
         lines = []
         for a in alerts:
             lines.append(_line([
-                str(a.step), str(a.layer), _csv_text(a.layer_name), str(a.head), "alert", a.kind,
+                str(a.step), str(a.layer), _csv_text(a.layer_name), str(a.head), "alert", _csv_text(a.kind),
                 _num(a.value), _num(a.threshold), _csv_text(a.action), _csv_text(a.message),
             ]))
         for e in watch.events[self._events_written:]:
             lines.append(_line([
-                str(e.step), str(e.layer), _csv_text(e.layer_name), str(e.head), e.kind, e.reason,
+                str(e.step), str(e.layer), _csv_text(e.layer_name), str(e.head), _csv_text(e.kind), _csv_text(e.reason),
                 "", "", "", _csv_text(f"{e.layer_name} head {e.head} moved to the stabilized kernel ({e.reason})"),
             ]))
         self._events_written = len(watch.events)

@@ -288,7 +288,7 @@ class SummaryView:
                               style="bold red" if firsts else "")
             switch = "-" if pd.isna(row.switched_at) else str(int(row.switched_at))
             table.add_row(
-                str(row.layer_name),
+                Text(str(row.layer_name)),
                 str(row.head),
                 alert_text,
                 str(row.alerts) if row.alerts else "-",

@@ -507,7 +507,7 @@ class InstabilityWatch:
                 alert = Alert(m.step, layer, head, kind, value, threshold, message, self.layer_names[layer], action)
                 new.append(alert)
                 _log_rank_zero(
-                    logging.WARNING, "instability_watch: step %d, %s head %d: %s alert: %s [%s]",
+                    logging.INFO, "instability_watch: step %d, %s head %d: %s alert: %s [%s]",
                     m.step, alert.layer_name, head, kind, message, action,
                 )
         self.alerts.extend(new)

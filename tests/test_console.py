@@ -68,7 +68,7 @@ def test_reporter_prints_a_panel_per_alert_and_the_worst_heads_table():
     lines = [ln for ln in table.splitlines() if ln.startswith("tied")]
     assert len(lines) == 3
     assert {ln.split("│")[1].strip() for ln in lines[:2]} == {"0", "1"}
-    assert all("stabilized@27" in ln and "alert: delta_drift" in ln for ln in lines[:2])
+    assert all("stabilized@27" in ln and "δ-drift" in ln for ln in lines[:2])
     assert lines[2].rstrip().endswith("ok")
     assert "1 more heads not shown" in table
 

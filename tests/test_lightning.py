@@ -238,3 +238,25 @@ def test_monitoring_failure_does_not_stop_training(tmp_path, caplog):
     assert trainer.global_step == 12
     assert cb.watch.step_count == 12
     assert any("disk full" in r.getMessage() for r in caplog.records)
+
+
+def test_exception_in_training_reads_back_detaches_and_the_callback_can_be_reused(tmp_path):
+    class Crash(TiedModule):
+        def training_step(self, batch, batch_idx):
+            if self.global_step == 13:
+                raise RuntimeError("loss exploded")
+            return super().training_step(batch, batch_idx)
+
+    model = Crash()
+    cb = InstabilityWatchCallback(TIED_CFG, layers=lambda module: module.watch_layers(), alerts=False)
+    with pytest.raises(RuntimeError, match="loss exploded"):
+        _trainer(tmp_path, callbacks=[cb], max_steps=30).fit(model)
+    assert not any("forward" in vars(m) for m in model.modules())  # detached
+    run_dir = cb.run_dir
+    assert sorted(load_run(run_dir).metrics["step"].unique()) == list(range(1, 14))  # steps 11-13 read back too
+    # the same callback on a second fit starts clean, in a new directory
+    model2 = TiedModule()
+    _trainer(tmp_path, callbacks=[cb], max_steps=5).fit(model2)
+    assert cb.run_dir != run_dir and cb.watch.model is model2
+    m2 = load_run(cb.run_dir).metrics
+    assert sorted(m2["step"].unique()) == [1, 2, 3, 4, 5] and (m2["rows"] > 0).all()

@@ -145,7 +145,9 @@ class InstabilityWatchCallback(Callback):
         self._loss_sum: Optional[torch.Tensor] = None
         self._loss_n = 0
         self._crashed = False
+        self._finished = False
         self._deferred = False
+        self._ckpt_run_dir: Optional[Path] = None
 
     # ------------------------------------------------------------------ attach / detach
 
@@ -155,8 +157,15 @@ class InstabilityWatchCallback(Callback):
         why = _unsupported_strategy(trainer.strategy)
         if why is not None:
             raise MisconfigurationException(f"InstabilityWatchCallback cannot watch this run: {why}.")
+        if self.watch is not None and self.watch.attachment is not None:
+            self.watch.attachment.detach()  # a callback reused for another fit: start clean
         self._trainer = trainer
-        self._crashed = False
+        self.watch, self.writer, self.reporter = None, None, None
+        self._pending_state, self._restored, self._deferred = None, False, False
+        self._crashed = self._finished = False
+        self._ckpt_run_dir = None
+        if not self._run_dir_given:
+            self.run_dir = None
         layers = self._resolve_layers(pl_module)
         if layers is None:  # the model's layers are built in configure_model: attach at fit start
             self._deferred = True
@@ -202,14 +211,42 @@ class InstabilityWatchCallback(Callback):
             self._pending_state = None
 
     def _default_run_dir(self, trainer: "pl.Trainer") -> Path:
+        """``run_dir``, else the logger's version directory, else a new ``version_N`` (every rank calls it)."""
         if self.run_dir is not None:
             return self.run_dir
-        base = trainer.log_dir if trainer.loggers else None
-        return Path(base or trainer.default_root_dir) / "instability_watch"
+        from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
+
+        if trainer.loggers and isinstance(trainer.loggers[0], (CSVLogger, TensorBoardLogger)):
+            return Path(trainer.log_dir) / "instability_watch"  # log_dir is per run (version_N) and broadcast
+        root = Path(trainer.default_root_dir) / "instability_watch"
+        n = 0
+        if trainer.is_global_zero:
+            while (root / f"version_{n}").exists():
+                n += 1
+        return root / f"version_{trainer.strategy.broadcast(n)}"
+
+    def _check_run_dir(self, trainer: "pl.Trainer") -> None:
+        """Rank 0 looks at the run directory; every rank raises the same error (no rank trains alone).
+
+        Runs at fit start, after a checkpoint's state was loaded: a resumed run continues its directory.
+        """
+        problem = None
+        if self.writer is not None and not self.overwrite and not self._restored:
+            d = self.writer.run_dir
+            if (d / "metrics.csv").exists() or (d / "meta.json").exists():
+                problem = (f"run_dir {str(d)!r} already holds a run; pass overwrite=True to replace it, "
+                           "or choose another directory")
+        problem = trainer.strategy.broadcast(problem)
+        if problem:
+            raise MisconfigurationException(problem)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         if self._deferred and self.watch is None:
             self._attach(trainer, pl_module, self._resolve_layers(pl_module))
+        if self.watch is not None:
+            if self._restored and not self._run_dir_given and self._ckpt_run_dir is not None and self.writer:
+                self.writer.run_dir = self._ckpt_run_dir  # continue the directory of the checkpointed run
+            self._check_run_dir(trainer)
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         watch = self.watch
@@ -225,8 +262,6 @@ class InstabilityWatchCallback(Callback):
             watch.start_at(trainer.global_step)
             self._restored = False
         if self.writer is not None:
-            if self._restored and not self._run_dir_given and self.run_dir is not None:
-                self.writer.run_dir = self.run_dir  # continue the directory of the checkpointed run
             try:
                 self.writer.open(
                     watch,
@@ -239,6 +274,14 @@ class InstabilityWatchCallback(Callback):
                 )
             except FileExistsError as exc:
                 raise MisconfigurationException(str(exc)) from None
+            except (OSError, ValueError) as exc:  # cannot write there (rank 0 only): train on without the CSV
+                if self.config.strict:
+                    raise
+                log.error("instability_watch: cannot write the run directory %s (%s); no CSV for this run",
+                          self.writer.run_dir, exc)
+                self.watch.listeners = [f for f in self.watch.listeners if f != self._write]
+                self.writer = None
+                return
             self.run_dir = self.writer.run_dir
 
     # ------------------------------------------------------------------ the step
@@ -297,29 +340,36 @@ class InstabilityWatchCallback(Callback):
             self.reporter.close()  # stop the live table before the progress bar stops
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        self._crashed = True
+        # Lightning does not call the callbacks' teardown after an exception: clean up here
+        self._finish(crashed=True)
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
-        if stage != "fit" or self.watch is None:
+        if stage == "fit":
+            self._finish(crashed=False)
+
+    def _finish(self, *, crashed: bool) -> None:
+        """Read back what is pending (not after a crash under DDP: no collectives), restore the model, close."""
+        if self.watch is None or self._finished:
             return
+        self._finished = True
         watch = self.watch
         try:
-            if self._crashed and watch._distributed():
-                # the other ranks may never reach a collective again: no read-back, just restore the model
-                if watch.attachment is not None:
+            if crashed and watch._distributed():
+                if watch.attachment is not None:  # the other ranks may never reach a collective again
                     watch.attachment.detach()
             else:
                 watch.detach()  # reads back the steps still on the device, so the CSV has them
         except Exception as exc:
-            if self.config.strict:
+            if self.config.strict and not crashed:
                 raise
-            log.error("instability_watch: detaching failed (%s); the model may still be routed", exc, exc_info=exc)
+            log.error("instability_watch: detaching failed (%s)", exc, exc_info=exc)
+            if watch.attachment is not None and watch.attachment.attached:
+                watch.attachment.detach()
         finally:
             if self.reporter is not None:
                 self.reporter.close()
             if self.writer is not None:
                 self.writer.close()
-            self._deferred = False
 
     # ------------------------------------------------------------------ checkpoints
 
@@ -327,6 +377,10 @@ class InstabilityWatchCallback(Callback):
         if self.watch is None:
             watch_state = self._pending_state
         else:
+            if self.watch._distributed() and not self._finished:
+                # every rank saves (Lightning calls this on all ranks): read back first, so the
+                # checkpoint holds no rank-local pending rows (rank 0's would be summed world-size times)
+                self.watch.flush()
             watch_state = self.watch.state_dict()
         return {
             "version": _STATE_VERSION,
@@ -339,7 +393,7 @@ class InstabilityWatchCallback(Callback):
         watch_state = state_dict.get("watch")
         run_dir = state_dict.get("run_dir")
         if run_dir and not self._run_dir_given:
-            self.run_dir = Path(run_dir)
+            self._ckpt_run_dir = Path(run_dir)
         if watch_state is None:
             return
         if self.watch is None:
@@ -348,5 +402,13 @@ class InstabilityWatchCallback(Callback):
             self._load_watch_state(watch_state)
 
     def _load_watch_state(self, state: dict) -> None:
-        self.watch.load_state_dict(state)
+        try:
+            self.watch.load_state_dict(state)
+        except ValueError as exc:  # other layers (a renamed module, a compiled wrapper): start fresh
+            if self.config.strict:
+                raise
+            log.warning("instability_watch: the checkpoint's watch state does not fit this model (%s); "
+                        "the watch starts fresh at the resumed step", exc)
+            self._restored = False
+            return
         self._restored = self.watch.attachment is not None

@@ -1,0 +1,78 @@
+"""The examples, shortened, on CPU (the README's main job is examples/train_gpt2.py)."""
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import rich
+
+from instability_watch import load_run
+from instability_watch.cli import main as cli_main
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+
+
+def _load(name):
+    spec = importlib.util.spec_from_file_location(f"example_{name}", EXAMPLES / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up while the file executes
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(autouse=True)
+def _restore_console():
+    yield
+    rich.reconfigure()  # RichProgressBar reconfigures rich's global console
+
+
+def test_train_gpt2_cpu_demo_shortened(tmp_path, capsys):
+    mod = _load("train_gpt2")
+    assert mod.main(["--steps", "40", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    run_dir = tmp_path / "cpu-demo" / "version_0" / "instability_watch"
+    assert f"report {run_dir}" in out
+    run = load_run(run_dir)
+    p = mod.PRESETS["cpu-demo"]
+    assert sorted(run.metrics["step"].unique()) == list(range(1, 41))
+    assert len(run.metrics) == 40 * p.n_layer * p.n_head
+    assert (run.metrics["rows"] == p.batch * p.block).all()
+    summary = json.loads((tmp_path / "cpu-demo" / "version_0" / "summary_rank0.json").read_text())
+    assert summary["steps"] == 40 and summary["watch"] is True
+    assert cli_main(["report", str(run_dir), "--out", str(tmp_path / "report")]) == 0
+    assert len(list((tmp_path / "report").glob("*.png"))) == 5
+
+
+def test_train_gpt2_argument_errors(capsys):
+    mod = _load("train_gpt2")
+    with pytest.raises(SystemExit):
+        mod.main(["--steps", "0"])
+    assert "--steps must be a positive integer, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        mod.main(["--preset", "gpt5"])
+    assert "invalid choice: 'gpt5'" in capsys.readouterr().err
+
+
+def test_hf_llama_shortened(tmp_path, capsys):
+    pytest.importorskip("transformers")
+    mod = _load("hf_llama")
+    assert mod.main(["--steps", "6", "--batch", "2", "--block", "32", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "watched 2 layers x 4 query heads (0 calls not watched)" in out
+    run = load_run(tmp_path / "hf-llama" / "version_0" / "instability_watch")
+    assert sorted(run.metrics["step"].unique()) == list(range(1, 7))
+    assert (run.metrics["rows"] == 2 * 32).all()  # every query head of the GQA model is watched
+
+
+def test_plain_pytorch_shortened(tmp_path, capsys):
+    mod = _load("plain_pytorch")
+    run_dir = tmp_path / "run"
+    assert mod.main(["--steps", "12", "--batch", "2", "--run-dir", str(run_dir)]) == 0
+    run = load_run(run_dir)
+    assert sorted(run.metrics["step"].unique()) == list(range(1, 13))
+    assert (run.metrics["rows"] == 2 * 2 * 128).all()  # 2 micro-batches of 2 x 128 per step
+    assert (run_dir / "checkpoint.pt").exists()
+    assert "report" in capsys.readouterr().out
