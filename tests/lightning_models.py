@@ -6,7 +6,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from instability_watch.nanogpt import GPT, GPTConfig
-from watch_models import TiedAttention, tied_batch
+from watch_models import TiedAttention, tied_batch, tied_loss
 
 
 class Indices(Dataset):
@@ -70,7 +70,7 @@ class TiedModule(pl.LightningModule):
 
     def training_step(self, batch, batch_idx):
         o = self.attn(*tied_batch(self.seed_stride * self.global_step + self.global_rank))
-        return 0.5 * o.float().pow(2).sum() / o.shape[0]
+        return tied_loss(o)
 
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=1e-3)

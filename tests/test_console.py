@@ -14,7 +14,7 @@ from rich.progress import Progress
 from instability_watch import Alert, InstabilityWatch, InstabilityWatchCallback, WatchConfig
 from instability_watch.console import AlertPanel, ConsoleReporter, _short_names
 from lightning_models import TiedModule
-from watch_models import TiedAttention, tied_batch
+from watch_models import TiedAttention, train_tied
 
 CFG = WatchConfig(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
 
@@ -43,14 +43,7 @@ def _run(reporter, steps=30):
     torch.manual_seed(0)
     model = TiedAttention()
     watch = InstabilityWatch(model, CFG, layers=model.layers(), listeners=[reporter])
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    for i in range(steps):
-        o = model(*tied_batch(i))
-        loss = 0.5 * o.float().pow(2).sum() / o.shape[0]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        watch.step(loss)
+    train_tied(model, watch, 0, steps)
     watch.detach()
     reporter.close()
     return watch

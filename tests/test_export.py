@@ -12,20 +12,9 @@ import torch.nn.functional as F
 from instability_watch import AttentionLayer, InstabilityWatch, WatchConfig
 from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, RunDirError, RunWriter, load_run
 from instability_watch.watch import METRICS
-from watch_models import TiedAttention, tied_batch
+from watch_models import TiedAttention, train_tied
 
 CFG = WatchConfig(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
-
-
-def _train(watch, model, start, stop):
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    for i in range(start, stop):
-        o = model(*tied_batch(i))
-        loss = 0.5 * o.float().pow(2).sum() / o.shape[0]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        watch.step(loss)
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +26,7 @@ def tied_run(tmp_path_factory):
     metrics = []
     watch = InstabilityWatch(model, CFG, layers=model.layers(), listeners=[writer, lambda m, a, w: metrics.extend(m)])
     writer.open(watch)
-    _train(watch, model, 0, 30)
+    train_tied(model, watch, 0, 30)
     watch.detach()
     writer.close()
     return d, watch, metrics
@@ -83,10 +72,10 @@ def test_resume_cuts_rows_after_the_checkpoint_and_writes_each_step_once(tmp_pat
     writer = RunWriter(tmp_path)
     watch = InstabilityWatch(model, CFG, layers=model.layers(), listeners=[writer])
     writer.open(watch)
-    _train(watch, model, 0, 17)
+    train_tied(model, watch, 0, 17)
     state = json.loads(json.dumps(watch.state_dict()))  # a checkpoint at step 17 (flushed through 15)
     model_state = {k: v.clone() for k, v in model.state_dict().items()}
-    _train(watch, model, 17, 23)  # the run goes on, then dies
+    train_tied(model, watch, 17, 23)  # the run goes on, then dies
     writer.close()
     assert load_run(tmp_path).metrics["step"].max() == 20
 
@@ -96,7 +85,7 @@ def test_resume_cuts_rows_after_the_checkpoint_and_writes_each_step_once(tmp_pat
     watch2 = InstabilityWatch(model2, CFG, layers=model2.layers(), listeners=[writer2])
     watch2.load_state_dict(state)
     writer2.open(watch2, resume_step=watch2.flushed_through)
-    _train(watch2, model2, 17, 30)
+    train_tied(model2, watch2, 17, 30)
     watch2.detach()
     writer2.close()
     run = load_run(tmp_path)

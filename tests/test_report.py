@@ -16,7 +16,7 @@ from rich.console import Console
 from instability_watch import InstabilityWatch, WatchConfig, cli, report
 from instability_watch.detectors import KINDS
 from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, RunWriter, load_run
-from watch_models import TiedAttention, tied_batch
+from watch_models import TiedAttention, train_tied
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -36,14 +36,7 @@ def real_run(tmp_path_factory) -> Path:
     writer = RunWriter(run_dir)
     watch = InstabilityWatch(model, cfg, layers=model.layers(), listeners=[writer])
     writer.open(watch)
-    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
-    for i in range(30):
-        o = model(*tied_batch(i))
-        loss = 0.5 * o.float().pow(2).sum() / o.shape[0]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        watch.step(loss)
+    train_tied(model, watch, 0, 30)
     watch.detach()
     writer.close()
     return run_dir

@@ -9,7 +9,7 @@ import torch
 from instability_watch import InstabilityWatch, WatchConfig, WatchError
 from instability_watch.attach import AttentionLayer
 from instability_watch.nanogpt import GPT, GPTConfig
-from watch_models import TiedAttention, tied_batch
+from watch_models import TiedAttention, train_tied
 
 E2E = dict(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3)
 
@@ -18,12 +18,7 @@ def _train_tied(model, watch, steps, start=0, opt=None):
     opt = opt or torch.optim.SGD(model.parameters(), lr=1e-3)
     metrics = []
     for i in range(start, start + steps):
-        o = model(*tied_batch(i))
-        loss = 0.5 * o.float().pow(2).sum() / o.shape[0]
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        watch.step(loss)
+        train_tied(model, watch, i, i + 1, opt)
         if (i + 1) % watch.config.log_every == 0:
             metrics += watch.last_metrics
     return metrics, opt

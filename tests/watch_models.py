@@ -43,3 +43,20 @@ def tied_batch(step: int, *, tied_heads: int = 2, free_heads: int = 2, seq: int 
     a = near_tie_inputs(heads=tied_heads, n_ties=4, **kw)
     b = near_tie_inputs(heads=free_heads, n_ties=1, **kw)
     return tuple(torch.cat([x, y], dim=1) for x, y in ((a.q, b.q), (a.k, b.k), (a.v, b.v)))
+
+
+def tied_loss(o: torch.Tensor) -> torch.Tensor:
+    """``0.5 * |O|^2`` per sample: its upstream gradient is ``dO = O``."""
+    return 0.5 * o.float().pow(2).sum() / o.shape[0]
+
+
+def train_tied(model: TiedAttention, watch, start: int, stop: int, opt=None):
+    """SGD steps ``start..stop-1`` on ``tied_batch(step)``, closing each with ``watch.step(loss)``; returns ``opt``."""
+    opt = opt or torch.optim.SGD(model.parameters(), lr=1e-3)
+    for i in range(start, stop):
+        loss = tied_loss(model(*tied_batch(i)))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        watch.step(loss)
+    return opt

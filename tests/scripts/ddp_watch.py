@@ -16,7 +16,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 def run(rank, out_dir, port, fail_rank, fail_step):
     from instability_watch import InstabilityWatch, WatchConfig
-    from watch_models import TiedAttention, tied_batch
+    from watch_models import TiedAttention, tied_batch, tied_loss
 
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
@@ -35,7 +35,7 @@ def run(rank, out_dir, port, fail_rank, fail_step):
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     for i in range(40):
         o = model(*tied_batch(2 * i + rank))  # each rank its own data
-        loss = 0.5 * o.float().pow(2).sum() / o.shape[0]
+        loss = tied_loss(o)
         loss.backward()
         for p in model.parameters():  # what DDP does to gradients
             dist.all_reduce(p.grad)
