@@ -11,7 +11,10 @@ fused AdamW), timed in interleaved rounds:
                      step, shadow delta and sigma(W_Q) every 10 steps, one read-back
                      every 10 steps).
 
-Run:  python benchmarks/watch_overhead.py [--batch 16] [--steps 30] [--rounds 3] [--json out.json]
+With ``--compile`` each variant's model is ``torch.compile``d (inductor) after the
+watch attached, and the warm-up covers both compiled graphs (shadow step or not).
+
+Run:  python benchmarks/watch_overhead.py [--batch 16] [--steps 30] [--rounds 3] [--compile] [--json out.json]
 """
 from __future__ import annotations
 
@@ -35,7 +38,7 @@ from instability_watch.nanogpt import GPT, GPTConfig  # noqa: E402
 VARIANTS = ("sdpa-flash", "ours", "watch")
 
 
-def make_variant(base, name: str, config: WatchConfig | None = None) -> dict:
+def make_variant(base, name: str, config: WatchConfig | None = None, compile: bool = False) -> dict:
     """A copy of ``base`` with its optimizer, set up as variant ``name`` (see the module docstring)."""
     model = copy.deepcopy(base)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-4, fused=True)
@@ -44,7 +47,8 @@ def make_variant(base, name: str, config: WatchConfig | None = None) -> dict:
         attach(model, probes=False)
     elif name == "watch":
         watch = InstabilityWatch(model, config or WatchConfig())
-    return dict(model=model, opt=opt, watch=watch, times=[], alerts=0)
+    fwd = torch.compile(model) if compile else model
+    return dict(model=model, fwd=fwd, opt=opt, watch=watch, times=[], alerts=0)
 
 
 def train_step(v: dict, name: str, inp, tgt) -> list:
@@ -52,9 +56,9 @@ def train_step(v: dict, name: str, inp, tgt) -> list:
     with torch.autocast("cuda", dtype=torch.bfloat16):
         if name == "sdpa-flash":
             with sdpa_kernel(SDPBackend.FLASH_ATTENTION):
-                loss = v["model"](inp, tgt)[1]
+                loss = v["fwd"](inp, tgt)[1]
         else:
-            loss = v["model"](inp, tgt)[1]
+            loss = v["fwd"](inp, tgt)[1]
     loss.backward()
     v["opt"].step()
     v["opt"].zero_grad(set_to_none=True)
@@ -68,6 +72,7 @@ def main() -> int:
     p.add_argument("--steps", type=int, default=30, help="timed steps per round (a multiple of 10)")
     p.add_argument("--warmup", type=int, default=10)
     p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--compile", action="store_true", help="torch.compile each variant (after attaching)")
     p.add_argument("--json", default=None)
     args = p.parse_args()
     if not torch.cuda.is_available():
@@ -80,7 +85,7 @@ def main() -> int:
     x = torch.randint(0, 256, (args.batch, args.seq + 1), device=dev)
     inp, tgt = x[:, :-1].contiguous(), x[:, 1:].contiguous()
 
-    variants = {name: make_variant(base, name) for name in VARIANTS}
+    variants = {name: make_variant(base, name, compile=args.compile) for name in VARIANTS}
 
     def step(v, name):
         v["alerts"] += len(train_step(v, name, inp, tgt))
@@ -117,7 +122,8 @@ def main() -> int:
     }
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=2))
-    print(f"GPT-2 small step, B{args.batch} N{args.seq}, {out['device']}, median of {args.rounds} rounds x {args.steps} steps")
+    print(f"GPT-2 small step, B{args.batch} N{args.seq}, {out['device']}{', compiled' if args.compile else ''}, "
+          f"median of {args.rounds} rounds x {args.steps} steps")
     print(f"{'variant':<12}{'ms/step':>10}{'steps/s':>10}{'ktok/s':>10}{'min ms':>10}{'max ms':>10}")
     for name, ms, sps, kt, lo, hi in rows:
         print(f"{name:<12}{ms:>10.2f}{sps:>10.2f}{kt:>10.1f}{lo:>10.2f}{hi:>10.2f}")

@@ -32,6 +32,7 @@ heads and how to read ``W_Q`` per head.
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import types
@@ -46,7 +47,7 @@ from torch.overrides import TorchFunctionMode
 
 from .kernels import SUPPORTED_DTYPES, SUPPORTED_HEAD_DIMS, flash_attention
 from .kernels.ops import ERROR_HANDLER as _ERROR_HANDLER
-from .probe import COUNT_FIELDS, VALUE_FIELDS, Probe
+from .probe import _VALUE_RESET, VALUE_FIELDS, Probe
 
 log = logging.getLogger("instability_watch")
 
@@ -157,57 +158,59 @@ def find_attention_layers(model: nn.Module) -> List[AttentionLayer]:
 
 
 class ProbeBank:
-    """The probes of all layers as views into two flat device buffers.
+    """The probes of all layers, read and reset together.
 
-    Layer ``l`` owns a contiguous ``(len(COUNT_FIELDS), H_l)`` block of
-    ``counts`` and a ``(len(VALUE_FIELDS), H_l)`` block of ``values``, so one
-    copy snapshots every layer and one fill resets them.
+    Each layer's :class:`Probe` owns its two buffers, a ``(len(COUNT_FIELDS), H_l)``
+    ``counts`` and a ``(len(VALUE_FIELDS), H_l)`` ``values``; :attr:`counts` and
+    :attr:`values` are their concatenation in layer order (one ``cat`` per
+    snapshot), and :meth:`zero_` resets all of them with two multi-tensor ops.
+    Separate buffers rather than views into one flat buffer: under
+    ``torch.compile`` with inductor on CUDA, a backward that adds into several
+    views of one buffer (the shadow statistics) corrupted all but the first
+    (seen with torch 2.11; aot_eager and CPU inductor were right).
     """
 
     def __init__(self, head_counts: Sequence[int], device: torch.device | str = "cpu") -> None:
         self.head_counts = list(head_counts)
         self.uniform = len(set(self.head_counts)) <= 1
-        nc, nv = len(COUNT_FIELDS), len(VALUE_FIELDS)
-        total = sum(self.head_counts)
-        self.counts = torch.zeros(nc * total, dtype=torch.int64, device=device)
-        self.values = torch.zeros(nv * total, dtype=torch.float32, device=device)
-        self._reset_values = torch.tensor(
-            [float("-inf") if f == "max_score" else 0.0 for f in VALUE_FIELDS], dtype=torch.float32
-        )
-        self.probes: List[Probe] = []
-        self._make_views()
-        self.zero_()
+        self._device = torch.device(device)
+        self.probes: List[Probe] = [Probe(h, device) for h in self.head_counts]
+        self._make_resets()
 
     @property
     def device(self) -> torch.device:
-        return self.counts.device
+        return self.probes[0].device if self.probes else self._device
 
-    def _make_views(self) -> None:
-        nc, nv = len(COUNT_FIELDS), len(VALUE_FIELDS)
-        old = self.probes
-        self.probes = []
-        oc = ov = 0
-        for i, h in enumerate(self.head_counts):
-            p = Probe.from_buffers(self.counts[oc:oc + nc * h].view(nc, h), self.values[ov:ov + nv * h].view(nv, h))
-            if old:
-                p.shadow = old[i].shadow
-            self.probes.append(p)
-            oc += nc * h
-            ov += nv * h
-        self._value_reset = torch.cat(
-            [self._reset_values.to(self.device)[:, None].expand(nv, h).reshape(-1) for h in self.head_counts]
-        ) if self.head_counts else self.values.clone()
+    @property
+    def counts(self) -> torch.Tensor:
+        """Every layer's ``counts``, flattened and concatenated in layer order (a copy)."""
+        if not self.probes:
+            return torch.zeros(0, dtype=torch.int64, device=self._device)
+        return torch.cat([p.counts.reshape(-1) for p in self.probes])
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Every layer's ``values``, flattened and concatenated in layer order (a copy)."""
+        if not self.probes:
+            return torch.zeros(0, dtype=torch.float32, device=self._device)
+        return torch.cat([p.values.reshape(-1) for p in self.probes])
+
+    def _make_resets(self) -> None:
+        reset = torch.tensor([_VALUE_RESET[f] for f in VALUE_FIELDS], dtype=torch.float32, device=self.device)
+        self._value_resets = [reset[:, None].expand(len(VALUE_FIELDS), h).contiguous() for h in self.head_counts]
 
     def to(self, device: torch.device | str) -> "ProbeBank":
-        """Move all buffers (keeping their contents); probes are rebuilt as views."""
-        self.counts = self.counts.to(device)
-        self.values = self.values.to(device)
-        self._make_views()
+        """Move all buffers (keeping their contents and the :class:`Probe` objects)."""
+        self._device = torch.device(device)
+        for p in self.probes:
+            p.to(device)
+        self._make_resets()
         return self
 
     def zero_(self) -> None:
-        self.counts.zero_()
-        self.values.copy_(self._value_reset)
+        if self.probes:
+            torch._foreach_zero_([p.counts for p in self.probes])
+            torch._foreach_copy_([p.values for p in self.probes], self._value_resets)
 
     def set_shadow(self, on: bool) -> None:
         for p in self.probes:
@@ -219,7 +222,12 @@ class ProbeBank:
 
 @dataclass
 class Site:
-    """One watched attention layer: its probe, its stabilize mask and call counts."""
+    """One watched attention layer: its probe, its stabilize mask and call counts.
+
+    ``watched_calls``, ``unwatched_calls`` and ``unwatched_reasons`` count eager
+    calls only (a compiled model's calls run without Python bookkeeping; its
+    probe still counts every row).
+    """
 
     index: int
     layer: AttentionLayer
@@ -228,6 +236,7 @@ class Site:
     watched_calls: int = 0
     unwatched_calls: int = 0
     unwatched_reasons: Dict[str, int] = field(default_factory=dict)
+    router: Optional["_Router"] = field(default=None, repr=False, compare=False)
 
     @property
     def name(self) -> str:
@@ -242,20 +251,123 @@ class Site:
         return self.attachment.bank.probes[self.index]
 
 
+def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, enable_gqa=False):
+    """An SDPA call's arguments in signature order, however they were passed."""
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+_UNCHECKED = object()
+_CHECKED_MAX = 256  # call signatures remembered per layer (a model with ever-new shapes starts over)
+# router.key -> router: traced code hands _follow_device a plain int (what Dynamo passes to
+# an assume_constant_result function in every version), not the router itself
+_ROUTERS: "weakref.WeakValueDictionary[int, _Router]" = weakref.WeakValueDictionary()
+_router_keys = itertools.count()
+
+
 class _Router(TorchFunctionMode):
-    """Entered around one layer's forward: SDPA calls go to ``flash_attention``."""
+    """Entered around one layer's forward: SDPA calls go to ``flash_attention``.
+
+    A routed call reads only this object's own attributes (the flags, the
+    layer's ``stabilize`` mask and probe, ``beta`` and ``eps``), which the
+    attachment keeps current (:meth:`Attachment._sync`), and never the
+    attachment or the model. So ``torch.compile`` traces a routed call into the
+    kernels' op without reaching the model a second time (Dynamo refuses to
+    track one module from two places), and flipping a head's mask, a tensor
+    changed in place, never recompiles. The bookkeeping (call counts, warnings)
+    happens in eager calls only; moving the probes to the device the model was
+    moved to happens in eager code too, at trace time under ``torch.compile``.
+    """
 
     def __init__(self, site: Site) -> None:
         super().__init__()
-        self.site = site
+        self.site = site  # bookkeeping only: not read by traced calls
+        self.key = next(_router_keys)
+        _ROUTERS[self.key] = self
+        self.num_heads = site.num_heads
+        self.routing = True
+        self.stabilize = site.stabilize
+        self.probe: Optional[Probe] = None
+        self.beta, self.eps = site.attachment.beta, site.attachment.eps
+        self.on_error: Optional[Callable[[BaseException], None]] = None
+        # eager calls: why a call signature cannot be served (None: it can), checked once per signature
+        self.checked: Dict[tuple, Optional[str]] = {}
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
-        kwargs = kwargs or {}
-        if func is _SDPA and self.site.attachment.routing:
-            out = self.site.attachment._route(self.site, args, kwargs)
+        if func is _SDPA and self.routing:
+            out = self._route(args, kwargs) if kwargs else self._route(args, {})
             if out is not None:
                 return out
-        return func(*args, **kwargs)
+        return func(*args, **kwargs) if kwargs else func(*args)
+
+    def _route(self, args, kwargs):
+        try:
+            q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa = _sdpa_args(*args, **kwargs)
+        except TypeError:
+            return None  # PyTorch's SDPA reports the bad call
+        if torch.compiler.is_compiling():
+            return self._route_traced(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+        try:
+            key = (q.shape, k.shape, v.shape, q.dtype, k.dtype, v.dtype,
+                   attn_mask is None, dropout_p, scale, enable_gqa)
+            reason = self.checked.get(key, _UNCHECKED)
+        except (AttributeError, TypeError):  # not tensors, an unhashable scale: no caching
+            key, reason = None, _UNCHECKED
+        if reason is _UNCHECKED:
+            reason = _unsupported(self.num_heads, q, k, v, attn_mask, dropout_p, scale, enable_gqa)
+            if key is not None:
+                if len(self.checked) >= _CHECKED_MAX:
+                    self.checked.clear()
+                self.checked[key] = reason
+        if reason is None and self.stabilize.device != q.device:
+            reason = _follow_device(self.key, q.device)
+        if reason is not None:
+            self.site.attachment._count_unwatched(self.site, reason)
+            return None
+        token = _ERROR_HANDLER.set(self.on_error)  # where a failure in this call's backward is reported
+        try:
+            out = flash_attention(
+                q, k, v, causal=bool(is_causal), scale=scale, stabilize=self.stabilize, probe=self.probe,
+                beta=self.beta, eps=self.eps,
+            )
+        except Exception as exc:  # fail open: this call goes to PyTorch
+            if self.on_error is None:
+                raise
+            self.on_error(exc)
+            return None
+        finally:
+            _ERROR_HANDLER.reset(token)
+        self.site.watched_calls += 1
+        return out
+
+    def _route_traced(self, q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa):
+        """A call traced by ``torch.compile``: no bookkeeping, the kernels' op goes into the graph."""
+        if _unsupported(self.num_heads, q, k, v, attn_mask, dropout_p, scale, enable_gqa) is not None:
+            return None
+        # Run at trace time (before the mask and probe are read): the model may have been
+        # moved since it was attached; the guards on the mask retrace after another move.
+        if _follow_device(self.key, q.device) is not None:
+            return None
+        return flash_attention(
+            q, k, v, causal=bool(is_causal), scale=scale, stabilize=self.stabilize, probe=self.probe,
+            beta=self.beta, eps=self.eps,
+        )
+
+
+@torch._dynamo.assume_constant_result
+def _follow_device(key: int, device: torch.device) -> Optional[str]:
+    """Bring the watch to ``device`` if the model was moved there; else why this call cannot be watched.
+
+    Eager code: called directly by eager calls, and run by Dynamo at trace time
+    (``assume_constant_result``) for compiled ones. ``key``: the router's.
+    """
+    router = _ROUTERS[key]
+    if router.stabilize.device == device:
+        return None
+    attachment = router.site.attachment
+    if _param_device(attachment.model) != device:
+        return f"layer on {device}, apart from the model's other layers"
+    attachment._relocate(device)  # the model was moved after attaching
+    return None
 
 
 # module -> (router, the forward it had before): the wrapper looks its router up
@@ -275,7 +387,7 @@ def _routed_forward(self: nn.Module, *args, **kwargs):
         return type(self).forward(self, *args, **kwargs)
 
 
-def _unsupported(site: Site, q, k, v, attn_mask, dropout_p, scale, enable_gqa) -> Optional[str]:
+def _unsupported(num_heads: int, q, k, v, attn_mask, dropout_p, scale, enable_gqa) -> Optional[str]:
     """Why the kernels cannot serve this SDPA call (None if they can)."""
     if attn_mask is not None:
         return "attn_mask"
@@ -287,8 +399,8 @@ def _unsupported(site: Site, q, k, v, attn_mask, dropout_p, scale, enable_gqa) -
         return f"dtype {q.dtype}"
     if q.shape[-1] not in SUPPORTED_HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape != k.shape:
         return f"head dims q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]}"
-    if q.shape[1] != site.num_heads:
-        return f"{q.shape[1]} query heads, the layer was described with {site.num_heads}"
+    if q.shape[1] != num_heads:
+        return f"{q.shape[1]} query heads, the layer was described with {num_heads}"
     if k.shape[1] != q.shape[1] and (not enable_gqa or q.shape[1] % k.shape[1]):
         return "key/value heads differ from query heads without enable_gqa"
     if k.shape[0] != q.shape[0] or q.shape[2] < 1 or k.shape[2] < 1:
@@ -306,6 +418,7 @@ class Attachment:
         bank: the layers' probes (:class:`ProbeBank`).
         routing: while ``False`` every SDPA call goes to PyTorch (the watch's
             fail-open switch).
+        probes: while ``False`` routed calls collect no statistics.
         on_error: called with the exception if routing a call fails; the call
             then goes to PyTorch's SDPA. Set by the engine; default re-raises.
     """
@@ -314,10 +427,10 @@ class Attachment:
         self, model: nn.Module, layers: Sequence[AttentionLayer], *, beta: float, eps: float, probes: bool = True
     ) -> None:
         self.model = model
-        self.probes = bool(probes)
+        self._probes = bool(probes)
         self.beta, self.eps = float(beta), float(eps)
-        self.routing = True
-        self.on_error: Optional[Callable[[BaseException], None]] = None
+        self._routing = True
+        self._on_error: Optional[Callable[[BaseException], None]] = None
         self._reported: set = set()
         device = _param_device(model)
         self.bank = ProbeBank([layer.num_heads for layer in layers], device)
@@ -345,6 +458,47 @@ class Attachment:
                     site.name,
                 )
 
+    # -- the state routed calls read (kept on the routers) ------------------------------
+
+    @property
+    def routing(self) -> bool:
+        return self._routing
+
+    @routing.setter
+    def routing(self, on: bool) -> None:
+        self._routing = bool(on)
+        self._sync()
+
+    @property
+    def probes(self) -> bool:
+        return self._probes
+
+    @probes.setter
+    def probes(self, on: bool) -> None:
+        self._probes = bool(on)
+        self._sync()
+
+    @property
+    def on_error(self) -> Optional[Callable[[BaseException], None]]:
+        return self._on_error
+
+    @on_error.setter
+    def on_error(self, handler: Optional[Callable[[BaseException], None]]) -> None:
+        self._on_error = handler
+        self._sync()
+
+    def _sync(self) -> None:
+        """Copy what routed calls read onto each layer's router."""
+        for site in self.sites:
+            router = site.router
+            if router is None:
+                continue
+            router.routing = self._routing
+            router.stabilize = site.stabilize
+            router.probe = self.bank.probes[site.index] if self._probes else None
+            router.beta, router.eps = self.beta, self.eps
+            router.on_error = self._on_error
+
     # -- install / remove --------------------------------------------------------------
 
     def _wrap(self, site: Site) -> None:
@@ -352,7 +506,9 @@ class Attachment:
         if module in _ROUTED:
             raise ValueError(f"layer {site.name!r} is already watched by another attachment; detach that one first")
         own = module.__dict__.get("forward")  # an instance-level forward the user set, if any
-        _ROUTED[module] = (_Router(site), own)
+        site.router = _Router(site)
+        self._sync()
+        _ROUTED[module] = (site.router, own)
         module.forward = types.MethodType(_routed_forward, module)
 
     def detach(self) -> None:
@@ -371,48 +527,7 @@ class Attachment:
                 module.__dict__.pop("forward", None)
         self.attached = False
 
-    # -- the routed call ---------------------------------------------------------------
-
-    def _route(self, site: Site, args, kwargs):
-        bound = dict(zip(_SDPA_ARGS, args))
-        bound.update(kwargs)
-        q, k, v = bound.get("query"), bound.get("key"), bound.get("value")
-        attn_mask = bound.get("attn_mask")
-        dropout_p = bound.get("dropout_p", 0.0)
-        is_causal = bool(bound.get("is_causal", False))
-        scale = bound.get("scale")
-        enable_gqa = bool(bound.get("enable_gqa", False))
-        reason = _unsupported(site, q, k, v, attn_mask, dropout_p, scale, enable_gqa)
-        if reason is not None:
-            self._count_unwatched(site, reason)
-            return None
-        if site.stabilize.device != q.device:
-            if _param_device(self.model) != q.device:
-                self._count_unwatched(site, f"layer on {q.device}, apart from the model's other layers")
-                return None
-            self._relocate(q.device)  # the model was moved after attaching
-        compiling = torch.compiler.is_compiling()
-        token = None if compiling else _ERROR_HANDLER.set(self.on_error)
-        try:
-            out = flash_attention(
-                q, k, v, causal=is_causal, scale=scale, stabilize=site.stabilize,
-                probe=site.probe if self.probes else None, beta=self.beta, eps=self.eps,
-            )
-        except Exception as exc:  # fail open: this call goes to PyTorch
-            if self.on_error is None:
-                raise
-            self.on_error(exc)
-            return None
-        finally:
-            if token is not None:
-                _ERROR_HANDLER.reset(token)
-        if not compiling:
-            site.watched_calls += 1
-        return out
-
     def _count_unwatched(self, site: Site, reason: str) -> None:
-        if torch.compiler.is_compiling():
-            return
         site.unwatched_calls += 1
         site.unwatched_reasons[reason] = site.unwatched_reasons.get(reason, 0) + 1
         key = (site.index, reason)
@@ -429,6 +544,7 @@ class Attachment:
         self.bank.to(device)
         for site in self.sites:
             site.stabilize = site.stabilize.to(device)
+        self._sync()
 
     # -- introspection -----------------------------------------------------------------
 

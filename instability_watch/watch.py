@@ -14,7 +14,7 @@ Use it in any training loop::
 What happens at each :meth:`InstabilityWatch.step` (no host sync):
 
 1. every layer's probe is copied into one row of a device-side ring buffer
-   (one copy: the probes are views into one flat buffer) and reset;
+   (one concatenation per buffer type, no per-layer copies) and reset;
 2. on spectral steps, sigma(W_Q) per head (:mod:`~instability_watch.spectral`)
    goes into the same row; the loss too;
 3. the next step's shadow flag is set.

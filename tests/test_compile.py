@@ -1,4 +1,5 @@
 """torch.compile sees flash_attention as one op: fullgraph=True, probes and shadow steps included."""
+import numpy as np
 import pytest
 import torch
 import torch.nn as nn
@@ -56,3 +57,158 @@ def test_no_graph_break_at_attention():
     explanation = torch._dynamo.explain(model)(x)
     assert explanation.graph_break_count == 0
     assert explanation.graph_count == 1
+
+
+# ---------------------------------------------------------------- a compiled model with the watch attached
+
+
+def _watched_gpt():
+    """A small bf16 nanoGPT with the watch attached (NoPE and 8 tokens: many rows with repeated maxima)."""
+    from instability_watch import InstabilityWatch, WatchConfig
+    from instability_watch.nanogpt import GPT, GPTConfig
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, pos_embedding=False)).to(torch.bfloat16)
+    metrics = []
+    watch = InstabilityWatch(
+        model, WatchConfig(log_every=2, shadow_every=2, spectral_every=2, warmup_steps=100, strict=True),
+        listeners=[lambda ms, alerts, w: metrics.extend(ms)],
+    )
+    return model, watch, metrics
+
+
+def _batch(step, device="cpu"):
+    x = torch.randint(0, 8, (2, 32), generator=torch.Generator().manual_seed(step))
+    return x.to(device)
+
+
+def _train_gpt(model, forward, watch, steps, *, switch_at=None, counter=None):
+    """SGD steps closed by ``watch.step``; at ``switch_at`` two heads move to the stabilized kernel.
+
+    Returns the number of graphs ``counter`` had compiled after each step.
+    """
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    frames = []
+    for s in range(1, steps + 1):
+        if s == switch_at:
+            watch.switch(0, 1)
+            watch.switch(1, 2)
+        x = _batch(s, next(model.parameters()).device)
+        loss = forward(x, x)[1]
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        watch.step(loss)
+        if counter is not None:
+            frames.append(counter.frame_count)
+    return frames
+
+
+def _assert_same_metrics(ms_eager, ms_compiled):
+    from instability_watch.watch import METRICS
+
+    assert [m.step for m in ms_compiled] == [m.step for m in ms_eager]
+    for me, mc in zip(ms_eager, ms_compiled):
+        assert mc.loss == pytest.approx(me.loss, rel=1e-5)
+        for name in METRICS:
+            np.testing.assert_allclose(mc[name], me[name], rtol=1e-5, atol=1e-7, equal_nan=True,
+                                       err_msg=f"step {me.step}, {name}")
+
+
+def test_compiled_watched_model_trains_with_the_eager_statistics():
+    """torch.compile of a watched model (fullgraph: no break at attention); switching heads never recompiles."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model_e, watch_e, ms_e = _watched_gpt()
+    _train_gpt(model_e, model_e, watch_e, 6, switch_at=3)
+
+    model_c, watch_c, ms_c = _watched_gpt()
+    counter = CompileCounterWithBackend("aot_eager")
+    compiled = torch.compile(model_c, backend=counter, fullgraph=True)
+    frames = _train_gpt(model_c, compiled, watch_c, 6, switch_at=3, counter=counter)
+    # one graph for shadow steps, one for the others; the switch at step 3 changes a mask in place
+    assert frames == [1, 2, 2, 2, 2, 2]
+    assert len(ms_c) == 6 and sum(ms_c[0]["multi_max_rows"].ravel()) > 0
+    assert ms_c[-1]["shadow_rows"].sum() == 0 and (ms_c[-2]["shadow_rows"] == 64).all()
+    _assert_same_metrics(ms_e, ms_c)
+    assert watch_c.switched == watch_e.switched == {(0, 1): 2, (1, 2): 2}
+    assert watch_c.attachment.sites[0].watched_calls == 0  # compiled calls do no Python bookkeeping
+
+    # The masks are read by the compiled graph: flipping heads changes its output like the eager model's.
+    x = _batch(99)
+    with torch.no_grad():
+        before_c, before_e = compiled(x)[0], model_e(x)[0]
+        n = counter.frame_count
+        for watch in (watch_c, watch_e):
+            for h in range(4):
+                watch.attachment.set_stabilized(0, h, True)
+        after_c, after_e = compiled(x)[0], model_e(x)[0]
+    assert counter.frame_count == n
+    assert torch.equal(before_c, before_e) and torch.equal(after_c, after_e)
+    assert not torch.equal(after_c, before_c)
+    watch_c.detach()
+    watch_e.detach()
+
+
+def test_compiled_model_moved_after_attaching(monkeypatch):
+    """Attach, move the model, compile (Lightning's order: the callback attaches in setup, the
+    strategy moves the model, then it is compiled): the first traced call brings the probes and
+    masks over at trace time, without reaching the model from the traced code (Dynamo's "already
+    tracked for mutation") and without a graph break. On a CPU the watch starts on ``meta``."""
+    from instability_watch.attach import Attachment, ProbeBank
+
+    torch._dynamo.reset()
+    model_e, watch_e, ms_e = _watched_gpt()
+    _train_gpt(model_e, model_e, watch_e, 2)
+
+    model_c, watch_c, ms_c = _watched_gpt()
+    att = watch_c.attachment
+    moves = []
+    relocate = Attachment._relocate
+
+    def fresh_from_meta(self, device):  # meta tensors hold no data: come back as fresh buffers
+        moves.append((self.bank.device.type, torch.device(device).type))
+        if self.bank.device.type != "meta":
+            return relocate(self, device)
+        bank = ProbeBank(self.bank.head_counts, device)
+        bank.set_shadow(self.bank.probes[0].shadow)
+        self.bank = bank
+        for site in self.sites:
+            site.stabilize = torch.zeros_like(site.stabilize, device=device)
+        self._sync()
+
+    monkeypatch.setattr(Attachment, "_relocate", fresh_from_meta)
+    att._relocate(torch.device("meta"))  # "attached on another device"
+    compiled = torch.compile(model_c, backend="aot_eager", fullgraph=True)
+    _train_gpt(model_c, compiled, watch_c, 2)
+    assert moves == [("cpu", "meta"), ("meta", "cpu")]  # moved back once, by the first compiled call
+    assert att.bank.device.type == "cpu" and all(s.router.stabilize.device.type == "cpu" for s in att.sites)
+    _assert_same_metrics(ms_e, ms_c)
+    watch_c.detach()
+    watch_e.detach()
+
+
+@pytest.mark.gpu
+def test_compiled_watched_model_on_gpu_attached_on_cpu():
+    """The Lightning order on a GPU: attach on the CPU, move to CUDA, compile (inductor), train."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model_e, watch_e, ms_e = _watched_gpt()
+    model_e.cuda()
+    _train_gpt(model_e, model_e, watch_e, 4, switch_at=3)
+    model_c, watch_c, ms_c = _watched_gpt()
+    model_c.cuda()
+    counter = CompileCounterWithBackend("inductor")
+    compiled = torch.compile(model_c, backend=counter, fullgraph=True)
+    _train_gpt(model_c, compiled, watch_c, 4, switch_at=3)
+    assert counter.frame_count == 2
+    assert watch_c.attachment.bank.device.type == "cuda"
+    for me, mc in zip(ms_e, ms_c):
+        assert (mc["rows"] == me["rows"]).all() and (mc["shadow_rows"] == me["shadow_rows"]).all()
+        assert mc.loss == pytest.approx(me.loss, rel=2e-2)
+        np.testing.assert_allclose(mc["max_score"], me["max_score"], rtol=2e-2)
+        np.testing.assert_allclose(mc["multi_max_freq"], me["multi_max_freq"], atol=0.1)
+    watch_c.detach()
+    watch_e.detach()

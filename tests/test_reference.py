@@ -332,3 +332,47 @@ def test_probe_views_and_copies():
     assert clone.rows.tolist() == [3, 3] and clone.counts.data_ptr() != probe.counts.data_ptr()
     with pytest.raises(AttributeError):
         probe.no_such_statistic
+
+
+# ---------------------------------------------------------------------------
+# The paper's control: delta from a high-precision O
+
+
+def _tie_grads(hp: bool, backend: str = "reference"):
+    from instability_watch.kernels import high_precision_delta
+
+    inp = near_tie_inputs(batch=1, heads=2, seq=64, generator=seeded("hp_delta"))
+    probe = Probe(2)
+    probe.shadow = True
+    q = inp.q.clone().requires_grad_(True)
+    with high_precision_delta(hp):
+        o = flash_attention(q, inp.k, inp.v, probe=probe, backend=backend)
+    o.backward(inp.do)
+    return inp, o.detach(), q.grad, probe
+
+
+def test_high_precision_delta_removes_the_delta_bias_and_leaves_the_forward():
+    from instability_watch.kernels.ops import HIGH_PRECISION_DELTA
+
+    inp, o_std, dq_std, p_std = _tie_grads(False)
+    _, o_hp, dq_hp, p_hp = _tie_grads(True)
+    assert HIGH_PRECISION_DELTA.get() is False  # the context is undone
+    assert torch.equal(o_std, o_hp)  # the forward is the standard kernel's
+    # Standard: delta_lp - delta_hp one-signed and large; the control's delta is delta_hp.
+    assert (p_std.delta_err_sum > 0).all()
+    assert (p_hp.delta_err_abs * 50 <= p_std.delta_err_abs).all()
+    # dQ moves towards the float64 gradient.
+    q = inp.q.double().requires_grad_(True)
+    o = torch.nn.functional.scaled_dot_product_attention(q, inp.k.double(), inp.v.double())
+    o.backward(inp.do.double())
+    err = lambda dq: (dq.double() - q.grad).abs().mean().item()  # noqa: E731
+    assert not torch.equal(dq_std, dq_hp)
+    assert err(dq_hp) < 0.7 * err(dq_std), (err(dq_hp), err(dq_std))
+
+
+def test_high_precision_delta_rejects_non_bool():
+    from instability_watch.kernels import high_precision_delta
+
+    with pytest.raises(TypeError, match="enabled must be a bool"):
+        with high_precision_delta("yes"):
+            pass

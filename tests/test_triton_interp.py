@@ -197,3 +197,21 @@ def test_probe_samples_query_tiles_of_unstabilized_heads():
     assert probe.rows.tolist() == [B * N, B * N]
     # Tracking never changes an unstabilized head's output.
     assert torch.equal(o[:, 0], flash_attention(q, k, v, causal=True, backend="triton")[:, 0])
+
+
+def test_high_precision_delta_matches_reference():
+    """The control's backward (delta from O_hp) on the Triton path equals the reference's."""
+    from instability_watch.kernels import high_precision_delta
+
+    inp = near_tie_inputs(batch=1, heads=2, seq=37, head_dim=32, generator=seeded("hp_delta_tri"))
+    grads = {}
+    for backend in ("triton", "reference"):
+        for hp in (False, True):
+            q = inp.q.clone().requires_grad_(True)
+            with high_precision_delta(hp):
+                o = flash_attention(q, inp.k, inp.v, causal=True, backend=backend)
+            o.backward(inp.do)
+            grads[backend, hp] = q.grad
+    assert not torch.equal(grads["triton", False], grads["triton", True])
+    for hp in (False, True):
+        assert max_err(grads["triton", hp], grads["reference", hp]) <= 2 ** -6 * grads["reference", hp].abs().max()

@@ -8,6 +8,7 @@ one op whichever backend runs.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import math
 import os
@@ -17,7 +18,7 @@ from typing import Optional, Union
 import torch
 
 from ..probe import Probe, probe_buffers
-from .ops import FlashAttention
+from .ops import HIGH_PRECISION_DELTA, FlashAttention
 from .reference import DEFAULT_BETA, DEFAULT_EPS, attention_backward, attention_forward
 
 __all__ = [
@@ -27,6 +28,7 @@ __all__ = [
     "SUPPORTED_DTYPES",
     "SUPPORTED_HEAD_DIMS",
     "BACKENDS",
+    "high_precision_delta",
 ]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -199,3 +201,34 @@ def flash_attention(
     return FlashAttention.apply(
         q, k, v, stabilize, counts, values, shadow, causal, scale, float(beta), float(eps), backend
     )
+
+
+@contextlib.contextmanager
+def high_precision_delta(enabled: bool = True):
+    """The paper's control experiment: the backward's ``delta`` from a high-precision ``O``.
+
+    Calls to :func:`flash_attention` whose forward runs inside this context
+    (routed calls of a watched model included) compute, in their backward,
+    ``delta = rowsum(dO * O_hp)`` with ``O_hp = softmax(S) V`` recomputed by
+    PyTorch in float32, instead of ``rowsum(dO * O)`` from the stored BF16
+    ``O``. Everything else (the forward output, the rest of the backward) is
+    unchanged, so a training run inside it differs from a standard one only by
+    the rounding bias the paper blames (Claim 1). Costs one float32 attention
+    forward per call in the backward; eager only (ignored under ``torch.compile``).
+    A shadow step's ``delta`` drift then measures this ``delta`` against the
+    kernel's own ``delta_hp`` (about 0). A research tool, not a fix: use
+    ``stabilize`` for that.
+
+    Example::
+
+        with high_precision_delta():
+            loss = model(x).loss
+        loss.backward()
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {enabled!r}")
+    token = HIGH_PRECISION_DELTA.set(enabled)
+    try:
+        yield
+    finally:
+        HIGH_PRECISION_DELTA.reset(token)

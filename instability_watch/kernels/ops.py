@@ -38,6 +38,24 @@ def _into(like: Tensor, t: Tensor) -> Tensor:
 # failures propagate (plain calls, ``strict=True``).
 ERROR_HANDLER: contextvars.ContextVar = contextvars.ContextVar("instability_watch_error_handler", default=None)
 
+# The paper's control experiment (its Claim 1): while True, the backward of an eager call
+# takes delta = rowsum(dO * O_hp), O_hp the exact softmax(S) V in float32, instead of
+# rowsum(dO * O) from the stored low-precision O. Read at the forward (the backward runs
+# on autograd's threads); set through ``kernels.high_precision_delta()``.
+HIGH_PRECISION_DELTA: contextvars.ContextVar = contextvars.ContextVar(
+    "instability_watch_high_precision_delta", default=False
+)
+
+
+def _high_precision_delta(q: Tensor, k: Tensor, v: Tensor, do: Tensor, causal: bool, scale: float) -> Tensor:
+    """``rowsum(dO * O_hp)`` (B, H, N), ``O_hp`` recomputed by PyTorch in float32 (float64 for float64 inputs)."""
+    cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+    with torch.autocast(q.device.type, enabled=False), torch.no_grad():
+        o_hp = torch.nn.functional.scaled_dot_product_attention(
+            q.to(cdt), k.to(cdt), v.to(cdt), is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+        )
+        return (do.to(cdt) * o_hp).sum(dim=-1)
+
 
 def _pytorch_backward(q, k, v, do, causal: bool, scale: float):
     """Gradients from PyTorch's SDPA, recomputed from the saved inputs (the fail-open path)."""
@@ -82,19 +100,30 @@ def _(q, k, v, stabilize, counts, values, causal, scale, beta, eps, backend):
     return empty_like_layout(q), q.new_empty((B, H, N), dtype=lse_dtype)
 
 
+def _backward_impl(
+    q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
+    counts: Optional[Tensor], values: Optional[Tensor],
+    causal: bool, scale: float, shadow: bool, backend: str, delta: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor]:
+    shadow = shadow and counts is not None
+    if backend == "triton":
+        return _triton().attention_backward(
+            q, k, v, o, lse, do, causal=causal, scale=scale, counts=counts, values=values, shadow=shadow,
+            delta=delta,
+        )
+    probe = Probe.from_buffers(counts, values) if shadow else None
+    dq, dk, dv = reference.attention_backward(
+        q, k, v, o, lse, do, causal=causal, scale=scale, shadow_probe=probe, delta=delta
+    )
+    return _into(q, dq), _into(k, dk), _into(v, dv)
+
+
 def _backward(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     counts: Optional[Tensor], values: Optional[Tensor],
     causal: bool, scale: float, shadow: bool, backend: str,
 ) -> Tuple[Tensor, Tensor, Tensor]:
-    shadow = shadow and counts is not None
-    if backend == "triton":
-        return _triton().attention_backward(
-            q, k, v, o, lse, do, causal=causal, scale=scale, counts=counts, values=values, shadow=shadow
-        )
-    probe = Probe.from_buffers(counts, values) if shadow else None
-    dq, dk, dv = reference.attention_backward(q, k, v, o, lse, do, causal=causal, scale=scale, shadow_probe=probe)
-    return _into(q, dq), _into(k, dk), _into(v, dv)
+    return _backward_impl(q, k, v, o, lse, do, counts, values, causal, scale, shadow, backend)
 
 
 attention_bwd = torch.library.custom_op("instability_watch::attention_bwd", _backward, mutates_args=("counts", "values"))
@@ -122,7 +151,9 @@ class FlashAttention(torch.autograd.Function):
         ctx.shadow = bool(shadow and counts is not None)
         ctx.probe_buffers = (counts, values) if ctx.shadow else (None, None)
         ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
-        ctx.on_error = None if torch.compiler.is_compiling() else ERROR_HANDLER.get()
+        compiling = torch.compiler.is_compiling()
+        ctx.on_error = None if compiling else ERROR_HANDLER.get()
+        ctx.hp_delta = False if compiling else HIGH_PRECISION_DELTA.get()
         return o
 
     @staticmethod
@@ -131,9 +162,15 @@ class FlashAttention(torch.autograd.Function):
         counts, values = ctx.probe_buffers
         bwd = attention_bwd if torch.compiler.is_compiling() else _backward
         try:
-            dq, dk, dv = bwd(
-                q, k, v, o, lse, do, counts, values, ctx.causal, ctx.scale, ctx.shadow, ctx.backend
-            )
+            if ctx.hp_delta:
+                delta = _high_precision_delta(q, k, v, do, ctx.causal, ctx.scale)
+                dq, dk, dv = _backward_impl(
+                    q, k, v, o, lse, do, counts, values, ctx.causal, ctx.scale, ctx.shadow, ctx.backend, delta
+                )
+            else:
+                dq, dk, dv = bwd(
+                    q, k, v, o, lse, do, counts, values, ctx.causal, ctx.scale, ctx.shadow, ctx.backend
+                )
         except Exception as exc:
             if ctx.on_error is None:
                 raise

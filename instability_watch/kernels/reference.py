@@ -214,6 +214,7 @@ def attention_backward(
     scale: Optional[float] = None,
     block_n: int = DEFAULT_BLOCK_N,
     shadow_probe: Optional[Probe] = None,
+    delta: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """FA2's backward with its precision model. Unchanged by stabilization: it uses the LSE.
 
@@ -225,6 +226,10 @@ def attention_backward(
     ``rowsum(dO * O_hp)`` with ``O_hp = P V`` the output without any rounding of
     P (never materialised), and the statistics of ``delta - delta_hp`` go into
     the probe.
+
+    ``delta`` (B, H, N), if given, replaces ``rowsum(dO * O)`` (the paper's
+    control computes it from a high-precision ``O``; see
+    :func:`~instability_watch.kernels.high_precision_delta`).
 
     Returns:
         ``(dq, dk, dv)`` in the dtypes and shapes of ``q, k, v`` (GQA heads summed).
@@ -241,7 +246,10 @@ def attention_backward(
     vf = _expand_kv(v, group).to(cdt)
     dof = do.to(cdt)
     lse = lse.to(cdt)
-    delta = (dof * o.to(cdt)).sum(dim=-1)  # (B, H, N): delta_lp, what the backward uses
+    if delta is None:
+        delta = (dof * o.to(cdt)).sum(dim=-1)  # (B, H, N): delta_lp, what the backward uses
+    else:
+        delta = delta.to(cdt)
     delta_hp = torch.zeros_like(delta) if shadow_probe is not None else None
 
     dq = torch.zeros((B, H, N, D), dtype=cdt, device=dev)

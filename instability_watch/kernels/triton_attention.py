@@ -134,13 +134,6 @@ def _fwd_inner(
     return acc, l_i, e_i, r_i, c_i
 
 
-@triton.heuristics(
-    {
-        "EVEN_M": lambda a: a["N_Q"] % a["BLOCK_M"] == 0,
-        "EVEN_N": lambda a: a["N_KV"] % a["BLOCK_N"] == 0,
-        "EVEN_D": lambda a: a["D"] == a["HEAD_DIM"],
-    }
-)
 @triton.jit
 def _attn_fwd(
     Q, K, V, O, LSE2, Stab, Counts, Values,
@@ -458,15 +451,14 @@ def attention_forward(
     grid = (triton.cdiv(N, block_m), B * H)
     _attn_fwd[grid](
         q, k, v, o, lse2, stab, counts, values,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        o.stride(0), o.stride(1), o.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
         H, H // h_kv, N, n_kv, D,
         scale * LOG2E, scale, eps / scale, beta, max_shift_for(q.dtype), tie_stride,
         CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=_dot_precision(q.dtype),
-        num_warps=warps, num_stages=stages, **launch,
+        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+        # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
+        EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
+        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **launch,
     )
     return o, lse2
 
@@ -474,30 +466,31 @@ def attention_forward(
 def attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor, do: torch.Tensor, *,
     causal: bool, scale: float, counts: Optional[torch.Tensor], values: Optional[torch.Tensor], shadow: bool,
-    config_dkdv=None, config_dq=None,
+    config_dkdv=None, config_dq=None, delta: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward: delta preprocessing, dK/dV, dQ (with the shadow statistics if ``shadow``)."""
+    """Launch the backward: delta preprocessing, dK/dV, dQ (with the shadow statistics if ``shadow``).
+
+    ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)`` and the preprocessing is skipped.
+    """
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
     q, k, v, o, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, o, do))
     head_dim = _head_dim_tile(D)
     dot_precision = _dot_precision(q.dtype)
-    delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-    pre_m = 16 if is_interpreter() else 64
-    _bwd_preprocess[(triton.cdiv(N, pre_m), B * H)](
-        o, do, delta, o.stride(0), o.stride(1), o.stride(2), do.stride(0), do.stride(1), do.stride(2),
-        H, N, D, HEAD_DIM=head_dim, BLOCK_M=pre_m,
-    )
+    if delta is None:
+        delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+        pre_m = 16 if is_interpreter() else 64
+        _bwd_preprocess[(triton.cdiv(N, pre_m), B * H)](
+            o, do, delta, *o.stride()[:3], *do.stride()[:3],
+            H, N, D, HEAD_DIM=head_dim, BLOCK_M=pre_m,
+        )
+    else:
+        delta = delta.to(torch.float32).contiguous()
     dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
     block_m, block_n, warps, stages = _config(DKDV_CONFIGS, head_dim, config_dkdv)
     _attn_bwd_dkdv[(triton.cdiv(n_kv, block_n), B * h_kv)](
         q, k, v, do, lse2, delta, dk, dv,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        dk.stride(0), dk.stride(1), dk.stride(2),
-        dv.stride(0), dv.stride(1), dv.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         H, h_kv, N, n_kv, D, scale * LOG2E, scale,
         CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
         num_warps=warps, num_stages=stages,
@@ -506,11 +499,7 @@ def attention_backward(
     block_m, block_n, warps, stages = _config(DQ_CONFIGS, head_dim, config_dq)
     _attn_bwd_dq[(triton.cdiv(N, block_m), B * H)](
         q, k, v, do, lse2, delta, dq, counts, values,
-        q.stride(0), q.stride(1), q.stride(2),
-        k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2),
-        do.stride(0), do.stride(1), do.stride(2),
-        dq.stride(0), dq.stride(1), dq.stride(2),
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
         H, H // h_kv, N, n_kv, D, scale * LOG2E, scale,
         CAUSAL=causal, SHADOW=shadow, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages,

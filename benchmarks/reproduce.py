@@ -1,0 +1,551 @@
+"""Reproduce BF16 flash-attention training failures at reduced scale, and time the watch's warnings.
+
+A GPT-2-style model (``instability_watch.nanogpt``) trained byte-level on the
+Python standard library's source (no download), BF16 autocast, our Triton
+kernels (the reference path on CPU), AdamW (0.9, beta2), linear warm-up then
+cosine decay, gradient clipping. Same seed, same data order in every run:
+batch ``s`` is drawn from a generator seeded with ``(seed, s)``.
+
+Arms (what the attention computes):
+
+* ``standard``: our standard kernel (FA2's precision model: P rounded to BF16 for P V);
+* ``control``: the same, but the backward's delta = rowsum(dO * O) takes O in
+  float32 (the paper's Claim 1 control; ``kernels.high_precision_delta``);
+* ``stabilized``: every head on the stabilized kernel (the paper's fix) from step 1.
+
+Watch modes: ``off`` (the kernel called directly, no watch), ``observe`` (the
+watch with ``auto_switch=False``), ``switch`` (``auto_switch=True``).
+
+Subcommands::
+
+    # one run; running it again with the same --out resumes from its checkpoint
+    python benchmarks/reproduce.py train --out runs/repro/a --arm standard --watch observe --lr 3e-3
+    # several runs side by side (one process each, one GPU), then the summary
+    python benchmarks/reproduce.py launch --root runs/repro --runs standard:observe,control:observe --lr 3e-3
+    # per run: explosion step, first alert of each kind, lead time, head signatures
+    python benchmarks/reproduce.py summarize runs/repro
+
+``train`` stops at ``--steps``, at ``--time-limit`` seconds (checkpointing
+first, so the next command goes on), or ``--after-explosion`` steps after the
+loss explodes. An explosion is the first step whose loss is not finite, or
+whose smoothed loss (EMA, ``--ema``) exceeds its running minimum after the
+warm-up by ``--jump`` nats (default 1). The summary also marks a
+"divergence", the same rule with 0.2 nats, for losses that creep up instead.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import Dict, List, Optional
+
+import torch
+
+from instability_watch import InstabilityWatch, WatchConfig, flash_attention
+from instability_watch.corpus import stdlib_text, train_val_split
+from instability_watch.export import RunWriter, load_run
+from instability_watch.kernels import high_precision_delta
+from instability_watch.nanogpt import GPT, GPTConfig
+
+ARMS = ("standard", "control", "stabilized")
+WATCH_MODES = ("off", "observe", "switch")
+CHECKPOINT = "checkpoint.pt"
+TRAIN_CSV = "train.csv"
+TRAIN_COLUMNS = ("step", "loss", "lr", "grad_norm")
+DIVERGENCE_JUMP = 0.2  # nats: the summary's "divergence" mark (the explosion rule with a smaller jump)
+
+
+@dataclass
+class RunConfig:
+    """Everything that defines a run (the same in every arm of a comparison)."""
+
+    arm: str = "standard"
+    watch: str = "observe"
+    n_layer: int = 6
+    n_head: int = 6
+    n_embd: int = 384
+    block: int = 512
+    batch: int = 32
+    lr: float = 3e-3
+    warmup: int = 500
+    decay_steps: int = 20000
+    min_lr: float = 1e-5
+    beta2: float = 0.95
+    weight_decay: float = 0.0
+    clip: float = 1.0
+    seed: int = 0
+    pos_embedding: bool = True
+    corpus_bytes: int = 0           # 0: all of it
+    watch_warmup: int = 300
+    log_every: int = 10
+    shadow_every: int = 2
+    spectral_every: int = 10
+
+    def __post_init__(self) -> None:
+        if self.arm not in ARMS:
+            raise ValueError(f"arm must be one of {ARMS}, got {self.arm!r}")
+        if self.watch not in WATCH_MODES:
+            raise ValueError(f"watch must be one of {WATCH_MODES}, got {self.watch!r}")
+
+
+def lr_at(cfg: RunConfig, step: int) -> float:
+    """Linear warm-up to ``lr`` over ``warmup`` steps, cosine to ``min_lr`` at ``decay_steps``."""
+    if step <= cfg.warmup:
+        return cfg.lr * step / max(1, cfg.warmup)
+    t = min(1.0, (step - cfg.warmup) / max(1, cfg.decay_steps - cfg.warmup))
+    return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t))
+
+
+def batch_at(data: torch.Tensor, cfg: RunConfig, step: int):
+    """Batch ``step`` (the same in every run): ``(x, y)`` of shape (batch, block), on data's device."""
+    g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
+    offsets = torch.randint(0, len(data) - cfg.block - 1, (cfg.batch,), generator=g).to(data.device)
+    idx = offsets[:, None] + torch.arange(cfg.block + 1, device=data.device)
+    chunk = data[idx].long()
+    return chunk[:, :-1], chunk[:, 1:]
+
+
+def use_kernel_directly(model: GPT, stabilize: bool) -> None:
+    """Unwatched runs: every attention layer calls ``flash_attention`` itself (no watch, no routing)."""
+    for block in model.h:
+        attn = block.attn
+        dev = attn.c_attn.weight.device
+        flags = torch.ones(attn.n_head, dtype=torch.bool, device=dev) if stabilize else None
+
+        def forward(x: torch.Tensor, attn=attn, flags=flags) -> torch.Tensor:
+            B, T, C = x.shape
+            q, k, v = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2)
+                       for t in attn.c_attn(x).split(attn.n_embd, dim=2))
+            y = flash_attention(q, k, v, causal=True, stabilize=flags)
+            return attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
+
+        attn.forward = forward
+
+
+class ExplosionDetector:
+    """The explosion rule of the module docstring, fed one loss at a time (steps <= ``start`` only
+    feed the EMA: the first steps' fast descent and the warm-up set no minimum)."""
+
+    def __init__(self, ema: float, jump: float, start: int = 0) -> None:
+        self.alpha, self.jump, self.start = ema, jump, start
+        self.value: Optional[float] = None
+        self.low = math.inf
+        self.step: Optional[int] = None
+
+    def update(self, step: int, loss: float) -> Optional[int]:
+        if self.step is None:
+            if not math.isfinite(loss):
+                self.step = step
+            else:
+                self.value = loss if self.value is None else (1 - self.alpha) * self.value + self.alpha * loss
+                if step > self.start:
+                    if self.value > self.low + self.jump:
+                        self.step = step
+                    self.low = min(self.low, self.value)
+        return self.step
+
+    def state_dict(self) -> dict:
+        return {"value": self.value, "low": self.low, "step": self.step}
+
+    def load_state_dict(self, s: dict) -> None:
+        self.value, self.low, self.step = s["value"], s["low"], s["step"]
+
+
+def explosion_step(losses, ema: float = 0.05, jump: float = 1.0, start: int = 0) -> Optional[int]:
+    """The explosion step of a loss series ``[(step, loss), ...]`` (``None`` if none); see :class:`ExplosionDetector`."""
+    det = ExplosionDetector(ema, jump, start)
+    for step, loss in losses:
+        if det.update(int(step), float(loss)) is not None:
+            return det.step
+    return None
+
+
+# ---------------------------------------------------------------------------
+# train
+
+
+def train(args) -> int:
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = RunConfig(**{f.name: getattr(args, f.name) for f in fields(RunConfig)})
+    ckpt_path = out / CHECKPOINT
+    resume = ckpt_path.exists()
+    if resume:
+        saved = json.loads((out / "config.json").read_text())
+        if saved != asdict(cfg):
+            diff = {k: (saved.get(k), v) for k, v in asdict(cfg).items() if saved.get(k) != v}
+            raise SystemExit(f"error: {out} holds a run with another configuration (saved, given): {diff}")
+    else:
+        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    torch.manual_seed(cfg.seed)
+    model = GPT(GPTConfig(vocab_size=256, block_size=cfg.block, n_layer=cfg.n_layer, n_head=cfg.n_head,
+                          n_embd=cfg.n_embd, pos_embedding=cfg.pos_embedding)).to(device)
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2),
+                            weight_decay=cfg.weight_decay, fused=device == "cuda")
+    data, _ = train_val_split(stdlib_text(cfg.corpus_bytes or None))
+    data = data.to(device)
+
+    watch = writer = None
+    if cfg.watch == "off":
+        use_kernel_directly(model, stabilize=cfg.arm == "stabilized")
+    else:
+        wcfg = WatchConfig(log_every=cfg.log_every, shadow_every=cfg.shadow_every,
+                           spectral_every=cfg.spectral_every, warmup_steps=cfg.watch_warmup,
+                           auto_switch=cfg.watch == "switch")
+        writer = RunWriter(out / "run", overwrite=not resume)
+        watch = InstabilityWatch(model, wcfg, listeners=[writer])
+    exploded = ExplosionDetector(args.ema, args.jump, cfg.warmup)
+    step = 0
+    if resume:
+        state = torch.load(ckpt_path, map_location=device, weights_only=False)
+        model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+        exploded.load_state_dict(state["explosion"])
+        if watch is not None:
+            watch.load_state_dict(state["watch"])
+        _truncate_csv(out / TRAIN_CSV, step)
+    if watch is not None:
+        writer.open(watch, resume_step=step if resume else None, extra_meta={"reproduce": asdict(cfg)})
+        if cfg.arm == "stabilized" and not resume:
+            for layer, n in enumerate(watch.head_counts):
+                for head in range(n):
+                    watch.switch(layer, head, reason="stabilized arm")
+    print(f"[{out.name}] {'resumed at step ' + str(step) if resume else 'new run'}: {asdict(cfg)}", flush=True)
+
+    csv_new = not (out / TRAIN_CSV).exists()
+    csv = open(out / TRAIN_CSV, "a")
+    if csv_new:
+        csv.write(",".join(TRAIN_COLUMNS) + "\n")
+    hist = torch.zeros(cfg.log_every, 2, device=device)  # per step: loss, grad norm (read back once per log step)
+    hist_lr: List[float] = []
+    autocast = torch.autocast(device, dtype=torch.bfloat16)
+    t0 = time.perf_counter()
+    t_last = t0
+    start_step = step
+    reason = "steps"
+
+    def save() -> None:
+        state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
+                 "explosion": exploded.state_dict(),
+                 "watch": watch.state_dict() if watch is not None else None}
+        torch.save(state, out / (CHECKPOINT + ".tmp"))
+        os.replace(out / (CHECKPOINT + ".tmp"), ckpt_path)
+
+    model.train()
+    try:
+        while step < args.steps:
+            step += 1
+            lr = lr_at(cfg, step)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            x, y = batch_at(data, cfg, step)
+            with autocast, high_precision_delta(cfg.arm == "control"):
+                _, loss = model(x, y)
+            loss.backward()
+            gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+            if watch is not None:
+                watch.step(loss.detach())
+            i = (step - 1) % cfg.log_every
+            hist[i, 0] = loss.detach()
+            hist[i, 1] = gnorm
+            hist_lr.append(lr)
+            if i == cfg.log_every - 1 or step == args.steps:
+                rows = hist[: i + 1].tolist()  # the one host sync of this script per log step
+                base = step - i
+                for j, ((lv, gv), lrv) in enumerate(zip(rows, hist_lr)):
+                    csv.write(f"{base + j},{lv:.6g},{lrv:.6g},{gv:.6g}\n")
+                    exploded.update(base + j, lv)
+                csv.flush()
+                hist_lr.clear()
+                now = time.perf_counter()
+                if step % args.print_every < cfg.log_every:
+                    rate = (step - start_step) / (now - t0)
+                    print(f"[{out.name}] step {step} loss {rows[-1][0]:.4f} lr {lr:.2e} "
+                          f"gnorm {rows[-1][1]:.3g} {rate:.1f} steps/s", flush=True)
+                if exploded.step is not None and step >= exploded.step + args.after_explosion:
+                    reason = "exploded"
+                    break
+                if args.time_limit and now - t0 > args.time_limit:
+                    reason = "time"
+                    break
+                if args.ckpt_every and now - t_last > args.ckpt_every:
+                    if watch is not None:
+                        watch.flush()
+                    save()
+                    t_last = now
+    finally:
+        csv.close()
+        if watch is not None:
+            watch.flush()
+    save()
+    if watch is not None:
+        watch.detach()
+        writer.close()
+    elapsed = time.perf_counter() - t0
+    status = {"step": step, "stopped": reason, "explosion_step": exploded.step,
+              "seconds": round(elapsed, 1), "steps_per_s": round((step - start_step) / max(elapsed, 1e-9), 2),
+              "alerts": len(watch.alerts) if watch else None, "switched": len(watch.switched) if watch else None,
+              "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+    (out / "status.json").write_text(json.dumps(status, indent=1))
+    print(f"[{out.name}] stopped ({reason}) at step {step}: {status}", flush=True)
+    return 0
+
+
+def _truncate_csv(path: Path, step: int) -> None:
+    """Drop the rows after ``step`` (written after the checkpoint a resumed run starts from)."""
+    if not path.exists():
+        return
+    lines = path.read_text().splitlines(keepends=True)
+    keep = lines[:1] + [ln for ln in lines[1:] if ln.strip() and ln.split(",", 1)[0].isdigit()
+                        and int(ln.split(",", 1)[0]) <= step and ln.endswith("\n")]
+    path.write_text("".join(keep))
+
+
+# ---------------------------------------------------------------------------
+# launch
+
+
+def launch(args, passthrough: List[str]) -> int:
+    root = Path(args.root)
+    root.mkdir(parents=True, exist_ok=True)
+    procs = []
+    for spec in args.runs.split(","):
+        arm, _, mode = spec.partition(":")
+        name = f"{arm}-{mode}" + (f"-{args.tag}" if args.tag else "")
+        out = root / name
+        out.mkdir(parents=True, exist_ok=True)
+        cmd = [sys.executable, __file__, "train", "--out", str(out), "--arm", arm, "--watch", mode, *passthrough]
+        log = open(out / "log.txt", "a")
+        procs.append((name, subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT), log))
+        print(f"started {name}: {' '.join(cmd[2:])}", flush=True)
+    failed = []
+    for name, p, log in procs:
+        rc = p.wait()
+        log.close()
+        if rc:
+            failed.append(name)
+            print(f"{name} exited {rc}; last lines of its log:\n" + "".join(open(root / name / "log.txt").readlines()[-15:]))
+    summarize_root(root, ema=args.ema, jump=args.jump)
+    return 1 if failed else 0
+
+
+# ---------------------------------------------------------------------------
+# summarize
+
+
+def summarize_run(run_dir: Path, ema: float, jump: float) -> Dict:
+    import pandas as pd
+
+    cfg = json.loads((run_dir / "config.json").read_text())
+    status = json.loads((run_dir / "status.json").read_text()) if (run_dir / "status.json").exists() else {}
+    train = pd.read_csv(run_dir / TRAIN_CSV).drop_duplicates("step", keep="last").sort_values("step")
+    boom = explosion_step(zip(train["step"], train["loss"]), ema, jump, cfg["warmup"])
+    # A milder mark for slow divergences (the loss creeping up rather than exploding).
+    drift_up = explosion_step(zip(train["step"], train["loss"]), ema, DIVERGENCE_JUMP, cfg["warmup"])
+    finite = train[train["loss"].map(math.isfinite)]
+    tail = finite["loss"].tail(100)
+    row = {
+        "run": run_dir.name, "arm": cfg["arm"], "watch": cfg["watch"], "lr": cfg["lr"],
+        "steps": int(train["step"].max()) if len(train) else 0,
+        "min_loss": round(float(finite["loss"].min()), 4) if len(finite) else None,
+        "last_loss": round(float(tail.mean()), 4) if len(tail) else None,
+        "explosion": boom, "divergence": drift_up, "steps_per_s": status.get("steps_per_s"),
+    }
+    run_path = run_dir / "run"
+    if (run_path / "metrics.csv").exists():
+        from instability_watch.report import head_summary
+
+        run = load_run(run_path)
+        ev = run.events
+        alerts = ev[ev["event"] == "alert"]
+        first = alerts.groupby("kind")["step"].min().to_dict()
+        row["first_alert"] = {k: int(v) for k, v in sorted(first.items(), key=lambda kv: kv[1])}
+        for name, at in (("lead", boom), ("lead_divergence", drift_up)):
+            if at is not None:
+                row[name] = {k: at - int(v) for k, v in first.items()}
+        sw = ev[(ev["event"] == "switch") & (ev["kind"] != "stabilized arm")]
+        row["switched"] = int(len(sw))
+        row["first_switch"] = int(sw["step"].min()) if len(sw) else None
+        heads = head_summary(run)
+        m = run.metrics
+        # Signatures: the head whose sigma(W_Q) grew most, and the peak multi-max / logit / drift heads.
+        g = heads.dropna(subset=["sigma_growth"]).sort_values("sigma_growth", ascending=False)
+        if len(g):
+            h = g.iloc[0]
+            med = float(heads["sigma_growth"].median())
+            row["sigma_top"] = f"L{int(h['layer'])}H{int(h['head'])} x{h['sigma_growth']:.2f} (median x{med:.2f})"
+        early = m[m["step"] <= max(1, row["steps"] // 10)]
+        late = m[m["step"] > row["steps"] - max(1, row["steps"] // 10)]
+        row["multi_max_early_late"] = [round(float(early["multi_max_freq"].mean()), 5),
+                                       round(float(late["multi_max_freq"].mean()), 5)]
+        row["max_logit_peak"] = float(m["max_score"].replace([math.inf], float("nan")).max())
+        d = heads.dropna(subset=["final_delta_cum"])
+        if len(d):
+            pos = int((d["final_delta_cum"] > 0).sum())
+            top = d.iloc[d["final_delta_cum"].abs().argmax()]
+            row["delta_cum"] = (f"{pos}/{len(d)} heads > 0; largest L{int(top['layer'])}H{int(top['head'])} "
+                                f"{top['final_delta_cum']:.3g}")
+    return row
+
+
+def summarize_root(root: Path, ema: float = 0.05, jump: float = 1.0) -> List[Dict]:
+    rows = []
+    for d in sorted(p for p in Path(root).iterdir() if (p / "config.json").exists() and (p / TRAIN_CSV).exists()):
+        try:
+            rows.append(summarize_run(d, ema, jump))
+        except Exception as exc:  # one broken run must not hide the others
+            rows.append({"run": d.name, "error": f"{type(exc).__name__}: {exc}"})
+    (Path(root) / "summary.json").write_text(json.dumps(rows, indent=1, default=str))
+    _plot_losses(Path(root), ema)
+    for r in rows:
+        print(json.dumps(r, default=str))
+    return rows
+
+
+def _plot_losses(root: Path, ema: float) -> None:
+    """``loss.png`` in ``root``: the smoothed loss of every run against step."""
+    try:
+        import matplotlib
+        import pandas as pd
+        from matplotlib.backends.backend_agg import FigureCanvasAgg
+        from matplotlib.figure import Figure
+    except ImportError:
+        return
+    del matplotlib
+    fig = Figure(figsize=(8, 4.5))
+    FigureCanvasAgg(fig)
+    ax = fig.add_subplot()
+    for d in sorted(p for p in root.iterdir() if (p / TRAIN_CSV).exists()):
+        t = pd.read_csv(d / TRAIN_CSV).drop_duplicates("step", keep="last").sort_values("step")
+        ax.plot(t["step"], t["loss"].ewm(alpha=ema).mean(), label=d.name, lw=1)
+    ax.set_xlabel("step")
+    ax.set_ylabel(f"loss (EMA {ema})")
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(root / "loss.png", dpi=110)
+
+
+# ---------------------------------------------------------------------------
+# bundle
+
+
+def bundle(root: Path, dest: Path, every: int) -> Path:
+    """A ``.tar.xz`` of a launch root small enough to carry: everything but checkpoints, the
+    per-head metrics.csv kept every ``every`` steps (alert and switch steps are in events.csv;
+    a THINNED.txt beside it says so), and each watched run's report plots (drawn from the full metrics)."""
+    import tarfile
+    import tempfile
+
+    from instability_watch.report import write_plots
+
+    root = Path(root)
+    with tempfile.TemporaryDirectory() as tmp:
+        for d in sorted(p for p in root.iterdir() if p.is_dir()):
+            if (d / "run" / "metrics.csv").exists():
+                try:
+                    write_plots(load_run(d / "run"), Path(tmp) / d.name / "plots")
+                except Exception as exc:  # plots are a convenience: keep the data
+                    print(f"{d.name}: no plots ({type(exc).__name__}: {exc})")
+        with tarfile.open(dest, "w:xz") as tar:
+            for f in sorted(root.rglob("*")):
+                rel = f.relative_to(root)
+                if not f.is_file() or f.name.startswith(CHECKPOINT):
+                    continue
+                if f.name == "metrics.csv" and every > 1:
+                    import pandas as pd
+
+                    m = pd.read_csv(f)
+                    m = m[(m["step"] - 1) % every == 0]
+                    thin = Path(tmp) / "thin.csv"
+                    m.to_csv(thin, index=False, float_format="%.6g", na_rep="nan")
+                    tar.add(thin, arcname=str(rel))  # same name: load_run and the report read it
+                    note = Path(tmp) / "THINNED.txt"
+                    note.write_text(f"metrics.csv keeps steps 1, 1 + {every}, ... of the run's (every row of events.csv)\n")
+                    tar.add(note, arcname=str(rel.parent / "THINNED.txt"))
+                else:
+                    tar.add(f, arcname=str(rel))
+            for f in sorted(Path(tmp).rglob("*.png")):
+                tar.add(f, arcname=str(f.relative_to(tmp)))
+    return dest
+
+
+# ---------------------------------------------------------------------------
+
+
+def _add_run_args(ap: argparse.ArgumentParser, with_arm: bool) -> None:
+    d = RunConfig()
+    for f in fields(RunConfig):
+        if f.name in ("arm", "watch") and not with_arm:
+            continue
+        default = getattr(d, f.name)
+        if isinstance(default, bool):
+            ap.add_argument(f"--{f.name.replace('_', '-')}", type=lambda s: s.lower() in ("1", "true", "yes"),
+                            default=default, metavar="BOOL")
+        elif f.name in ("arm", "watch"):
+            ap.add_argument(f"--{f.name}", choices=ARMS if f.name == "arm" else WATCH_MODES, default=default)
+        else:
+            ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
+    ap.add_argument("--steps", type=int, default=20000, help="stop after this step")
+    ap.add_argument("--time-limit", type=float, default=0, help="seconds; checkpoint and stop (0: none)")
+    ap.add_argument("--ckpt-every", type=float, default=120, help="seconds between checkpoints (0: at the end only)")
+    ap.add_argument("--after-explosion", type=int, default=300, help="steps to go on after an explosion")
+    ap.add_argument("--print-every", type=int, default=500)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    sub = ap.add_subparsers(dest="cmd", required=True)
+    t = sub.add_parser("train", help="one run (resumes from --out's checkpoint)")
+    t.add_argument("--out", required=True)
+    _add_run_args(t, with_arm=True)
+    t.add_argument("--ema", type=float, default=0.05)
+    t.add_argument("--jump", type=float, default=1.0)
+    la = sub.add_parser("launch", help="several runs side by side, then summarize (other options go to train)")
+    la.add_argument("--root", required=True)
+    la.add_argument("--runs", required=True, help="comma-separated ARM:WATCH, e.g. standard:observe,control:observe")
+    la.add_argument("--tag", default="", help="suffix of the run directories' names")
+    la.add_argument("--ema", type=float, default=0.05)
+    la.add_argument("--jump", type=float, default=1.0)
+    s = sub.add_parser("summarize", help="the table of a launch root")
+    s.add_argument("root")
+    s.add_argument("--ema", type=float, default=0.05)
+    s.add_argument("--jump", type=float, default=1.0)
+    b = sub.add_parser("bundle", help="a .tar.xz of a launch root without checkpoints, metrics thinned")
+    b.add_argument("root")
+    b.add_argument("dest")
+    b.add_argument("--every", type=int, default=10, help="keep the metrics of steps 1, 1 + every, ...")
+    args, rest = ap.parse_known_args(argv)
+    if args.cmd == "bundle":
+        if rest:
+            ap.error(f"unrecognized arguments: {' '.join(rest)}")
+        print(bundle(Path(args.root), Path(args.dest), args.every))
+        return 0
+    if args.cmd == "train":
+        if rest:
+            ap.error(f"unrecognized arguments: {' '.join(rest)}")
+        return train(args)
+    if args.cmd == "launch":
+        for spec in args.runs.split(","):
+            arm, _, mode = spec.partition(":")
+            if arm not in ARMS or mode not in WATCH_MODES:
+                ap.error(f"--runs entries must be ARM:WATCH with ARM in {ARMS} and WATCH in {WATCH_MODES}, got {spec!r}")
+        return launch(args, rest + ["--ema", str(args.ema), "--jump", str(args.jump)])
+    if rest:
+        ap.error(f"unrecognized arguments: {' '.join(rest)}")
+    summarize_root(Path(args.root), args.ema, args.jump)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
