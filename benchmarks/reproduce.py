@@ -256,7 +256,7 @@ def train(args) -> int:
             opt.zero_grad(set_to_none=True)
             if watch is not None:
                 watch.step(loss.detach())
-            i = (step - 1) % cfg.log_every
+            i = len(hist_lr)  # steps since the last read-back (a resumed run may start mid-period)
             hist[i, 0] = loss.detach()
             hist[i, 1] = gnorm
             hist_lr.append(lr)

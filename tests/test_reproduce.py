@@ -71,3 +71,14 @@ def test_explosion_rule(repro):
     assert repro.explosion_step(calm[:50] + [(50, math.nan)]) == 50
     with pytest.raises(ValueError, match="arm must be one of"):
         repro.RunConfig(arm="fp32")
+
+
+def test_resume_after_a_stop_between_log_steps(repro, tmp_path):
+    """A run stopped at a step that is not a multiple of --log-every resumes without gaps or stale rows."""
+    a, b = tmp_path / "a", tmp_path / "b"
+    assert repro.main(["train", "--out", str(a), *TINY, "--steps", "12"]) == 0  # log every 5: 5, 10, 12
+    assert repro.main(["train", "--out", str(a), *TINY, "--steps", "20"]) == 0
+    assert repro.main(["train", "--out", str(b), *TINY, "--steps", "20"]) == 0
+    ta, tb = (pd.read_csv(d / "train.csv") for d in (a, b))
+    assert ta["step"].tolist() == list(range(1, 21))
+    pd.testing.assert_frame_equal(ta, tb)
