@@ -159,6 +159,34 @@ def test_ddp_two_processes_switch_the_same_heads_and_write_one_csv(tmp_path):
         == r0["switched"]
 
 
+def _ddp(out, *args):
+    script = REPO / "tests" / "scripts" / "lightning_run.py"
+    proc = subprocess.run([sys.executable, str(script), "ddp", str(out), *map(str, args)], env=_clean_env(out),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_ddp_resume_from_checkpoint_is_identical_to_an_uninterrupted_run(tmp_path):
+    """Under DDP the checkpoint holds rank 0's read-back state once (not summed per rank) and the
+    resumed ranks continue exactly where the uninterrupted run's ranks were."""
+    full = _ddp(tmp_path / "full", 40)
+    # checkpoint at step 17 (steps 16-17 not yet read back with log_every=5), go on to 23, "die"
+    _ddp(tmp_path / "res", 23, 17)
+    ckpt = tmp_path / "res" / "ckpt" / "epoch=0-step=17.ckpt"
+    assert ckpt.exists()
+    resumed = _ddp(tmp_path / "res", 40, ckpt)
+    for r in (0, 1):
+        assert resumed[r]["steps"] == full[r]["steps"] == 40
+        for key in ("switched", "alerts", "delta_cum"):
+            assert resumed[r][key] == full[r][key], (r, key)
+    assert full[0]["switched"], "the tied heads should be switched"
+    a, b = load_run(tmp_path / "full" / "run"), load_run(tmp_path / "res" / "run")
+    assert sorted(b.metrics["step"].unique()) == list(range(1, 41))
+    pd.testing.assert_frame_equal(a.metrics, b.metrics)
+    pd.testing.assert_frame_equal(a.events, b.events)
+
+
 def test_killed_run_keeps_every_step_before_the_last_flush(tmp_path):
     script = REPO / "tests" / "scripts" / "lightning_run.py"
     proc = subprocess.run([sys.executable, str(script), "kill", str(tmp_path), "24"], env=_clean_env(tmp_path),

@@ -1,7 +1,10 @@
 """Lightning runs of the callback in a separate process (DDP and killed-run tests).
 
 Usage:
-    python lightning_run.py ddp OUT_DIR            # 2-process CPU DDP (gloo); writes OUT_DIR/rank{r}.json
+    python lightning_run.py ddp OUT_DIR [STEPS [CKPT_EVERY|RESUME_CKPT]]
+        # 2-process CPU DDP (gloo), STEPS (40) optimizer steps, run dir OUT_DIR/run; writes
+        # OUT_DIR/rank{r}.json; a number as the last argument checkpoints every that many
+        # steps into OUT_DIR/ckpt, a path resumes from that checkpoint
     python lightning_run.py kill OUT_DIR STEP      # SIGKILLs itself inside optimizer step STEP
 """
 import json
@@ -35,18 +38,28 @@ class KillAt(TiedModule):
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
     if mode == "ddp":
+        steps = int(sys.argv[3]) if len(sys.argv) > 3 else 40
+        last = sys.argv[4] if len(sys.argv) > 4 else None
+        ckpt_every = int(last) if last is not None and last.isdigit() else None
+        resume = last if last is not None and ckpt_every is None else None
         model = TiedModule(seed_stride=2)  # each rank its own data: tied_batch(2 * step + rank)
         cb = InstabilityWatchCallback(CFG, layers=model.watch_layers(), run_dir=os.path.join(out, "run"), alerts=False)
+        callbacks = [cb]
+        if ckpt_every:
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=ckpt_every, save_top_k=-1))
         trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy="ddp", max_steps=40, callbacks=[cb], logger=False, enable_checkpointing=False,
-            enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+            accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, callbacks=callbacks, logger=False,
+            enable_checkpointing=bool(ckpt_every), enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
         )
-        trainer.fit(model)
+        trainer.fit(model, ckpt_path=resume)
         w = cb.watch
         with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
             json.dump({
                 "switched": sorted([l, h, s] for (l, h), s in w.switched.items()),
                 "alerts": [[a.step, a.layer, a.head, a.kind] for a in w.alerts],
+                "delta_cum": w.state_dict()["delta_cum"],
                 "steps": w.step_count,
                 "disabled": sorted(w.disabled),
                 "wrote": cb.writer is not None,
