@@ -416,13 +416,11 @@ def summarize_root(root: Path, ema: float = 0.05, jump: float = 1.0) -> List[Dic
 def _plot_losses(root: Path, ema: float) -> None:
     """``loss.png`` in ``root``: the smoothed loss of every run against step."""
     try:
-        import matplotlib
         import pandas as pd
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
         return
-    del matplotlib
     fig = Figure(figsize=(8, 4.5))
     FigureCanvasAgg(fig)
     ax = fig.add_subplot()
@@ -447,6 +445,8 @@ def bundle(root: Path, dest: Path, every: int) -> Path:
     import tarfile
     import tempfile
 
+    import pandas as pd
+
     from instability_watch.report import write_plots
 
     root = Path(root)
@@ -463,8 +463,6 @@ def bundle(root: Path, dest: Path, every: int) -> Path:
                 if not f.is_file() or f.name.startswith(CHECKPOINT):
                     continue
                 if f.name == "metrics.csv" and every > 1:
-                    import pandas as pd
-
                     m = pd.read_csv(f)
                     m = m[(m["step"] - 1) % every == 0]
                     thin = Path(tmp) / "thin.csv"
