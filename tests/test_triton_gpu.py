@@ -154,3 +154,25 @@ def test_compiled_model_uses_the_triton_kernels():
     f(q, k, v, Probe(4, DEV)).backward()
     torch.testing.assert_close(g_c, q.grad)
     assert probe.rows.tolist() == [400] * 4 and probe.shadow_rows.tolist() == [400] * 4
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+@pytest.mark.parametrize("D", [64, 96, 128])
+def test_other_dtypes_at_every_head_dim(dtype, D):
+    # float16 against PyTorch's flash kernel, float32 against its math kernel in float32;
+    # float32 tiles are twice the bytes (their own launch table: shared memory at D = 128).
+    B, H, N = 2, 4, 300
+    q, k, v, do = _inputs(("gpu-dtype", dtype, D), B, H, H, N, D)
+    f64 = _fwd_bwd(lambda a, b, c: _sdpa(a, b, c, True, SDPBackend.MATH), q, k, v, do, torch.float64)
+    peer = SDPBackend.FLASH_ATTENTION if dtype == torch.float16 else SDPBackend.MATH
+    pt = _fwd_bwd(lambda a, b, c: _sdpa(a, b, c, True, peer), q, k, v, do, dtype)
+    for stabilize in (False, True):
+        probe = Probe(H, DEV)
+        probe.shadow = True
+        ours = _fwd_bwd(
+            lambda a, b, c: flash_attention(a, b, c, causal=True, stabilize=stabilize, probe=probe), q, k, v, do, dtype
+        )
+        for name, o, p, x in zip(["o", "dq", "dk", "dv"], ours, pt, f64):
+            assert o.dtype == dtype and torch.isfinite(o).all(), name
+            assert max_err(o, x) <= 2 * max_err(p, x) + 1e-6, (name, stabilize, max_err(o, x), max_err(p, x))
+        assert probe.rows.tolist() == [B * N] * H and probe.shadow_rows.tolist() == [B * N] * H

@@ -128,6 +128,28 @@ def test_extreme_scores_stay_finite_and_accurate():
             assert max_err(o, ref) <= 3 * 2 ** -9 * v.abs().max().item()
 
 
+def test_nonfinite_rows_are_counted_and_max_score_skips_nan():
+    # The probe epilogue's rare path: a NaN query row (tile 2 of 3) and an infinite one.
+    g = seeded("tri-nan")
+    B, H, N, D = 1, 2, 37, 32
+    q = torch.randn(B, H, N, D, generator=g).bfloat16()
+    k, v = (torch.randn(B, H, N, D, generator=g).bfloat16() for _ in range(2))
+    q[0, 0, 20, 3] = float("nan")
+    q[0, 1, 33, 0] = float("inf")
+    for stabilize in (False, True):
+        probe, ref = Probe(H), Probe(H)
+        flash_attention(q, k, v, stabilize=stabilize, probe=probe, backend="triton")
+        flash_attention(q, k, v, stabilize=stabilize, probe=ref, backend="reference")
+        assert probe.nonfinite_rows.tolist() == ref.nonfinite_rows.tolist() == [1, 1]
+        assert probe.rows.tolist() == [N, N]
+        # head 0: the largest score of the finite rows (NaN is no maximum); head 1: +inf
+        s = (q.float() @ k.float().transpose(-1, -2)) * D ** -0.5
+        finite = torch.ones(N, dtype=torch.bool)
+        finite[20] = False
+        assert probe.max_score[0].item() == pytest.approx(s[0, 0, finite].max().item(), rel=1e-5)
+        assert probe.max_score[1].item() == float("inf")
+
+
 def test_multi_max_rows_counts_exactly():
     S = torch.linspace(-3, -1, 40).bfloat16().float().repeat(5, 1)
     S[0, [2, 9]] = 0.25  # tie inside a 16-key block -> counted

@@ -6,9 +6,10 @@ the launchers. The numerics are those of ``reference.py`` (the test oracle):
 
 * ``S = q.k`` in float32 from the low-precision ``Q, K``; the softmax scale is
   applied in the exponent, in log2 units (``qk_scale = scale * log2(e)``);
-* ``P = exp2((q.k - r) * qk_scale - e)`` in float32, with ``r`` the running
-  maximum of the raw scores and ``e >= 0`` the stabilized shift beyond it (0 for
-  standard heads); ``l`` summed from the float32 ``P``; ``P`` rounded to the
+* ``P = exp2(q.k * qk_scale - m)`` in float32 (one FMA and one exp2 per score, as
+  FA2), with the shift ``m = r * qk_scale + e``: ``r`` the running maximum of the
+  raw scores, ``e >= 0`` the stabilized shift beyond it (0 for standard heads);
+  ``l`` summed from the float32 ``P``; ``P`` rounded to the
   input dtype for ``P V`` with a float32 accumulator; ``O = acc / l`` rounded once;
 * the log-sum-exp is stored in log2 units (``LSE2``) for the backward, which
   recomputes ``P = exp2(q.k * qk_scale - LSE2)`` (FA2's backward, unchanged by
@@ -59,25 +60,38 @@ def _stabilized_shift2(r, beta, max_shift):
     return tl.maximum(d, 0.0) * 1.4426950408889634
 
 
+@triton.jit
+def _at_least(x, thr, ASM: tl.constexpr):
+    """1.0 where x >= thr, else 0.0 (NaN: 0.0); on the GPU one ``set`` instruction per element."""
+    if ASM:
+        return tl.inline_asm_elementwise(
+            "set.ge.f32.f32 $0, $1, $2;", "=f,f,f", [x, thr], dtype=tl.float32, is_pure=True, pack=1
+        )
+    else:
+        return tl.where(x >= thr, 1.0, 0.0)
+
+
 # ---------------------------------------------------------------------------
 # Forward
 
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, e_i, r_i, c_i,
+    acc, l_i, e_i, r_i, m_i, c_i,
     q, K_ptrs, V_ptrs, stride_kn, stride_vn,
     offs_m, offs_n, offs_d, D, N_KV,
     qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h, track,
     lo, hi,
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, TRACK_TIES: tl.constexpr, HAS_STAB: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ASM: tl.constexpr,
 ):
-    # The softmax shift is m = r * qk_scale + e: r the running maximum of the raw scores
-    # q.k (exact), e >= 0 the stabilized shift beyond it, in log2 units (0 for standard
-    # heads). Carrying (r, e) instead of m keeps the rescale alpha exactly 1 while the
-    # maximum does not move: with m ~ 1e6 a recomputed m_old - m_new leaves FMA rounding
-    # residuals of 2^-4 per block that compound.
+    # State per row: r the running maximum of the raw scores q.k (exact comparisons at any
+    # magnitude), e >= 0 the stabilized shift beyond it in log2 units (0 for standard heads),
+    # and m = r * qk_scale + e the softmax shift in log2 units, carried rather than
+    # recomputed: it changes only when r or e does, so the rescale alpha = exp2(m_old - m_new)
+    # is exactly 1 while neither moves, and P = exp2(q.k * qk_scale - m) is one FMA and one
+    # exp2 per score (FA2's form; the product inside the FMA is exact, so scores near the
+    # maximum keep their exact distance to it up to the rounding of m, common to the row).
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -96,10 +110,8 @@ def _fwd_inner(
             qk = tl.where(offs_m[:, None] >= cols[None, :], qk, float("-inf"))
         if MASK_KV:
             qk = tl.where(cols[None, :] < N_KV, qk, float("-inf"))
-        # -- running maximum of the raw scores (comparisons stay exact at any magnitude)
         r_new = tl.maximum(r_i, tl.max(qk, 1))
         r_safe = tl.where(r_new > float("-inf"), r_new, 0.0)
-        dr = (r_i - r_safe) * qk_scale  # <= 0; exactly 0 while the maximum stays; -inf at first
         e_new = e_i
         if TRACK_TIES:
             if track:  # uniform per program: untracked programs skip all of the tie work
@@ -107,7 +119,7 @@ def _fwd_inner(
                 #    too); a float count: one set-and-add per score
                 thr = r_new - eps_raw
                 c_new = tl.where(r_i >= thr, c_i, 0)
-                c_new += tl.sum(tl.where(qk >= thr[:, None], 1.0, 0.0), 1).to(tl.int32)
+                c_new += tl.sum(_at_least(qk, tl.broadcast_to(thr[:, None], qk.shape), ASM), 1).to(tl.int32)
                 if HAS_STAB:
                     # -- stabilized heads shift above a repeated maximum (paper Alg. 3):
                     #    m_new = max(m_old, m'), here relative to r_new
@@ -115,12 +127,12 @@ def _fwd_inner(
                     #  shared-memory round trip and a barrier per block, more than it saves)
                     tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
                     d2 = _stabilized_shift2(r_new * sm_scale, beta, max_shift)
-                    e_new = tl.maximum(e_i + dr, tl.where(tie, d2, 0.0))
+                    e_new = tl.maximum(e_i + (r_i - r_safe) * qk_scale, tl.where(tie, d2, 0.0))
                 c_i = c_new
-        # -- online softmax update: P in float32, l from float32 P; the exponent is taken
-        #    relative to the raw maximum (q.k - r is exact for the scores near it)
-        alpha = tl.math.exp2(dr + e_i - e_new)
-        p = tl.math.exp2((qk - r_safe[:, None]) * qk_scale - e_new[:, None])
+        # -- online softmax update: P in float32, l from float32 P
+        m_new = tl.where((r_new == r_i) & (e_new == e_i), m_i, r_safe * qk_scale + e_new)
+        alpha = tl.math.exp2(tl.where(r_i > float("-inf"), m_i - m_new, float("-inf")))  # 0 until a row sees a score
+        p = tl.math.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
         # -- P rounded to the input dtype for P V, float32 accumulator
@@ -131,7 +143,8 @@ def _fwd_inner(
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
         e_i = e_new
         r_i = r_new
-    return acc, l_i, e_i, r_i, c_i
+        m_i = m_new
+    return acc, l_i, e_i, r_i, m_i, c_i
 
 
 @triton.jit
@@ -146,6 +159,7 @@ def _attn_fwd(
     CAUSAL: tl.constexpr, HAS_STAB: tl.constexpr, HAS_PROBE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     start_m = tl.program_id(0)
@@ -167,9 +181,10 @@ def _attn_fwd(
     else:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
-    # -- running state per row: raw maximum r of q.k, extra shift e, near-maximum count c, l, acc
+    # -- running state per row: raw maximum r of q.k, extra shift e, shift m, near-maximum count c, l, acc
     e_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     r_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    m_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # finite while r is -inf: P = exp2(-inf - m) = 0
     c_i = tl.zeros([BLOCK_M], dtype=tl.int32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
@@ -201,24 +216,24 @@ def _attn_fwd(
     # One loop body for both (a branch around two loops would give each its own
     # software pipeline and double the shared memory).
     TRACK_TIES: tl.constexpr = HAS_STAB or HAS_PROBE
-    acc, l_i, e_i, r_i, c_i = _fwd_inner(
-        acc, l_i, e_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+    acc, l_i, e_i, r_i, m_i, c_i = _fwd_inner(
+        acc, l_i, e_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h, track,
         0, n_full,
         MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
-        BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+        BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
     )
-    acc, l_i, e_i, r_i, c_i = _fwd_inner(
-        acc, l_i, e_i, r_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+    acc, l_i, e_i, r_i, m_i, c_i = _fwd_inner(
+        acc, l_i, e_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
         offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h, track,
         n_full, hi,
         MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
-        BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+        BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
     )
 
     # -- epilogue: O rounded once, LSE in log2 units
     o = acc / l_i[:, None]
-    lse2 = r_i * qk_scale + e_i + tl.math.log2(l_i)
+    lse2 = m_i + tl.math.log2(l_i)
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
     if EVEN_M and EVEN_D:
         tl.store(o_ptrs, o.to(O.dtype.element_ty))
@@ -227,20 +242,25 @@ def _attn_fwd(
     tl.store(LSE2 + off_bh * N_Q + offs_m, lse2, mask=row_ok)
 
     if HAS_PROBE:
-        # -- per-head statistics of this tile, one relaxed atomic each (no fences: the
-        #    counters are only read after the step, behind a host sync)
-        n_rows = tl.sum(row_ok.to(tl.int64), 0)
-        multi = tl.sum(((c_i > 1) & row_ok).to(tl.int64), 0)  # 0 where ties were not tracked
+        # -- per-head statistics of this tile, relaxed atomics (no fences: the counters are
+        #    only read after the step, behind a host sync). Every cross-warp reduction costs
+        #    a shared-memory round trip and a barrier at the end of each program, so the
+        #    common path has one: the tile's maximum score, +inf if a row is not finite.
+        n_rows = tl.minimum(N_Q - start_m * BLOCK_M, BLOCK_M).to(tl.int64)
         # a row sum is NaN/Inf iff some entry is (short of an overflow of the sum itself)
         row_sum = tl.sum(o, 1) + lse2
         row_finite = (row_sum == row_sum) & (tl.abs(row_sum) < float("inf"))
-        bad = tl.sum((row_ok & ~row_finite).to(tl.int64), 0)
-        s_max = tl.max(tl.where(row_ok, r_i, float("-inf")), 0) * sm_scale
+        s_max = tl.max(tl.where(row_ok, tl.where(row_finite, r_i, float("inf")), float("-inf")), 0)
         tl.atomic_add(Counts + C_ROWS * H + off_h, n_rows, sem="relaxed")
-        tl.atomic_add(Counts + C_MULTI * H + off_h, multi, sem="relaxed")
-        tl.atomic_add(Counts + C_TIE_ROWS * H + off_h, tl.where(track, n_rows, 0), sem="relaxed")
-        tl.atomic_add(Counts + C_NONFINITE * H + off_h, bad, sem="relaxed")
-        tl.atomic_max(Values + V_MAXS * H + off_h, s_max, sem="relaxed")
+        if s_max == float("inf"):  # rare: count the non-finite rows, take the true maximum
+            bad = tl.sum((row_ok & ~row_finite).to(tl.int32), 0)
+            tl.atomic_add(Counts + C_NONFINITE * H + off_h, bad.to(tl.int64), sem="relaxed")
+            s_max = tl.max(tl.where(row_ok, r_i, float("-inf")), 0)
+        tl.atomic_max(Values + V_MAXS * H + off_h, s_max * sm_scale, sem="relaxed")
+        if track:  # only tracked programs counted near-maximum ties
+            multi = tl.sum(((c_i > 1) & row_ok).to(tl.int32), 0)
+            tl.atomic_add(Counts + C_TIE_ROWS * H + off_h, n_rows, sem="relaxed")
+            tl.atomic_add(Counts + C_MULTI * H + off_h, multi.to(tl.int64), sem="relaxed")
 
 
 # ---------------------------------------------------------------------------
@@ -413,18 +433,30 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # benchmarks/RESULTS.md). A fixed table rather than triton.autotune: tuning at run
 # time would run the probe atomics several times and stall the first training step.
 # The forward's fifth entry caps registers: at D <= 64 the plain loop needs 128 and the
-# tie-tracking loop ~150, which would drop an SM from 4 resident programs to 3.
-FWD_CONFIGS = {16: (64, 64, 4, 3, 128), 32: (64, 64, 4, 3, 128), 64: (64, 64, 4, 3, 128), 128: (64, 64, 4, 3)}
+# tie-tracking loop ~150, which would drop an SM from 4 resident programs to 3. The forward
+# with a stabilize mask or a probe (what the watch runs) has its own table: at D = 128 it
+# is fastest with larger tiles than the plain forward.
+FWD_CONFIGS = {16: (64, 64, 4, 3, 128), 32: (64, 64, 4, 3, 128), 64: (64, 64, 4, 3, 128), 128: (128, 64, 8, 3)}
+FWD_CONFIGS_WATCHED = {16: (64, 64, 4, 3, 128), 32: (64, 64, 4, 3, 128), 64: (64, 64, 4, 3, 128), 128: (128, 128, 8, 2)}
 DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 128, 8, 3)}
 DQ_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
 _INTERPRETER_CONFIG = (16, 16, 4, 1)  # one program at a time on CPU: small tiles, odd sizes covered
 
 
-def _config(table, head_dim: int, override=None):
+# float32 inputs: tiles twice the bytes, and tl.dot without tensor cores ("ieee"); the
+# tables above would ask for more shared memory than an SM has at D = 128.
+FP32_CONFIGS = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
+
+
+def _config(table, head_dim: int, override=None, dtype=None, kind="fwd"):
     if override is not None:
         return override
-    return _INTERPRETER_CONFIG if is_interpreter() else table[head_dim]
+    if is_interpreter():
+        return _INTERPRETER_CONFIG
+    if dtype == torch.float32:
+        return FP32_CONFIGS[kind]
+    return table[head_dim]
 
 
 def attention_forward(
@@ -439,7 +471,10 @@ def attention_forward(
     o = empty_like_layout(q)  # PyTorch's layout: the model's transpose back is free
     lse2 = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     head_dim = _head_dim_tile(D)
-    block_m, block_n, warps, stages, *extra = _config(FWD_CONFIGS, head_dim, config)
+    watched = stabilize is not None or counts is not None
+    block_m, block_n, warps, stages, *extra = _config(
+        FWD_CONFIGS_WATCHED if watched else FWD_CONFIGS, head_dim, config, q.dtype, "fwd"
+    )
     maxnreg = extra[0] if extra else None
     launch = dict(maxnreg=maxnreg) if (maxnreg and not is_interpreter()) else {}
     # Query tiles per head in this call; sample about a quarter of them for the
@@ -458,7 +493,8 @@ def attention_forward(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
         EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
-        DOT_PRECISION=_dot_precision(q.dtype), num_warps=warps, num_stages=stages, **launch,
+        DOT_PRECISION=_dot_precision(q.dtype), ASM=not is_interpreter(),
+        num_warps=warps, num_stages=stages, **launch,
     )
     return o, lse2
 
@@ -487,7 +523,7 @@ def attention_backward(
     else:
         delta = delta.to(torch.float32).contiguous()
     dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
-    block_m, block_n, warps, stages = _config(DKDV_CONFIGS, head_dim, config_dkdv)
+    block_m, block_n, warps, stages = _config(DKDV_CONFIGS, head_dim, config_dkdv, q.dtype, "dkdv")
     _attn_bwd_dkdv[(triton.cdiv(n_kv, block_n), B * h_kv)](
         q, k, v, do, lse2, delta, dk, dv,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
@@ -496,7 +532,7 @@ def attention_backward(
         num_warps=warps, num_stages=stages,
     )
     shadow = shadow and counts is not None
-    block_m, block_n, warps, stages = _config(DQ_CONFIGS, head_dim, config_dq)
+    block_m, block_n, warps, stages = _config(DQ_CONFIGS, head_dim, config_dq, q.dtype, "dq")
     _attn_bwd_dq[(triton.cdiv(N, block_m), B * H)](
         q, k, v, do, lse2, delta, dq, counts, values,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
