@@ -437,7 +437,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # with a stabilize mask or a probe (what the watch runs) has its own table: at D = 128 it
 # is fastest with larger tiles than the plain forward.
 FWD_CONFIGS = {16: (64, 64, 4, 3, 128), 32: (64, 64, 4, 3, 128), 64: (64, 64, 4, 3, 128), 128: (128, 64, 8, 3)}
-FWD_CONFIGS_WATCHED = {16: (64, 64, 4, 3, 128), 32: (64, 64, 4, 3, 128), 64: (64, 64, 4, 3, 128), 128: (128, 128, 8, 2)}
+FWD_CONFIGS_WATCHED = {**FWD_CONFIGS, 128: (128, 128, 8, 2)}
 DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 128, 8, 3)}
 DQ_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
 TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
