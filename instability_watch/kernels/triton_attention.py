@@ -336,8 +336,8 @@ def _attn_bwd_dkdv(
             lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
             delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
             # -- P^T for this (KV block, query block), float32, normalised by the LSE
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION) * qk_scale  # (BLOCK_N, BLOCK_M)
-            p_t = tl.math.exp2(s_t - lse2[None, :])
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M), raw
+            p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse2[None, :]))  # one FMA per score, as the forward
             if CAUSAL:
                 p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
             # -- dV += bf16(P)^T dO
@@ -392,8 +392,8 @@ def _attn_bwd_dq(
         kv_mask = (offs_n[:, None] < N_KV) & d_ok
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * qk_scale
-        p = tl.math.exp2(s - lse2[:, None])
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        p = tl.math.exp2(tl.fma(s, qk_scale, -lse2[:, None]))
         keep = offs_n[None, :] < N_KV
         if CAUSAL:
             keep = keep & (offs_m[:, None] >= offs_n[None, :])
