@@ -303,6 +303,7 @@ def main(argv=None):
     ap.add_argument("--sweep-variant", default="standard", choices=["standard", "stabilized", "probe"])
     ap.add_argument("--eager", action="store_true", help="time eager calls (host overhead included) instead of CUDA graphs")
     ap.add_argument("--host", action="store_true", help="measure host (CPU) time per call")
+    ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant (median shown)")
     ap.add_argument("--json", help="write the results here as JSON")
     args = ap.parse_args(argv)
     if not torch.cuda.is_available():
@@ -330,7 +331,7 @@ def main(argv=None):
     else:
         result["timing"] = "eager do_bench" if args.eager else "CUDA graph replay (do_bench_cudagraph)"
         print(f"timing: {result['timing']}")
-        result["table"] = run_table(names, graph=not args.eager)
+        result["table"] = run_table(names, rounds=args.rounds, graph=not args.eager)
         print_table(result["table"])
         result["forward_kernels"] = kernel_resources()
         print("compiled forward variants: " + "; ".join(result["forward_kernels"]))

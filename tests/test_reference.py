@@ -7,6 +7,7 @@ import torch
 from helpers import max_err, run_fwd_bwd, sdpa_math, seeded
 from instability_watch import Probe, flash_attention
 from instability_watch.kernels.reference import (
+    LOG2E,
     attention_backward,
     attention_forward,
     max_shift_for,
@@ -245,13 +246,17 @@ def test_n_equals_one():
 
 
 def test_stabilized_shift_is_the_papers_and_capped():
-    r = torch.tensor([3.0, -3.0, 0.0, 40.0, 1e6, -1e6, -40.5])
-    d = stabilized_shift(r, beta=2.0, max_shift=32.0)
-    # beta * r for r > 0 (d = (beta - 1) r), m = 0 for r < 0 (d = -r), nothing at 0
-    assert d[:3].tolist() == [3.0, 3.0, 0.0]
-    # above the cap: max_shift - 1 + frac(d), so the shift keeps varying with r
-    assert d[3:].tolist() == [31.0, 31.0, 31.0, 31.5]
-    assert max_shift_for(torch.bfloat16) == 32.0 and max_shift_for(torch.float16) < 8
+    r = torch.tensor([3.0, -3.0, 0.0, 20.0, 40.0, 1e6, -1e6, -40.5], dtype=torch.float64)
+    d = stabilized_shift(r, beta=2.0, max_shift=46.0)
+    # beta * r for r > 0 (d = (beta - 1) r), m = 0 for r < 0 (d = -r), nothing at 0; below the cap
+    assert torch.allclose(d[:4], torch.tensor([3.0, 3.0, 0.0, 20.0], dtype=torch.float64), rtol=1e-12, atol=0)
+    # from 46 bits on: 45 + frac(d in bits), so the shift keeps varying with r
+    bits = r[4:].abs() * LOG2E
+    assert torch.allclose(d[4:] * LOG2E, 45.0 + torch.frac(bits), rtol=1e-12, atol=0)
+    assert (d[4:] * LOG2E < 46.0).all() and (d[4:] * LOG2E >= 45.0).all()
+    # beta > 2 scales the positive side only
+    assert math.isclose(stabilized_shift(torch.tensor([3.0], dtype=torch.float64), 4.0, 46.0).item(), 9.0, rel_tol=1e-12)
+    assert max_shift_for(torch.bfloat16) == 46.0 and max_shift_for(torch.float16) < 8
 
 
 # ---------------------------------------------------------------------------

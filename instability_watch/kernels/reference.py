@@ -32,11 +32,12 @@ documented in DESIGN.md:
    the common case at N=1024, are left biased), and the trigger no longer depends
    on the block size.
 2. The extra shift ``d`` (``(beta-1)*rm`` for ``rm > 0``, ``-rm`` for ``rm < 0``)
-   is capped: above ``max_shift`` it becomes ``max_shift - 1 + frac(d)``. The cap
-   keeps large logits (|S| up to 1e6, seen in real runs) from underflowing the
-   whole row to ``l = 0`` (NaN); the fractional part keeps the shift varying from
-   row to row so that it does not turn into a fixed offset, which the paper
-   (App. C) shows re-introduces a bias.
+   is capped, in log2 units (bits, the unit of the GPU's exp2): at or above
+   ``max_shift`` bits it becomes ``max_shift - 1 + frac(d)`` bits. The cap keeps
+   large logits (|S| up to 1e6, seen in real runs) from underflowing the whole
+   row to ``l = 0`` (NaN); the fractional part keeps the shift varying from row
+   to row so that it does not turn into a fixed offset, which the paper (App. C)
+   shows re-introduces a bias.
 """
 from __future__ import annotations
 
@@ -51,15 +52,16 @@ DEFAULT_BETA = 2.0  # the authors' choice; the paper recommends beta in [2, 8]
 DEFAULT_EPS = 1e-3  # the paper's tolerance for "the same maximum"
 DEFAULT_BLOCK_N = 64  # KV block of the emulation; results do not depend on it beyond rounding
 
-# Largest extra softmax shift (in nats) of the stabilized variant, per P dtype.
-# BF16 shares float32's exponent range: a shift of 32 leaves ~55 nats of headroom
-# before exp() underflows. FP16's smallest normal is ~e^-9.7, so a large shift
-# would flush the whole row's P to zero there.
-_MAX_SHIFT = {torch.bfloat16: 32.0, torch.float16: 2.0, torch.float32: 32.0, torch.float64: 32.0}
+# Cap on the extra softmax shift of the stabilized variant, in bits (log2 units), per
+# P dtype. BF16 shares float32's exponent range: 46 bits (~32 nats) leave ~80 bits of
+# headroom before exp2() underflows. FP16's smallest normal is 2^-14, so a large
+# shift would flush the whole row's P to zero there; 3 bits keep P's maximum >= 1/8.
+_MAX_SHIFT = {torch.bfloat16: 46.0, torch.float16: 3.0, torch.float32: 46.0, torch.float64: 46.0}
+LOG2E = 1.4426950408889634
 
 
 def max_shift_for(dtype: torch.dtype) -> float:
-    """The cap on the stabilized variant's extra softmax shift for inputs of ``dtype``."""
+    """The cap, in bits (log2 units), on the stabilized variant's extra softmax shift for inputs of ``dtype``."""
     return _MAX_SHIFT[dtype]
 
 
@@ -87,14 +89,17 @@ def _causal_mask(row_start: int, n_rows: int, col_start: int, n_cols: int, devic
 
 
 def stabilized_shift(r: torch.Tensor, beta: float, max_shift: float) -> torch.Tensor:
-    """The stabilized variant's extra shift ``d >= 0`` for a row maximum ``r``.
+    """The stabilized variant's extra shift ``d >= 0`` (nats) for a row maximum ``r`` (nats).
 
-    ``m = r + d`` is the paper's ``beta * r`` for ``r > 0`` and ``0`` for ``r < 0``;
-    ``d`` is capped at ``max_shift`` (see the module docstring) and is 0 at ``r == 0``.
+    ``m = r + d`` is the paper's ``beta * r`` for ``r > 0`` and ``0`` for ``r < 0``
+    (``beta > 1``), and ``d`` is 0 at ``r == 0``. Capped in bits: ``d2 = d * log2(e)``
+    becomes ``min(d2, max_shift - 1 + frac(d2))``, i.e. ``max_shift - 1 + frac(d2)``
+    from ``max_shift`` bits on (``max_shift`` an integer); see the module docstring.
+    The Triton kernel computes the same in bits from ``r * scale * log2(e)``.
     """
-    d = torch.where(r > 0, (beta - 1.0) * r, -r)
-    d = torch.where(d > max_shift, (max_shift - 1.0) + torch.frac(d), d)
-    return torch.clamp_min(d, 0.0)
+    d2 = torch.where(r > 0, beta - 1.0, -1.0) * (r * LOG2E)
+    d2 = torch.minimum(d2, (max_shift - 1.0) + torch.frac(d2))
+    return torch.clamp_min(d2, 0.0) / LOG2E
 
 
 @torch.no_grad()

@@ -7,8 +7,9 @@ the launchers. The numerics are those of ``reference.py`` (the test oracle):
 * ``S = q.k`` in float32 from the low-precision ``Q, K``; the softmax scale is
   applied in the exponent, in log2 units (``qk_scale = scale * log2(e)``);
 * ``P = exp2(q.k * qk_scale - m)`` in float32 (one FMA and one exp2 per score, as
-  FA2), with the shift ``m = r * qk_scale + e``: ``r`` the running maximum of the
-  raw scores, ``e >= 0`` the stabilized shift beyond it (0 for standard heads);
+  FA2), with the shift ``m = r * qk_scale`` for ``r`` the running maximum of the
+  raw scores (stabilized rows: ``max(m_old, r * qk_scale + d)``, ``d`` the
+  stabilized shift in bits, > 0 on a repeated maximum);
   ``l`` summed from the float32 ``P``; ``P`` rounded to the
   input dtype for ``P V`` with a float32 accumulator; ``O = acc / l`` rounded once;
 * the log-sum-exp is stored in log2 units (``LSE2``) for the backward, which
@@ -32,9 +33,7 @@ import triton.language as tl
 from ..probe import COUNT_FIELDS, VALUE_FIELDS
 from . import interpreting as is_interpreter  # imported lazily, after the package itself
 from .layout import empty_like_layout
-from .reference import max_shift_for
-
-LOG2E = 1.4426950408889634
+from .reference import LOG2E, max_shift_for
 
 # Rows of the probe buffers, as constexprs for the kernels.
 C_ROWS = tl.constexpr(COUNT_FIELDS.index("rows"))
@@ -53,11 +52,10 @@ V_DABS = tl.constexpr(VALUE_FIELDS.index("delta_err_abs"))
 
 
 @triton.jit
-def _stabilized_shift2(r, beta, max_shift):
-    """Extra shift (log2 units) above a row maximum r (natural units); see reference.stabilized_shift."""
-    d = tl.where(r > 0, (beta - 1.0) * r, -r)
-    d = tl.where(d > max_shift, (max_shift - 1.0) + (d - tl.floor(d)), d)
-    return tl.maximum(d, 0.0) * 1.4426950408889634
+def _stabilized_shift2(m_std, r, beta, max_shift2):
+    """Extra shift (log2 units) above the shift m_std = r * qk_scale of a row maximum r; see reference.stabilized_shift."""
+    d = tl.where(r > 0, beta - 1.0, -1.0) * m_std  # beta > 1: d >= 0
+    return tl.minimum(d, (max_shift2 - 1.0) + (d - tl.floor(d)))
 
 
 @triton.jit
@@ -77,21 +75,23 @@ def _at_least(x, thr, ASM: tl.constexpr):
 
 @triton.jit
 def _fwd_inner(
-    acc, l_i, e_i, r_i, m_i, c_i,
+    acc, l_i, r_i, m_i, c_i,
     q, K_ptrs, V_ptrs, stride_kn, stride_vn,
     offs_m, offs_n, offs_d, D, N_KV,
-    qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h, track,
+    qk_scale, eps_raw, beta, max_shift2, stab_h, track,
     lo, hi,
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, TRACK_TIES: tl.constexpr, HAS_STAB: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ASM: tl.constexpr,
 ):
     # State per row: r the running maximum of the raw scores q.k (exact comparisons at any
-    # magnitude), e >= 0 the stabilized shift beyond it in log2 units (0 for standard heads),
-    # and m = r * qk_scale + e the softmax shift in log2 units, carried rather than
-    # recomputed: it changes only when r or e does, so the rescale alpha = exp2(m_old - m_new)
-    # is exactly 1 while neither moves, and P = exp2(q.k * qk_scale - m) is one FMA and one
-    # exp2 per score (FA2's form; the product inside the FMA is exact, so scores near the
-    # maximum keep their exact distance to it up to the rounding of m, common to the row).
+    # magnitude), m the softmax shift in log2 units, c the near-maximum count. A standard
+    # row's shift is r * qk_scale, replaced only when r moves, so the rescale
+    # alpha = exp2(m_old - m_new) is exactly 1 while r holds. A stabilized row takes
+    # m_new = max(m_old, r * qk_scale + d) (the authors' running maximum, as reference.py),
+    # d > 0 only where the maximum repeats.
+    # P = exp2(q.k * qk_scale - m) is one FMA and one exp2 per score (FA2's form; the product
+    # inside the FMA is exact, so scores near the maximum keep their exact distance to it up to
+    # the rounding of m, common to the row).
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
@@ -111,8 +111,11 @@ def _fwd_inner(
         if MASK_KV:
             qk = tl.where(cols[None, :] < N_KV, qk, float("-inf"))
         r_new = tl.maximum(r_i, tl.max(qk, 1))
-        r_safe = tl.where(r_new > float("-inf"), r_new, 0.0)
-        e_new = e_i
+        # -- the standard shift; kept as m_i while r holds. The select matters on the GPU: a
+        #    bare r * qk_scale would be contracted into alpha's subtraction (an FMA with the
+        #    exact product), so alpha would differ from 1 by m's rounding while P uses the
+        #    rounded m, and the weights of earlier blocks would drift (test_extreme_scores_*).
+        m_new = tl.where(r_new == r_i, m_i, tl.where(r_new > float("-inf"), r_new, 0.0) * qk_scale)
         if TRACK_TIES:
             if track:  # uniform per program: untracked programs skip all of the tie work
                 # -- how many scores lie within eps of the running maximum (earlier blocks
@@ -121,16 +124,17 @@ def _fwd_inner(
                 c_new = tl.where(r_i >= thr, c_i, 0)
                 c_new += tl.sum(_at_least(qk, tl.broadcast_to(thr[:, None], qk.shape), ASM), 1).to(tl.int32)
                 if HAS_STAB:
-                    # -- stabilized heads shift above a repeated maximum (paper Alg. 3):
-                    #    m_new = max(m_old, m'), here relative to r_new
+                    # -- stabilized heads shift above a repeated maximum (paper Alg. 3)
                     # (no "any tie in this tile?" shortcut: that cross-warp reduction costs a
                     #  shared-memory round trip and a barrier per block, more than it saves)
                     tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
-                    d2 = _stabilized_shift2(r_new * sm_scale, beta, max_shift)
-                    e_new = tl.maximum(e_i + (r_i - r_safe) * qk_scale, tl.where(tie, d2, 0.0))
+                    m_std = tl.where(r_new > float("-inf"), r_new, 0.0) * qk_scale
+                    d = _stabilized_shift2(m_std, r_new, beta, max_shift2)
+                    m_new = tl.maximum(m_new, m_std + tl.where(tie, d, 0.0))
                 c_i = c_new
+        if HAS_STAB:
+            m_new = tl.where(r_i > float("-inf"), tl.maximum(m_i, m_new), m_new)
         # -- online softmax update: P in float32, l from float32 P
-        m_new = tl.where((r_new == r_i) & (e_new == e_i), m_i, r_safe * qk_scale + e_new)
         alpha = tl.math.exp2(tl.where(r_i > float("-inf"), m_i - m_new, float("-inf")))  # 0 until a row sees a score
         p = tl.math.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
         l_i = l_i * alpha + tl.sum(p, 1)
@@ -141,10 +145,9 @@ def _fwd_inner(
         else:
             v = tl.load(V_ptrs + start_n * stride_vn)
         acc = tl.dot(p.to(v.dtype), v, acc, input_precision=DOT_PRECISION)
-        e_i = e_new
         r_i = r_new
         m_i = m_new
-    return acc, l_i, e_i, r_i, m_i, c_i
+    return acc, l_i, r_i, m_i, c_i
 
 
 @triton.jit
@@ -155,7 +158,7 @@ def _attn_fwd(
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     H, GROUP, N_Q, N_KV, D,
-    qk_scale, sm_scale, eps_raw, beta, max_shift, tie_stride,
+    qk_scale, sm_scale, eps_raw, beta, max_shift2, tie_stride,
     CAUSAL: tl.constexpr, HAS_STAB: tl.constexpr, HAS_PROBE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -181,8 +184,7 @@ def _attn_fwd(
     else:
         q = tl.load(q_ptrs, mask=q_mask, other=0.0)
 
-    # -- running state per row: raw maximum r of q.k, extra shift e, shift m, near-maximum count c, l, acc
-    e_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    # -- running state per row: raw maximum r of q.k, shift m, near-maximum count c, l, acc
     r_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32)  # finite while r is -inf: P = exp2(-inf - m) = 0
     c_i = tl.zeros([BLOCK_M], dtype=tl.int32)
@@ -216,16 +218,16 @@ def _attn_fwd(
     # One loop body for both (a branch around two loops would give each its own
     # software pipeline and double the shared memory).
     TRACK_TIES: tl.constexpr = HAS_STAB or HAS_PROBE
-    acc, l_i, e_i, r_i, m_i, c_i = _fwd_inner(
-        acc, l_i, e_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h, track,
+    acc, l_i, r_i, m_i, c_i = _fwd_inner(
+        acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        offs_m, offs_n, offs_d, D, N_KV, qk_scale, eps_raw, beta, max_shift2, stab_h, track,
         0, n_full,
         MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
         BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
     )
-    acc, l_i, e_i, r_i, m_i, c_i = _fwd_inner(
-        acc, l_i, e_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift, stab_h, track,
+    acc, l_i, r_i, m_i, c_i = _fwd_inner(
+        acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
+        offs_m, offs_n, offs_d, D, N_KV, qk_scale, eps_raw, beta, max_shift2, stab_h, track,
         n_full, hi,
         MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
         BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
