@@ -115,7 +115,8 @@ def _fwd_inner(
         #    bare r * qk_scale would be contracted into alpha's subtraction (an FMA with the
         #    exact product), so alpha would differ from 1 by m's rounding while P uses the
         #    rounded m, and the weights of earlier blocks would drift (test_extreme_scores_*).
-        m_new = tl.where(r_new == r_i, m_i, tl.where(r_new > float("-inf"), r_new, 0.0) * qk_scale)
+        m_std = tl.where(r_new > float("-inf"), r_new, 0.0) * qk_scale
+        m_new = tl.where(r_new == r_i, m_i, m_std)
         if TRACK_TIES:
             if track:  # uniform per program: untracked programs skip all of the tie work
                 # -- how many scores lie within eps of the running maximum (earlier blocks
@@ -128,7 +129,6 @@ def _fwd_inner(
                     # (no "any tie in this tile?" shortcut: that cross-warp reduction costs a
                     #  shared-memory round trip and a barrier per block, more than it saves)
                     tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
-                    m_std = tl.where(r_new > float("-inf"), r_new, 0.0) * qk_scale
                     d = _stabilized_shift2(m_std, r_new, beta, max_shift2)
                     m_new = tl.maximum(m_new, m_std + tl.where(tie, d, 0.0))
                 c_i = c_new
