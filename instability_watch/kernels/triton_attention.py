@@ -1,7 +1,7 @@
 """Triton flash attention with FA2's precision model, per-head stabilization and in-kernel diagnostics.
 
 Reads top to bottom: helpers, the forward (inner loop, kernel), the backward
-(delta preprocessing, dK/dV kernel, dQ kernel with the shadow delta_hp), then
+(dQ kernel, which also computes delta and the shadow delta_hp, then dK/dV), then
 the launchers. The numerics are those of ``reference.py`` (the test oracle):
 
 * ``S = q.k`` in float32 from the low-precision ``Q, K``; the softmax scale is
@@ -270,27 +270,6 @@ def _attn_fwd(
 
 
 @triton.jit
-def _bwd_preprocess(
-    O, DO, Delta,
-    stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don,
-    H, N_Q, D,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
-):
-    """delta = rowsum(dO * O) in float32, O being the stored low-precision output."""
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
-    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    mask = (offs_m[:, None] < N_Q) & (offs_d[None, :] < D)
-    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=mask, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=mask, other=0.0)
-    delta = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
-    tl.store(Delta + off_bh * N_Q + offs_m, delta, mask=offs_m < N_Q)
-
-
-@triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, DO, LSE2, Delta, DK, DV,
     stride_qb, stride_qh, stride_qn,
@@ -356,18 +335,23 @@ def _attn_bwd_dkdv(
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, DO, LSE2, Delta, DQ, Counts, Values,
+    Q, K, V, O, DO, LSE2, Delta, DQ, Counts, Values,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
     H, GROUP, N_Q, N_KV, D,
     qk_scale, scale,
-    CAUSAL: tl.constexpr, SHADOW: tl.constexpr, HEAD_DIM: tl.constexpr,
+    CAUSAL: tl.constexpr, SHADOW: tl.constexpr, DELTA_FROM_O: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
-    """One query block: dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta."""
+    """One query block: delta = rowsum(dO * O) (stored for the dK/dV kernel, launched after this
+    one), dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta.
+
+    With ``DELTA_FROM_O`` off, delta is read from ``Delta`` instead (a caller-supplied delta).
+    """
     start_m = tl.program_id(0) * BLOCK_M
     off_bh = tl.program_id(1)
     off_b = off_bh // H
@@ -382,6 +366,15 @@ def _attn_bwd_dq(
     q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
     lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+    if DELTA_FROM_O:
+        # delta from the stored low-precision O, as FA2's preprocessing; the dK/dV kernel
+        # reads it from here (same stream, launched next), so it needs no launch of its own.
+        # Read back after a barrier rather than used directly: the load takes the layout the
+        # loop wants, where a direct use had the compiler convert the broadcast 2-D
+        # delta[:, None] instead, a tile of registers live through the loop.
+        o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+        tl.store(Delta + off_bh * N_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=m_ok)
+        tl.debug_barrier()
     delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     delta_hp = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -441,7 +434,7 @@ def _dot_precision(dtype: torch.dtype) -> str:
 FWD_CONFIGS = {16: (64, 64, 4, 3, 128), 32: (64, 64, 4, 3, 128), 64: (64, 64, 4, 3, 128), 128: (128, 64, 8, 3)}
 FWD_CONFIGS_WATCHED = {**FWD_CONFIGS, 128: (128, 128, 8, 2)}
 DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 128, 8, 3)}
-DQ_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 64, 4, 2)}
+DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3)}
 TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
 _INTERPRETER_CONFIG = (16, 16, 4, 1)  # one program at a time on CPU: small tiles, odd sizes covered
 
@@ -506,25 +499,31 @@ def attention_backward(
     causal: bool, scale: float, counts: Optional[torch.Tensor], values: Optional[torch.Tensor], shadow: bool,
     config_dkdv=None, config_dq=None, delta: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Launch the backward: delta preprocessing, dK/dV, dQ (with the shadow statistics if ``shadow``).
+    """Launch the backward: dQ (which computes delta, with the shadow statistics if ``shadow``), then dK/dV.
 
-    ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)`` and the preprocessing is skipped.
+    ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``.
     """
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
     q, k, v, o, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, o, do))
     head_dim = _head_dim_tile(D)
     dot_precision = _dot_precision(q.dtype)
-    if delta is None:
+    delta_from_o = delta is None
+    if delta_from_o:
         delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
-        pre_m = 16 if is_interpreter() else 64
-        _bwd_preprocess[(triton.cdiv(N, pre_m), B * H)](
-            o, do, delta, *o.stride()[:3], *do.stride()[:3],
-            H, N, D, HEAD_DIM=head_dim, BLOCK_M=pre_m,
-        )
     else:
         delta = delta.to(torch.float32).contiguous()
     dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
+    # dQ first: its programs write delta, which every dK/dV program reads
+    shadow = shadow and counts is not None
+    block_m, block_n, warps, stages = _config(DQ_CONFIGS, head_dim, config_dq, q.dtype, "dq")
+    _attn_bwd_dq[(triton.cdiv(N, block_m), B * H)](
+        q, k, v, o, do, lse2, delta, dq, counts, values,
+        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+        H, H // h_kv, N, n_kv, D, scale * LOG2E, scale,
+        CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, HEAD_DIM=head_dim, BLOCK_M=block_m,
+        BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages,
+    )
     block_m, block_n, warps, stages = _config(DKDV_CONFIGS, head_dim, config_dkdv, q.dtype, "dkdv")
     _attn_bwd_dkdv[(triton.cdiv(n_kv, block_n), B * h_kv)](
         q, k, v, do, lse2, delta, dk, dv,
@@ -532,14 +531,5 @@ def attention_backward(
         H, h_kv, N, n_kv, D, scale * LOG2E, scale,
         CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
         num_warps=warps, num_stages=stages,
-    )
-    shadow = shadow and counts is not None
-    block_m, block_n, warps, stages = _config(DQ_CONFIGS, head_dim, config_dq, q.dtype, "dq")
-    _attn_bwd_dq[(triton.cdiv(N, block_m), B * H)](
-        q, k, v, do, lse2, delta, dq, counts, values,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-        H, H // h_kv, N, n_kv, D, scale * LOG2E, scale,
-        CAUSAL=causal, SHADOW=shadow, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages,
     )
     return dq, dk, dv
