@@ -176,3 +176,37 @@ def test_other_dtypes_at_every_head_dim(dtype, D):
             assert o.dtype == dtype and torch.isfinite(o).all(), name
             assert max_err(o, x) <= 2 * max_err(p, x) + 1e-6, (name, stabilize, max_err(o, x), max_err(p, x))
         assert probe.rows.tolist() == [B * N] * H and probe.shadow_rows.tolist() == [B * N] * H
+
+
+@pytest.mark.parametrize("N, D, h_kv", [(1000, 64, 4), (517, 128, 2)])
+def test_high_precision_delta_on_the_gpu(N, D, h_kv):
+    """The control's backward on the GPU: a supplied delta (from O_hp) is read instead of the
+    one the dQ kernel computes; both match the reference's gradients, and the plain
+    backward's delta (computed inside the dQ kernel, read by dK/dV) gives the gradients of
+    a separate rowsum(dO * O)."""
+    from instability_watch.kernels import high_precision_delta
+    from instability_watch.kernels import triton_attention as ta
+
+    B, H = 2, 4
+    q, k, v, do = _inputs(("hp_delta_gpu", N, D), B, H, h_kv, N, D)
+    grads = {}
+    for backend in ("triton", "reference"):
+        dev = DEV if backend == "triton" else "cpu"
+        for hp in (False, True):
+            qq, kk, vv = (t.detach().to(dev).requires_grad_(True) for t in (q, k, v))
+            with high_precision_delta(hp):
+                o = flash_attention(qq, kk, vv, causal=True, backend=backend)
+            o.backward(do.to(dev))
+            grads[backend, hp] = [t.grad.to(DEV) for t in (qq, kk, vv)]
+    for hp in (False, True):
+        for ours, ref in zip(grads["triton", hp], grads["reference", hp]):
+            assert max_err(ours, ref) <= 2 ** -6 * ref.abs().max()
+    assert not torch.equal(grads["triton", False][0], grads["triton", True][0])
+    # delta computed in the dQ kernel == delta passed in from a separate rowsum(dO * O)
+    scale = D ** -0.5
+    o, lse2 = ta.attention_forward(q, k, v, causal=True, scale=scale, stabilize=None, beta=2.0, eps=1e-3, counts=None, values=None)
+    inside = ta.attention_backward(q, k, v, o, lse2, do, causal=True, scale=scale, counts=None, values=None, shadow=False)
+    delta = (o.float() * do.float()).sum(-1)
+    given = ta.attention_backward(q, k, v, o, lse2, do, causal=True, scale=scale, counts=None, values=None, shadow=False, delta=delta)
+    for a, b in zip(inside, given):
+        assert max_err(a, b) <= 2 ** -8 * b.abs().max()
