@@ -67,10 +67,16 @@ def _pytorch_backward(q, k, v, do, causal: bool, scale: float):
         return torch.autograd.grad(o, (qq, kk, vv), do)
 
 
-def _triton():
-    from . import triton_attention  # imported on first use: CPU-only users never load Triton
+_TRITON_MODULE = None
 
-    return triton_attention
+
+def _triton():
+    global _TRITON_MODULE
+    if _TRITON_MODULE is None:
+        from . import triton_attention  # imported on first use: CPU-only users never load Triton
+
+        _TRITON_MODULE = triton_attention
+    return _TRITON_MODULE
 
 
 def _forward(

@@ -35,6 +35,10 @@ from . import interpreting as is_interpreter  # imported lazily, after the packa
 from .layout import empty_like_layout
 from .reference import LOG2E, max_shift_for
 
+# Triton decides at import whether @triton.jit kernels run in its interpreter, so the
+# launchers read the flag once too (an environment lookup per launch is host time).
+_INTERPRET = is_interpreter()
+
 # Rows of the probe buffers, as constexprs for the kernels.
 C_ROWS = tl.constexpr(COUNT_FIELDS.index("rows"))
 C_MULTI = tl.constexpr(COUNT_FIELDS.index("multi_max_rows"))
@@ -414,8 +418,14 @@ def _attn_bwd_dq(
 # Launchers
 
 
+# Plain-Python integer helpers: triton.cdiv and triton.next_power_of_2 are constexpr
+# functions that cost ~1.5 us of host time per call.
+def _cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
 def _head_dim_tile(d: int) -> int:
-    return max(16, triton.next_power_of_2(d))
+    return max(16, 1 << (d - 1).bit_length())
 
 
 def _dot_precision(dtype: torch.dtype) -> str:
@@ -447,7 +457,7 @@ FP32_CONFIGS = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4,
 def _config(table, head_dim: int, override=None, dtype=None, kind="fwd"):
     if override is not None:
         return override
-    if is_interpreter():
+    if _INTERPRET:
         return _INTERPRETER_CONFIG
     if dtype == torch.float32:
         return FP32_CONFIGS[kind]
@@ -471,14 +481,14 @@ def attention_forward(
         FWD_CONFIGS_WATCHED if watched else FWD_CONFIGS, head_dim, config, q.dtype, "fwd"
     )
     maxnreg = extra[0] if extra else None
-    launch = dict(maxnreg=maxnreg) if (maxnreg and not is_interpreter()) else {}
+    launch = dict(maxnreg=maxnreg) if (maxnreg and not _INTERPRET) else {}
     # Query tiles per head in this call; sample about a quarter of them for the
     # multi-max statistic, at most 1 in TIE_SAMPLE_MAX (small calls: all of them).
-    tiles = B * triton.cdiv(N, block_m)
+    tiles = B * _cdiv(N, block_m)
     tie_stride = max(1, min(TIE_SAMPLE_MAX, tiles // 4))
     stab = stabilize.view(torch.uint8) if stabilize is not None else None
     has_probe = counts is not None
-    grid = (triton.cdiv(N, block_m), B * H)
+    grid = (_cdiv(N, block_m), B * H)
     _attn_fwd[grid](
         q, k, v, o, lse2, stab, counts, values,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
@@ -488,7 +498,7 @@ def attention_forward(
         HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
         # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
         EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
-        DOT_PRECISION=_dot_precision(q.dtype), ASM=not is_interpreter(),
+        DOT_PRECISION=_dot_precision(q.dtype), ASM=not _INTERPRET,
         num_warps=warps, num_stages=stages, **launch,
     )
     return o, lse2
@@ -517,7 +527,7 @@ def attention_backward(
     # dQ first: its programs write delta, which every dK/dV program reads
     shadow = shadow and counts is not None
     block_m, block_n, warps, stages = _config(DQ_CONFIGS, head_dim, config_dq, q.dtype, "dq")
-    _attn_bwd_dq[(triton.cdiv(N, block_m), B * H)](
+    _attn_bwd_dq[(_cdiv(N, block_m), B * H)](
         q, k, v, o, do, lse2, delta, dq, counts, values,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
         H, H // h_kv, N, n_kv, D, scale * LOG2E, scale,
@@ -525,7 +535,7 @@ def attention_backward(
         BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages,
     )
     block_m, block_n, warps, stages = _config(DKDV_CONFIGS, head_dim, config_dkdv, q.dtype, "dkdv")
-    _attn_bwd_dkdv[(triton.cdiv(n_kv, block_n), B * h_kv)](
+    _attn_bwd_dkdv[(_cdiv(n_kv, block_n), B * h_kv)](
         q, k, v, do, lse2, delta, dk, dv,
         *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
         H, h_kv, N, n_kv, D, scale * LOG2E, scale,
