@@ -210,3 +210,52 @@ def test_high_precision_delta_on_the_gpu(N, D, h_kv):
     given = ta.attention_backward(q, k, v, o, lse2, do, causal=True, scale=scale, counts=None, values=None, shadow=False, delta=delta)
     for a, b in zip(inside, given):
         assert max_err(a, b) <= 2 ** -8 * b.abs().max()
+
+
+@pytest.mark.parametrize("N, D, causal", [(1000, 64, True), (1024, 64, False), (777, 128, True), (2048, 128, False)])
+def test_probe_counters_match_the_reference_exactly(N, D, causal):
+    """The probe epilogue on the GPU (warp-level counts and maximum, one atomic per warp)
+    against the reference: integer-valued inputs make every score exact in any summation
+    order, so ties are exact and the counts must agree to the row."""
+    B, H = 2, 4
+    g = seeded("gpu-counters", N, D)
+    q, k = (torch.randint(-1, 2, (B, H, N, D), generator=g).to(DEV, torch.bfloat16) for _ in range(2))
+    v = torch.randn(B, H, N, D, generator=g).to(DEV, torch.bfloat16)
+    q[0, 1, 3], q[1, 2, 5] = 2 * q[0, 1, 3], 0.5 * q[1, 2, 5]  # a row of larger, one of smaller scores
+    v[1, 3, 0, 7] = float("nan")  # every row sees key 0: all rows of (1, 3) are NaN
+    q[0, 0, N - 2, 1] = float("inf")  # one row of infinite scores
+    k[0, 0, :, 1] = 1.0
+    every = torch.ones(H, dtype=torch.bool, device=DEV)  # every tile counts ties: exact counts
+    probe, ref = Probe(H, DEV), Probe(H, DEV)
+    for scale in (1.0, 0.5, 2.0):  # the maximum accumulates over calls: first, below it, above it
+        qs = q * scale
+        flash_attention(qs, k, v, causal=causal, stabilize=every, probe=probe)
+        flash_attention(qs, k, v, causal=causal, stabilize=every, probe=ref, backend="reference")
+    for name in ("rows", "tie_rows", "multi_max_rows", "nonfinite_rows"):
+        assert getattr(probe, name).tolist() == getattr(ref, name).tolist(), name
+    assert probe.nonfinite_rows[3].item() == 3 * N
+    assert probe.multi_max_rows.min() > 0
+    assert torch.allclose(probe.max_score, ref.max_score, rtol=1e-6)
+    assert probe.max_score[0].item() == float("inf")
+
+
+@pytest.mark.parametrize("config, dtype", [((64, 64, 8, 2), torch.bfloat16), (None, torch.float32)], ids=["rows-over-two-warps", "float32"])
+def test_probe_counters_without_warp_level_statistics(config, dtype):
+    """Launches whose rows span several warps (8 warps on 64 rows) or that do not use tensor
+    cores (float32) take the per-row atomics instead of the warp-level statistics: exact too."""
+    from instability_watch.kernels import triton_attention as ta
+
+    B, H, N, D = 2, 4, 300, 64
+    g = seeded("gpu-counters-fallback", dtype)
+    q, k = (torch.randint(-1, 2, (B, H, N, D), generator=g).to(DEV, dtype) for _ in range(2))
+    v = torch.randn(B, H, N, D, generator=g).to(DEV, dtype)
+    v[1, 3, 0, 7] = float("nan")
+    every = torch.ones(H, dtype=torch.bool, device=DEV)
+    probe, ref = Probe(H, DEV), Probe(H, DEV)
+    ta.attention_forward(q, k, v, causal=True, scale=D ** -0.5, stabilize=every, beta=2.0, eps=1e-3,
+                         counts=probe.counts, values=probe.values, config=config)
+    flash_attention(q, k, v, causal=True, stabilize=every, probe=ref, backend="reference")
+    for name in ("rows", "tie_rows", "multi_max_rows", "nonfinite_rows"):
+        assert getattr(probe, name).tolist() == getattr(ref, name).tolist(), name
+    assert probe.nonfinite_rows.tolist() == [0, 0, 0, N]
+    assert torch.allclose(probe.max_score, ref.max_score, rtol=1e-6)

@@ -73,6 +73,116 @@ def _at_least(x, thr, ASM: tl.constexpr):
         return tl.where(x >= thr, 1.0, 0.0)
 
 
+# Per-row statistics go to per-head counters in global memory. A tile-wide reduction in
+# Triton is a shared-memory round trip with barriers, and a per-row atomic makes Triton
+# move the operands to another layout through shared memory too; these two helpers can
+# reduce over each warp in registers instead, and one lane adds the warp's result.
+
+
+@triton.jit
+def _add_rows(ptr, flag, row, WARP: tl.constexpr):
+    """Add to the int64 counter ``ptr`` the number of distinct rows ``row`` whose ``flag`` is set.
+
+    ``WARP`` (PTX, for layouts where each row lives in one warp): two rows per lane (the
+    forward's MMA layouts hold two); nothing but a vote when no lane of the warp has a flag
+    (the common case); else a row held by several lanes (the MMA layouts spread a row over a
+    quad) counts once, by the lowest of the lanes that ``match.any`` finds holding it, and
+    lane 0 adds the warp's count. Otherwise a masked atomic per row.
+    """
+    if WARP:
+        return tl.inline_asm_elementwise(
+            """
+            {
+            .reg .pred f0, f1, any, lead;
+            .reg .b32 same, low, eq, bal, n, n1;
+            .reg .b64 n64;
+            setp.ne.u32 f0, $2, 0;
+            setp.ne.u32 f1, $3, 0;
+            or.pred any, f0, f1;
+            vote.sync.any.pred any, any, 0xffffffff;
+            mov.u32 n, 0;
+            @!any bra.uni skip;
+            mov.u32 eq, %lanemask_eq;
+            match.any.sync.b32 same, $4, 0xffffffff;
+            neg.s32 low, same;
+            and.b32 low, low, same;
+            setp.eq.and.u32 lead, low, eq, f0;
+            vote.sync.ballot.b32 bal, lead, 0xffffffff;
+            popc.b32 n, bal;
+            match.any.sync.b32 same, $5, 0xffffffff;
+            neg.s32 low, same;
+            and.b32 low, low, same;
+            setp.eq.and.u32 lead, low, eq, f1;
+            vote.sync.ballot.b32 bal, lead, 0xffffffff;
+            popc.b32 n1, bal;
+            add.u32 n, n, n1;
+            setp.eq.u32 lead, eq, 1;
+            cvt.u64.u32 n64, n;
+            @lead red.relaxed.gpu.global.add.u64 [$6], n64;
+            skip:
+            mov.u32 $0, n;
+            mov.u32 $1, n;
+            }
+            """,
+            "=r,=r,r,r,r,r,l,l", [flag.to(tl.int32), row, ptr.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=2,
+        )
+    else:
+        tl.atomic_add(ptr + tl.zeros_like(row), tl.full(row.shape, 1, tl.int64), mask=flag, sem="relaxed")
+        return flag.to(tl.int32)
+
+
+@triton.jit
+def _max_rows(ptr, x, floor, WARP: tl.constexpr):
+    """Raise the float32 ``ptr`` to the maximum of ``x`` (NaN ignored) where that exceeds ``floor``.
+
+    ``WARP`` (PTX): two values per lane; nothing but a vote when no lane of the warp exceeds
+    ``floor``; else the warp's maximum through an order-preserving integer key of the float
+    (bits ^ ((bits >> 31) & 0x7fffffff), its own inverse) and ``redux.sync``, and lane 0
+    applies it with the integer atomics on the float's bits: signed max where >= +0,
+    unsigned min where negative. Otherwise a masked atomic per row.
+    """
+    if WARP:
+        return tl.inline_asm_elementwise(
+            """
+            {
+            .reg .pred p, pos, up, down;
+            .reg .b32 k, t, m, lane;
+            .reg .f32 a, b;
+            setp.num.f32 p, $2, $2;
+            selp.f32 a, $2, 0fFF800000, p;
+            setp.num.f32 p, $3, $3;
+            selp.f32 b, $3, 0fFF800000, p;
+            max.f32 a, a, b;
+            mov.f32 $0, a;
+            mov.f32 $1, a;
+            setp.gt.f32 p, a, $4;
+            vote.sync.any.pred p, p, 0xffffffff;
+            @!p bra.uni skip;
+            mov.b32 k, a;
+            shr.s32 t, k, 31;
+            and.b32 t, t, 0x7fffffff;
+            xor.b32 k, k, t;
+            redux.sync.max.s32 m, k, 0xffffffff;
+            shr.s32 t, m, 31;
+            and.b32 t, t, 0x7fffffff;
+            xor.b32 m, m, t;
+            mov.u32 lane, %laneid;
+            setp.eq.u32 p, lane, 0;
+            setp.ge.s32 pos, m, 0;
+            and.pred up, p, pos;
+            and.pred down, p, !pos;
+            @up red.relaxed.gpu.global.max.s32 [$6], m;
+            @down red.relaxed.gpu.global.min.u32 [$6], m;
+            skip:
+            }
+            """,
+            "=f,=f,f,f,f,f,l,l", [x, floor, ptr.to(tl.int64)], dtype=tl.float32, is_pure=False, pack=2,
+        )
+    else:
+        tl.atomic_max(ptr + tl.zeros_like(x).to(tl.int32), x, mask=x > floor, sem="relaxed")
+        return x
+
+
 # ---------------------------------------------------------------------------
 # Forward
 
@@ -166,7 +276,7 @@ def _attn_fwd(
     CAUSAL: tl.constexpr, HAS_STAB: tl.constexpr, HAS_PROBE: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, WARP_STATS: tl.constexpr,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     start_m = tl.program_id(0)
@@ -204,6 +314,7 @@ def _attn_fwd(
         stab_h = False
     if HAS_PROBE:
         sampled = (start_m + off_b) % tie_stride == 0
+        seen_max = tl.load(Values + V_MAXS * H + off_h)  # the head's maximum score so far
     else:
         sampled = False
     track = stab_h | sampled
@@ -249,24 +360,22 @@ def _attn_fwd(
 
     if HAS_PROBE:
         # -- per-head statistics of this tile, relaxed atomics (no fences: the counters are
-        #    only read after the step, behind a host sync). Every cross-warp reduction costs
-        #    a shared-memory round trip and a barrier at the end of each program, so the
-        #    common path has one: the tile's maximum score, +inf if a row is not finite.
+        #    only read after the step, behind a host sync), without tile-wide reductions:
+        #    with WARP_STATS each warp reduces its own rows (_add_rows, _max_rows), else
+        #    masked per-row atomics.
         n_rows = tl.minimum(N_Q - start_m * BLOCK_M, BLOCK_M).to(tl.int64)
+        tl.atomic_add(Counts + C_ROWS * H + off_h, n_rows, sem="relaxed")
         # a row sum is NaN/Inf iff some entry is (short of an overflow of the sum itself)
         row_sum = tl.sum(o, 1) + lse2
         row_finite = (row_sum == row_sum) & (tl.abs(row_sum) < float("inf"))
-        s_max = tl.max(tl.where(row_ok, tl.where(row_finite, r_i, float("inf")), float("-inf")), 0)
-        tl.atomic_add(Counts + C_ROWS * H + off_h, n_rows, sem="relaxed")
-        if s_max == float("inf"):  # rare: count the non-finite rows, take the true maximum
-            bad = tl.sum((row_ok & ~row_finite).to(tl.int32), 0)
-            tl.atomic_add(Counts + C_NONFINITE * H + off_h, bad.to(tl.int64), sem="relaxed")
-            s_max = tl.max(tl.where(row_ok, r_i, float("-inf")), 0)
-        tl.atomic_max(Values + V_MAXS * H + off_h, s_max * sm_scale, sem="relaxed")
+        _add_rows(Counts + C_NONFINITE * H + off_h, row_ok & ~row_finite, offs_m, WARP_STATS)
+        # the maximum score, skipped where it cannot beat the head's maximum as read at the
+        # start of this program (the buffer only grows)
+        score = tl.where(row_ok, r_i * sm_scale, float("-inf"))
+        _max_rows(Values + V_MAXS * H + off_h, score, seen_max, WARP_STATS)
         if track:  # only tracked programs counted near-maximum ties
-            multi = tl.sum(((c_i > 1) & row_ok).to(tl.int32), 0)
             tl.atomic_add(Counts + C_TIE_ROWS * H + off_h, n_rows, sem="relaxed")
-            tl.atomic_add(Counts + C_MULTI * H + off_h, multi.to(tl.int64), sem="relaxed")
+            _add_rows(Counts + C_MULTI * H + off_h, row_ok & (c_i > 1), offs_m, WARP_STATS)
 
 
 # ---------------------------------------------------------------------------
@@ -499,6 +608,9 @@ def attention_forward(
         # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
         EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
         DOT_PRECISION=_dot_precision(q.dtype), ASM=not _INTERPRET,
+        # the probe's warp-level statistics count a row once per warp: only where each row
+        # lives in one warp (tensor-core tiles with the warps stacked along the rows)
+        WARP_STATS=has_probe and not _INTERPRET and q.dtype != torch.float32 and block_m >= 16 * warps,
         num_warps=warps, num_stages=stages, **launch,
     )
     return o, lse2
