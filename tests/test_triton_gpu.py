@@ -212,17 +212,30 @@ def test_high_precision_delta_on_the_gpu(N, D, h_kv):
         assert max_err(a, b) <= 2 ** -8 * b.abs().max()
 
 
+def _exact_score_inputs(key, B, H, N, D, dtype=torch.bfloat16):
+    """Integer-valued q, k (every score exact in any summation order, ties exact) and
+    random v with a NaN at key 0 of (batch 1, head 3): every row there is NaN."""
+    g = seeded(*key)
+    q, k = (torch.randint(-1, 2, (B, H, N, D), generator=g).to(DEV, dtype) for _ in range(2))
+    v = torch.randn(B, H, N, D, generator=g).to(DEV, dtype)
+    v[1, 3, 0, 7] = float("nan")
+    return q, k, v
+
+
+def _assert_counters_equal(probe, ref):
+    for name in ("rows", "tie_rows", "multi_max_rows", "nonfinite_rows"):
+        assert getattr(probe, name).tolist() == getattr(ref, name).tolist(), name
+    assert probe.multi_max_rows.min() > 0
+    assert torch.allclose(probe.max_score, ref.max_score, rtol=1e-6)
+
+
 @pytest.mark.parametrize("N, D, causal", [(1000, 64, True), (1024, 64, False), (777, 128, True), (2048, 128, False)])
 def test_probe_counters_match_the_reference_exactly(N, D, causal):
     """The probe epilogue on the GPU (warp-level counts and maximum, one atomic per warp)
-    against the reference: integer-valued inputs make every score exact in any summation
-    order, so ties are exact and the counts must agree to the row."""
+    against the reference, row for row."""
     B, H = 2, 4
-    g = seeded("gpu-counters", N, D)
-    q, k = (torch.randint(-1, 2, (B, H, N, D), generator=g).to(DEV, torch.bfloat16) for _ in range(2))
-    v = torch.randn(B, H, N, D, generator=g).to(DEV, torch.bfloat16)
+    q, k, v = _exact_score_inputs(("gpu-counters", N, D), B, H, N, D)
     q[0, 1, 3], q[1, 2, 5] = 2 * q[0, 1, 3], 0.5 * q[1, 2, 5]  # a row of larger, one of smaller scores
-    v[1, 3, 0, 7] = float("nan")  # every row sees key 0: all rows of (1, 3) are NaN
     q[0, 0, N - 2, 1] = float("inf")  # one row of infinite scores
     k[0, 0, :, 1] = 1.0
     every = torch.ones(H, dtype=torch.bool, device=DEV)  # every tile counts ties: exact counts
@@ -231,11 +244,8 @@ def test_probe_counters_match_the_reference_exactly(N, D, causal):
         qs = q * scale
         flash_attention(qs, k, v, causal=causal, stabilize=every, probe=probe)
         flash_attention(qs, k, v, causal=causal, stabilize=every, probe=ref, backend="reference")
-    for name in ("rows", "tie_rows", "multi_max_rows", "nonfinite_rows"):
-        assert getattr(probe, name).tolist() == getattr(ref, name).tolist(), name
+    _assert_counters_equal(probe, ref)
     assert probe.nonfinite_rows[3].item() == 3 * N
-    assert probe.multi_max_rows.min() > 0
-    assert torch.allclose(probe.max_score, ref.max_score, rtol=1e-6)
     assert probe.max_score[0].item() == float("inf")
 
 
@@ -246,16 +256,11 @@ def test_probe_counters_without_warp_level_statistics(config, dtype):
     from instability_watch.kernels import triton_attention as ta
 
     B, H, N, D = 2, 4, 300, 64
-    g = seeded("gpu-counters-fallback", dtype)
-    q, k = (torch.randint(-1, 2, (B, H, N, D), generator=g).to(DEV, dtype) for _ in range(2))
-    v = torch.randn(B, H, N, D, generator=g).to(DEV, dtype)
-    v[1, 3, 0, 7] = float("nan")
+    q, k, v = _exact_score_inputs(("gpu-counters-fallback", dtype), B, H, N, D, dtype)
     every = torch.ones(H, dtype=torch.bool, device=DEV)
     probe, ref = Probe(H, DEV), Probe(H, DEV)
     ta.attention_forward(q, k, v, causal=True, scale=D ** -0.5, stabilize=every, beta=2.0, eps=1e-3,
                          counts=probe.counts, values=probe.values, config=config)
     flash_attention(q, k, v, causal=True, stabilize=every, probe=ref, backend="reference")
-    for name in ("rows", "tie_rows", "multi_max_rows", "nonfinite_rows"):
-        assert getattr(probe, name).tolist() == getattr(ref, name).tolist(), name
+    _assert_counters_equal(probe, ref)
     assert probe.nonfinite_rows.tolist() == [0, 0, 0, N]
-    assert torch.allclose(probe.max_score, ref.max_score, rtol=1e-6)
