@@ -79,6 +79,43 @@ def _at_least(x, thr, ASM: tl.constexpr):
 # reduce over each warp in registers instead, and one lane adds the warp's result.
 
 
+def _warp_row_count(i: int) -> str:
+    """PTX: n{i} = the warp's rows of element i (flag f{i}, row index operand 4 + i) with the
+    flag set, each counted once, by the lowest lane that ``match.any`` finds holding it."""
+    return f"""
+            match.any.sync.b32 same, ${4 + i}, 0xffffffff;
+            neg.s32 low, same;
+            and.b32 low, low, same;
+            setp.eq.and.u32 lead, low, eq, f{i};
+            vote.sync.ballot.b32 bal, lead, 0xffffffff;
+            popc.b32 n{i}, bal;"""
+
+
+_ADD_ROWS_PTX = tl.constexpr(
+    f"""
+            {{
+            .reg .pred f0, f1, any, lead;
+            .reg .b32 same, low, eq, bal, n0, n1;
+            .reg .b64 n64;
+            setp.ne.u32 f0, $2, 0;
+            setp.ne.u32 f1, $3, 0;
+            or.pred any, f0, f1;
+            vote.sync.any.pred any, any, 0xffffffff;
+            mov.u32 n0, 0;
+            @!any bra.uni skip;
+            mov.u32 eq, %lanemask_eq;{_warp_row_count(0)}{_warp_row_count(1)}
+            add.u32 n0, n0, n1;
+            setp.eq.u32 lead, eq, 1;
+            cvt.u64.u32 n64, n0;
+            @lead red.relaxed.gpu.global.add.u64 [$6], n64;
+            skip:
+            mov.u32 $0, n0;
+            mov.u32 $1, n0;
+            }}
+            """
+)
+
+
 @triton.jit
 def _add_rows(ptr, flag, row, WARP: tl.constexpr):
     """Add to the int64 counter ``ptr`` the number of distinct rows ``row`` whose ``flag`` is set.
@@ -91,40 +128,8 @@ def _add_rows(ptr, flag, row, WARP: tl.constexpr):
     """
     if WARP:
         return tl.inline_asm_elementwise(
-            """
-            {
-            .reg .pred f0, f1, any, lead;
-            .reg .b32 same, low, eq, bal, n, n1;
-            .reg .b64 n64;
-            setp.ne.u32 f0, $2, 0;
-            setp.ne.u32 f1, $3, 0;
-            or.pred any, f0, f1;
-            vote.sync.any.pred any, any, 0xffffffff;
-            mov.u32 n, 0;
-            @!any bra.uni skip;
-            mov.u32 eq, %lanemask_eq;
-            match.any.sync.b32 same, $4, 0xffffffff;
-            neg.s32 low, same;
-            and.b32 low, low, same;
-            setp.eq.and.u32 lead, low, eq, f0;
-            vote.sync.ballot.b32 bal, lead, 0xffffffff;
-            popc.b32 n, bal;
-            match.any.sync.b32 same, $5, 0xffffffff;
-            neg.s32 low, same;
-            and.b32 low, low, same;
-            setp.eq.and.u32 lead, low, eq, f1;
-            vote.sync.ballot.b32 bal, lead, 0xffffffff;
-            popc.b32 n1, bal;
-            add.u32 n, n, n1;
-            setp.eq.u32 lead, eq, 1;
-            cvt.u64.u32 n64, n;
-            @lead red.relaxed.gpu.global.add.u64 [$6], n64;
-            skip:
-            mov.u32 $0, n;
-            mov.u32 $1, n;
-            }
-            """,
-            "=r,=r,r,r,r,r,l,l", [flag.to(tl.int32), row, ptr.to(tl.int64)], dtype=tl.int32, is_pure=False, pack=2,
+            _ADD_ROWS_PTX, "=r,=r,r,r,r,r,l,l", [flag.to(tl.int32), row, ptr.to(tl.int64)],
+            dtype=tl.int32, is_pure=False, pack=2,
         )
     else:
         tl.atomic_add(ptr + tl.zeros_like(row), tl.full(row.shape, 1, tl.int64), mask=flag, sem="relaxed")
