@@ -136,6 +136,40 @@ def test_flipping_a_head_does_not_recompile():
     assert torch.equal(outs[-1], flash_attention(q, k, v, causal=True, stabilize=True))
 
 
+@pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
+def test_fast_launch_matches_tritons_launch(offset, monkeypatch):
+    from instability_watch.kernels import triton_attention as ta
+
+    if not ta._fast_launch_enabled():
+        pytest.skip(f"no fast launch path on Triton {ta.triton.__version__}")
+    B, H, h_kv, N, D = 2, 8, 2, 777, 128
+
+    def run(fast, seed):
+        monkeypatch.setattr(ta._Launcher, "enabled", fast)
+        g = torch.Generator(device=DEV).manual_seed(seed)
+
+        def proj(h):  # (B, N, h, D) memory seen as (B, h, N, D), `offset` elements into its buffer
+            buf = torch.randn(B * N * h * D + offset, device=DEV, generator=g).to(torch.bfloat16)
+            return buf[offset:].view(B, N, h, D).transpose(1, 2).requires_grad_(True)
+
+        q, k, v = proj(H), proj(h_kv), proj(h_kv)
+        do = torch.randn(B, H, N, D, device=DEV, generator=g).to(torch.bfloat16)
+        probe = Probe(H, DEV)
+        mask = torch.arange(H, device=DEV) % 2 == 0
+        o = flash_attention(q, k, v, causal=True, stabilize=mask, probe=probe)
+        o.backward(do)
+        return [o, q.grad, k.grad, v.grad, probe.counts, probe.max_score]
+
+    for seed in range(2):
+        triton_path = run(False, seed)
+        for _ in range(2):  # the first call may take Triton's path; the second hits the cache
+            fast = run(True, seed)
+            for a, b in zip(triton_path, fast):
+                assert torch.equal(a, b)
+    hits = {name: len(getattr(ta, name).cache) for name in ("_launch_fwd", "_launch_dq", "_launch_dkdv")}
+    assert all(n >= 1 for n in hits.values()), hits
+
+
 def test_compiled_model_uses_the_triton_kernels():
     torch._dynamo.reset()
 

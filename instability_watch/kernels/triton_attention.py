@@ -24,6 +24,7 @@ feeds the probe's ``multi_max_rows``.
 """
 from __future__ import annotations
 
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -568,6 +569,107 @@ _INTERPRETER_CONFIG = (16, 16, 4, 1)  # one program at a time on CPU: small tile
 FP32_CONFIGS = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
 
 
+# ---------------------------------------------------------------------------
+# Launching. ``fn[grid](*args, **meta)`` costs 50-70 us of host time per launch on the
+# lent GPU machines' CPUs (Triton's argument binding and cache key, launch hooks, and a
+# CUDA driver call per tensor to check its pointer), more than a small attention call's
+# GPU time. After a kernel's first launch for a specialization, later launches with an
+# equal key call its compiled launcher directly, with the tensors' addresses as integers.
+# The key is finer than Triton's: every integer argument's value (Triton specializes
+# integers on ==1, %16 and their width), every tensor's dtype and 16-byte alignment, the
+# device, and the constexprs and launch options. Only on the Triton version it was
+# checked against; otherwise, in the interpreter, with launch hooks installed (profilers),
+# or with INSTABILITY_WATCH_FAST_LAUNCH=0, every launch takes Triton's own path.
+
+_FAST_LAUNCH_VERSIONS = ("3.6.",)
+_FAST_CACHE_MAX = 256  # keys per kernel; beyond that (shapes that never repeat), cleared
+
+
+def _fast_launch_enabled() -> bool:
+    return (
+        not _INTERPRET
+        and triton.__version__.startswith(_FAST_LAUNCH_VERSIONS)
+        and os.environ.get("INSTABILITY_WATCH_FAST_LAUNCH", "1") != "0"
+    )
+
+
+class _Launcher:
+    """``launcher(grid, tensors, scalars, meta)`` runs ``fn[grid](*tensors, *scalars, **meta)``.
+
+    ``tensors`` are the kernel's leading pointer arguments (tensors or None), ``scalars``
+    the integer and float arguments after them, ``meta`` the constexprs and launch options
+    (the constexprs are the kernel's last parameters).
+    """
+
+    enabled = _fast_launch_enabled()
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.cache = {}
+        self._device = self._stream = None
+
+    def __call__(self, grid, tensors, scalars, meta):
+        if not self.enabled:
+            self.fn[grid](*tensors, *scalars, **meta)
+            return
+        ptrs = []
+        key = [tuple(meta.values())]
+        for t in tensors:
+            if t is None:
+                ptrs.append(None)
+                key.append(None)
+            else:
+                p = t.data_ptr()
+                ptrs.append(p)
+                key.append(t.dtype)
+                key.append(p % 16 == 0)
+        if self._device is None:
+            self._bind_driver()
+        device = self._device()
+        key.append(device)
+        key.extend(scalars)
+        key = tuple(key)
+        entry = self.cache.get(key)
+        if entry is not None and self._hooks_empty():
+            launch, coop, pdl, function, packed, tail = entry
+            try:
+                launch(grid[0], grid[1], 1, self._stream(device), function, coop, pdl, None, None, packed, None, None,
+                       None, *ptrs, *scalars, *tail)
+                return
+            except Exception:  # a launcher that does not take these arguments: Triton's path from now on
+                type(self).enabled = False
+                self.cache.clear()
+        compiled = self.fn[grid](*tensors, *scalars, **meta)
+        if entry is None:
+            self._remember(key, compiled, meta)
+
+    def _bind_driver(self):
+        active = triton.runtime.driver.active
+        self._device = active.get_current_device
+        self._stream = active.get_current_stream
+
+    @staticmethod
+    def _hooks_empty() -> bool:
+        enter, exit_ = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
+        return (enter is None or not enter.calls) and (exit_ is None or not exit_.calls)
+
+    def _remember(self, key, compiled, meta):
+        run = getattr(compiled, "run", None)
+        launch = getattr(run, "launch", None)
+        if launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
+            return  # a launcher this path does not know: Triton's own path every time
+        if len(self.cache) >= _FAST_CACHE_MAX:
+            self.cache.clear()
+        # the constexprs, the kernel's last parameters: passed to the launcher, not read by it
+        tail = tuple(meta.get(p.name) for p in self.fn.params if p.is_constexpr)
+        self.cache[key] = (
+            launch, run.launch_cooperative_grid, run.launch_pdl, compiled.function, compiled.packed_metadata, tail,
+        )
+
+
+_launch_fwd, _launch_dq, _launch_dkdv = _Launcher(_attn_fwd), _Launcher(_attn_bwd_dq), _Launcher(_attn_bwd_dkdv)
+
+
 def _config(table, head_dim: int, override=None, dtype=None, kind="fwd"):
     if override is not None:
         return override
@@ -602,21 +704,22 @@ def attention_forward(
     tie_stride = max(1, min(TIE_SAMPLE_MAX, tiles // 4))
     stab = stabilize.view(torch.uint8) if stabilize is not None else None
     has_probe = counts is not None
-    grid = (_cdiv(N, block_m), B * H)
-    _attn_fwd[grid](
-        q, k, v, o, lse2, stab, counts, values,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3],
-        H, H // h_kv, N, n_kv, D,
-        scale * LOG2E, scale, eps / scale, beta, max_shift_for(q.dtype), tie_stride,
-        CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe,
-        HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
-        # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
-        EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
-        DOT_PRECISION=_dot_precision(q.dtype), ASM=not _INTERPRET,
-        # the probe's warp-level statistics count a row once per warp: only where each row
-        # lives in one warp (tensor-core tiles with the warps stacked along the rows)
-        WARP_STATS=has_probe and not _INTERPRET and q.dtype != torch.float32 and block_m >= 16 * warps,
-        num_warps=warps, num_stages=stages, **launch,
+    _launch_fwd(
+        (_cdiv(N, block_m), B * H),
+        (q, k, v, o, lse2, stab, counts, values),
+        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, H // h_kv, N, n_kv, D,
+         scale * LOG2E, scale, eps / scale, beta, max_shift_for(q.dtype), tie_stride),
+        dict(
+            CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe,
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+            # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
+            EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
+            DOT_PRECISION=_dot_precision(q.dtype), ASM=not _INTERPRET,
+            # the probe's warp-level statistics count a row once per warp: only where each row
+            # lives in one warp (tensor-core tiles with the warps stacked along the rows)
+            WARP_STATS=has_probe and not _INTERPRET and q.dtype != torch.float32 and block_m >= 16 * warps,
+            num_warps=warps, num_stages=stages, **launch,
+        ),
     )
     return o, lse2
 
@@ -644,19 +747,21 @@ def attention_backward(
     # dQ first: its programs write delta, which every dK/dV program reads
     shadow = shadow and counts is not None
     block_m, block_n, warps, stages = _config(DQ_CONFIGS, head_dim, config_dq, q.dtype, "dq")
-    _attn_bwd_dq[(_cdiv(N, block_m), B * H)](
-        q, k, v, o, do, lse2, delta, dq, counts, values,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-        H, H // h_kv, N, n_kv, D, scale * LOG2E, scale,
-        CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, HEAD_DIM=head_dim, BLOCK_M=block_m,
-        BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages,
+    _launch_dq(
+        (_cdiv(N, block_m), B * H),
+        (q, k, v, o, do, lse2, delta, dq, counts, values),
+        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+         H, H // h_kv, N, n_kv, D, scale * LOG2E, scale),
+        dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, HEAD_DIM=head_dim, BLOCK_M=block_m,
+             BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages),
     )
     block_m, block_n, warps, stages = _config(DKDV_CONFIGS, head_dim, config_dkdv, q.dtype, "dkdv")
-    _attn_bwd_dkdv[(_cdiv(n_kv, block_n), B * h_kv)](
-        q, k, v, do, lse2, delta, dk, dv,
-        *q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-        H, h_kv, N, n_kv, D, scale * LOG2E, scale,
-        CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
-        num_warps=warps, num_stages=stages,
+    _launch_dkdv(
+        (_cdiv(n_kv, block_n), B * h_kv),
+        (q, k, v, do, lse2, delta, dk, dv),
+        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+         H, h_kv, N, n_kv, D, scale * LOG2E, scale),
+        dict(CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
+             num_warps=warps, num_stages=stages),
     )
     return dq, dk, dv
