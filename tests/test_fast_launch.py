@@ -140,3 +140,21 @@ def test_off_in_the_interpreter_and_on_request(monkeypatch):
     monkeypatch.delenv("INSTABILITY_WATCH_FAST_LAUNCH")
     monkeypatch.setattr(ta.triton, "__version__", "3.9.0")
     assert not ta._fast_launch_enabled()
+
+
+def test_a_tensor_on_another_device_takes_tritons_path():
+    class OnDevice:  # what the launcher reads of a tensor
+        def __init__(self, device):
+            self.dtype, self.device = torch.bfloat16, device
+
+        def data_ptr(self):
+            return 1 << 20
+
+        def get_device(self):
+            return self.device
+
+    fn = FakeKernel()
+    launcher = Launcher(fn)
+    for device in (0, 0, 1, -1):  # -1: the CPU
+        _launch(launcher, OnDevice(device), OnDevice(0))
+    assert len(fn.fast_calls) == 1 and len(fn.triton_calls) == 3

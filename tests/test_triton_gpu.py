@@ -170,6 +170,26 @@ def test_fast_launch_matches_tritons_launch(offset, monkeypatch):
     assert all(n >= 1 for n in hits.values()), hits
 
 
+def test_launch_hooks_see_every_launch():
+    from instability_watch.kernels import triton_attention as ta
+
+    hooks = ta.triton.knobs.runtime.launch_enter_hook
+    if not hasattr(hooks, "add"):
+        pytest.skip("this Triton has no launch hook chain")
+    q, k, v, do = _inputs(("hooks",), 1, 2, 2, 128, 64)
+    flash_attention(q, k, v, causal=True)  # compiled and cached before the hook
+    names = []
+    hook = lambda metadata: names.append(metadata.get()["name"])  # what a profiler does
+    hooks.add(hook)
+    try:
+        for _ in range(3):
+            flash_attention(q, k, v, causal=True)
+    finally:
+        hooks.remove(hook)
+    torch.cuda.synchronize()
+    assert names == ["_attn_fwd"] * 3
+
+
 def test_compiled_model_uses_the_triton_kernels():
     torch._dynamo.reset()
 

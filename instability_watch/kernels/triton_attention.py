@@ -576,8 +576,8 @@ FP32_CONFIGS = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4,
 # GPU time. After a kernel's first launch for a specialization, later launches with an
 # equal key call its compiled launcher directly, with the tensors' addresses as integers.
 # The key is finer than Triton's: every integer argument's value (Triton specializes
-# integers on ==1, %16 and their width), every tensor's dtype and 16-byte alignment, the
-# device, and the constexprs and launch options. Only on the Triton version it was
+# integers on ==1, %16 and their width), every tensor's dtype, 16-byte alignment and
+# device, the current device, and the constexprs and launch options. Only on the Triton version it was
 # checked against; otherwise, in the interpreter, with launch hooks installed (profilers),
 # or with INSTABILITY_WATCH_FAST_LAUNCH=0, every launch takes Triton's own path.
 
@@ -623,6 +623,7 @@ class _Launcher:
                 ptrs.append(p)
                 key.append(t.dtype)
                 key.append(p % 16 == 0)
+                key.append(t.get_device())  # a tensor on another device (or the CPU): Triton's path and checks
         if self._device is None:
             self._bind_driver()
         device = self._device()
