@@ -123,7 +123,8 @@ def test_unknown_launchers_and_failing_launches_fall_back_to_triton():
     entry = list(launcher.cache[key])
     entry[0] = lambda *a: (_ for _ in ()).throw(TypeError("arguments"))
     launcher.cache[key] = tuple(entry)
-    _launch(launcher, x, x)  # the launcher raises: Triton's path, and from then on only that
+    with pytest.warns(UserWarning, match="fast kernel launch failed"):
+        _launch(launcher, x, x)  # the launcher raises: Triton's path, and from then on only that
     _launch(launcher, x, x)
     assert len(fn.triton_calls) == 3 and not fn.fast_calls and Failing.enabled is False
     assert Launcher.enabled is True and ta._Launcher.enabled in (True, False)

@@ -25,6 +25,7 @@ feeds the probe's ``multi_max_rows``.
 from __future__ import annotations
 
 import os
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -577,9 +578,10 @@ FP32_CONFIGS = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4,
 # equal key call its compiled launcher directly, with the tensors' addresses as integers.
 # The key is finer than Triton's: every integer argument's value (Triton specializes
 # integers on ==1, %16 and their width), every tensor's dtype, 16-byte alignment and
-# device, the current device, and the constexprs and launch options. Only on the Triton version it was
-# checked against; otherwise, in the interpreter, with launch hooks installed (profilers),
-# or with INSTABILITY_WATCH_FAST_LAUNCH=0, every launch takes Triton's own path.
+# device, the current device, and the constexprs and launch options. Only on the Triton
+# version it was checked against; otherwise, in the interpreter, with launch hooks
+# installed (profilers), or with INSTABILITY_WATCH_FAST_LAUNCH=0, every launch takes
+# Triton's own path.
 
 _FAST_LAUNCH_VERSIONS = ("3.6.",)
 _FAST_CACHE_MAX = 256  # keys per kernel; beyond that (shapes that never repeat), cleared
@@ -637,9 +639,10 @@ class _Launcher:
                 launch(grid[0], grid[1], 1, self._stream(device), function, coop, pdl, None, None, packed, None, None,
                        None, *ptrs, *scalars, *tail)
                 return
-            except Exception:  # a launcher that does not take these arguments: Triton's path from now on
+            except Exception as exc:  # a launcher that does not take these arguments: Triton's path from now on
                 type(self).enabled = False
                 self.cache.clear()
+                warnings.warn(f"instability_watch: fast kernel launch failed ({exc!r}); using Triton's launch path")
         compiled = self.fn[grid](*tensors, *scalars, **meta)
         if entry is None:
             self._remember(key, compiled, meta)
