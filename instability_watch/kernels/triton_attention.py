@@ -252,9 +252,11 @@ def _fwd_inner(
                     tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
                     d = _stabilized_shift2(m_std, r_new, beta, max_shift2)
                     m_new = tl.maximum(m_new, m_std + tl.where(tie, d, 0.0))
+                    # the shift never moves down (the authors' running maximum). Only tracked
+                    # programs can have shifted: for a standard row m_new >= m_i already
+                    # (r only grows and qk_scale > 0), so untracked programs skip this.
+                    m_new = tl.where(r_i > float("-inf"), tl.maximum(m_i, m_new), m_new)
                 c_i = c_new
-        if HAS_STAB:
-            m_new = tl.where(r_i > float("-inf"), tl.maximum(m_i, m_new), m_new)
         # -- online softmax update: P in float32, l from float32 P
         alpha = tl.math.exp2(tl.where(r_i > float("-inf"), m_i - m_new, float("-inf")))  # 0 until a row sees a score
         p = tl.math.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
