@@ -138,7 +138,9 @@ def sass_table(mods):
     bindir = Path(triton.__file__).parent / "backends/nvidia/bin"
     ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE2": "*fp32", "Stab": "*u8", "Counts": "*i64", "Values": "*fp32"}
     rows = []
-    for head_dim, (bm, bn, warps, stages, *cap) in ((64, (64, 64, 4, 3, 128)), (128, (128, 128, 8, 2))):
+    for head_dim in (64, 128):
+        # the watched forward's launch table (the one a stabilize mask selects), for every variant
+        bm, bn, warps, stages, *cap = mods["production"].FWD_CONFIGS_WATCHED[head_dim]
         for name, mod in [("standard", mods["production"])] + list(mods.items()):
             fn = mod._attn_fwd
             sig, attrs = {}, {}
@@ -163,7 +165,8 @@ def sass_table(mods):
                 sass = subprocess.run([str(bindir / "nvdisasm"), "-c", f.name], capture_output=True, text=True, check=True).stdout
             ops = loop_ops(sass)
             rows.append((head_dim, name, sum(ops.values()), ops))
-    print(f"SASS of the unmasked KV loop, per thread and block (triton {triton.__version__}, sm_90a, causal, BF16)")
+    print(f"SASS of the unmasked KV loop, per thread and block (triton {triton.__version__}, sm_90a, causal, BF16,"
+          " the watched forward's launch table)")
     print(f"  {'D':>4} {'variant':<14}{'instr':>6}{'FMNMX':>7}{'FSET':>6}{'FADD':>6}{'FFMA':>6}{'SHFL':>6}{'LDL/STL':>8}")
     for head_dim, name, total, ops in rows:
         print(f"  {head_dim:>4} {name:<14}{total:>6}{ops['FMNMX']:>7}{ops['FSET']:>6}{ops['FADD']:>6}{ops['FFMA']:>6}"
