@@ -1,20 +1,22 @@
 """Reproduce BF16 flash-attention training failures at reduced scale, and time the watch's warnings.
 
 A GPT-2-style model (``instability_watch.nanogpt``) trained byte-level on the
-Python standard library's source (no download), BF16 autocast, our Triton
-kernels (the reference path on CPU), AdamW (0.9, beta2), linear warm-up then
-cosine decay, gradient clipping. Same seed, same data order in every run:
-batch ``s`` is drawn from a generator seeded with ``(seed, s)``.
+Python standard library's source (no download), BF16 autocast, AdamW (0.9,
+beta2), linear warm-up then cosine decay, gradient clipping. Same seed, same
+data order in every run: batch ``s`` is drawn from a generator seeded with ``(seed, s)``.
 
 Arms (what the attention computes):
 
-* ``standard``: our standard kernel (FA2's precision model: P rounded to BF16 for P V);
-* ``control``: the same, but the backward's delta = rowsum(dO * O) takes O in
-  float32 (the paper's Claim 1 control; ``kernels.high_precision_delta``);
-* ``stabilized``: every head on the stabilized kernel (the paper's fix) from step 1.
+* ``standard``: PyTorch's SDPA at its default backend (cuDNN or flash on a GPU;
+  the same precision model as FA2: P rounded to BF16 for P V);
+* ``control``: our standard kernel, with the backward's delta = rowsum(dO * O)
+  taking O in float32 (the paper's Claim 1 control; ``kernels.high_precision_delta``);
+* ``stabilized``: every head on our stabilized kernel (the paper's fix) from step 1.
 
-Watch modes: ``off`` (the kernel called directly, no watch), ``observe`` (the
-watch with ``auto_switch=False``), ``switch`` (``auto_switch=True``).
+Watch modes: ``off`` (no watch; the control and stabilized arms call our kernel
+directly), ``observe`` (the watch with ``auto_switch=False``; the control arm's
+layers are routed onto our kernel, the stabilized arm's heads switched), ``switch``
+(``auto_switch=True``).
 
 Subcommands::
 
@@ -84,6 +86,7 @@ class RunConfig:
     corpus_bytes: int = 0           # 0: all of it
     watch_warmup: int = 300
     log_every: int = 10
+    probe_every: int = 2
     shadow_every: int = 2
     spectral_every: int = 10
 
@@ -195,13 +198,17 @@ def train(args) -> int:
 
     watch = writer = None
     if cfg.watch == "off":
-        use_kernel_directly(model, stabilize=cfg.arm == "stabilized")
+        if cfg.arm != "standard":
+            use_kernel_directly(model, stabilize=cfg.arm == "stabilized")
     else:
-        wcfg = WatchConfig(log_every=cfg.log_every, shadow_every=cfg.shadow_every,
+        wcfg = WatchConfig(log_every=cfg.log_every, probe_every=cfg.probe_every, shadow_every=cfg.shadow_every,
                            spectral_every=cfg.spectral_every, warmup_steps=cfg.watch_warmup,
                            auto_switch=cfg.watch == "switch")
         writer = RunWriter(out / "run", overwrite=not resume)
         watch = InstabilityWatch(model, wcfg, listeners=[writer])
+        if cfg.arm == "control":  # our standard kernel everywhere, observed like any other call
+            for layer in range(len(watch.head_counts)):
+                watch.observation.route(layer)
     exploded = ExplosionDetector(args.ema, args.jump, cfg.warmup)
     step = 0
     if resume:

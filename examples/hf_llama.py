@@ -69,7 +69,7 @@ def main(argv=None) -> int:
                       batch_size=args.batch, drop_last=True)
     model = LlamaModule(hidden=128, layers=2, heads=4, kv_heads=2, block=args.block, lr=args.lr)
     watch = InstabilityWatchCallback(
-        WatchConfig(log_every=5, shadow_every=5, spectral_every=5, warmup_steps=min(50, args.steps)),
+        WatchConfig(probe_every=5, shadow_every=5, spectral_every=5, log_every=10, warmup_steps=min(50, args.steps)),
         live_table=True, top=6,
     )
     trainer = pl.Trainer(
@@ -80,9 +80,9 @@ def main(argv=None) -> int:
     trainer.fit(model, data)
     w = watch.watch
     if trainer.is_global_zero and w is not None:
+        unobserved = sum(n for c in w.coverage() for n in c.unobserved_calls.values())
         print(f"\nwatched {len(w.layer_names)} layers x {w.head_counts[0]} query heads "
-              f"({sum(s.unwatched_calls for s in w.attachment.sites)} calls not watched); "
-              f"alerts: {len(w.alerts)}, heads switched: {len(w.switched)}")
+              f"({unobserved} calls not observed); alerts: {len(w.alerts)}, heads switched: {len(w.switched)}")
         print(f"postmortem: {report_command(watch.run_dir)}")
     return 0
 

@@ -52,7 +52,7 @@ def main(argv=None) -> int:
     console = Console()
     reporter = ConsoleReporter(console, live_table=True, top=6)
     writer = RunWriter(args.run_dir, overwrite=True)
-    config = WatchConfig(log_every=10, shadow_every=5, spectral_every=10, warmup_steps=min(50, args.steps),
+    config = WatchConfig(probe_every=5, shadow_every=5, spectral_every=10, log_every=10, warmup_steps=min(50, args.steps),
                          auto_switch=args.auto_switch)
     watch = InstabilityWatch(model, config, listeners=[reporter, writer])
     writer.open(watch)

@@ -50,14 +50,10 @@ class Preset:
     steps: int
     lr: float
     warmup: int
-    # the watch: read back every log_every steps; shadow delta_hp and sigma(W_Q) cadence
-    log_every: int
-    shadow_every: int
-    spectral_every: int
     watch_warmup: int
     val_every: int = 0           # optimizer steps between validations (0: none)
     pos_embedding: bool = True
-    watch: dict = field(default_factory=dict)  # other WatchConfig fields
+    watch: dict = field(default_factory=dict)  # WatchConfig fields other than its defaults
     corpus_bytes: Optional[int] = None
 
 
@@ -68,14 +64,15 @@ PRESETS = {
     # the defaults, so that two minutes of real training show alerts: attention logits grow
     # (Wortsman et al.'s instability, reported, not switched) and some heads' sigma(W_Q) outgrow
     # the others (switched). It does not reproduce the paper's rounding failure.
+    # It probes every other step (the default is every 10th) so the short run has enough observations.
     "cpu-demo": Preset(n_layer=4, n_head=4, n_embd=128, block=128, batch=8, accumulate=1, steps=600, lr=1e-2,
-                       warmup=15, log_every=5, shadow_every=2, spectral_every=5, watch_warmup=20,
-                       corpus_bytes=4_000_000,
-                       watch=dict(sustain=3, logit_factor=20.0, logit_min=50.0, spectral_rel_factor=2.0)),
+                       warmup=15, watch_warmup=20, corpus_bytes=4_000_000,
+                       watch=dict(probe_every=2, shadow_every=2, spectral_every=4, log_every=10, sustain=3,
+                                  logit_factor=20.0, logit_min=50.0, spectral_rel_factor=2.0)),
     # The paper's model (nanoGPT GPT-2 small) for one GPU; batch 16 x 1024 tokens per micro-batch.
+    # The watch at its defaults.
     "gpt2-small": Preset(n_layer=12, n_head=12, n_embd=768, block=1024, batch=16, accumulate=1, steps=2000,
-                         lr=6e-4, warmup=100, log_every=10, shadow_every=10, spectral_every=10, watch_warmup=100,
-                         val_every=500),
+                         lr=6e-4, warmup=100, watch_warmup=100, val_every=500),
 }
 
 
@@ -213,16 +210,13 @@ def main(argv=None) -> int:
         callbacks.append(ModelCheckpoint(every_n_train_steps=args.ckpt_every or None, save_last=True))
     watch_cb = None
     if not args.no_watch:
-        config = WatchConfig(
-            log_every=preset.log_every, shadow_every=preset.shadow_every, spectral_every=preset.spectral_every,
-            warmup_steps=preset.watch_warmup, auto_switch=args.auto_switch, **preset.watch,
-        )
+        config = WatchConfig(warmup_steps=preset.watch_warmup, auto_switch=args.auto_switch, **preset.watch)
         watch_cb = InstabilityWatchCallback(config, live_table=args.live_table, top=6, write_csv=not args.no_csv)
         callbacks.insert(0, watch_cb)
     trainer = pl.Trainer(
         accelerator="gpu" if gpu else "cpu", devices=args.devices, strategy=args.strategy,
         precision="bf16-mixed", max_steps=preset.steps, accumulate_grad_batches=preset.accumulate,
-        gradient_clip_val=1.0, logger=logger, callbacks=callbacks, log_every_n_steps=preset.log_every,
+        gradient_clip_val=1.0, logger=logger, callbacks=callbacks, log_every_n_steps=10,
         val_check_interval=(preset.val_every * preset.accumulate if val is not None else None),
         check_val_every_n_epoch=None if val is not None else 1, limit_val_batches=20 if val is not None else 0,
         num_sanity_val_steps=0, enable_model_summary=False, enable_checkpointing=not args.no_checkpoint,
@@ -236,6 +230,10 @@ def main(argv=None) -> int:
         "watch": watch_cb is not None, "compile": args.compile, "speed": speed,
         "final_loss": float(trainer.callback_metrics.get("loss", float("nan"))),
     }
+    if args.compile:  # a recompile or a graph break would show here
+        from torch._dynamo.utils import counters
+
+        summary["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
     if watch_cb is not None and watch_cb.watch is not None:
         w = watch_cb.watch
         summary["switched"] = sorted([w.layer_names[l], h, s] for (l, h), s in w.switched.items())

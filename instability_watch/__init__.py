@@ -13,7 +13,7 @@ Public API (grows with each milestone):
   (imported on first use, so ``import instability_watch`` does not load Lightning).
 * :func:`load_run` -- a run directory's CSVs as pandas DataFrames.
 """
-from .attach import AttentionLayer
+from .locate import AttentionLayer
 from .config import WatchConfig
 from .detectors import KINDS, Alert
 from .kernels import flash_attention

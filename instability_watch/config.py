@@ -11,17 +11,23 @@ from .detectors import KINDS
 STABILIZABLE = ("multi_max", "delta_drift", "spectral_growth")
 
 
-@dataclass
+@dataclass(frozen=True)
 class WatchConfig:
     """Configuration of :class:`~instability_watch.InstabilityWatch`.
 
     Cadence (in optimizer steps; steps count from 1):
-        log_every: read the device statistics back (one host sync) and run the
-            detectors every this many steps. Per-step metrics are kept on the
-            device in between, so no step is lost.
-        shadow_every: compute the shadow ``delta_hp`` on steps 1, 1 + n, ...
-            (0 turns it off).
+        probe_every: observe the attention calls on steps 1, 1 + n, ... (probe
+            steps): a statistics pass over each call's inputs. Between probe
+            steps the watch does nothing at all. The default keeps the watch
+            under 1% of a GPT-2-small step on an H100 (benchmarks/RESULTS.md).
+        shadow_every: also run the shadow pass (``delta_lp - delta_hp``) in the
+            backward on steps 1, 1 + n, ...; a multiple of ``probe_every``
+            (shadow steps are probe steps), or 0 for off.
         spectral_every: compute sigma(W_Q) per head on steps 1, 1 + n, ... (0 off).
+        log_every: read the device statistics back (one host sync) and run the
+            detectors every this many steps (and once after the first probe step,
+            to check what is observed). The observed steps in between stay on the
+            device (at most 256; more read back early), so none is lost.
 
     Detectors (see :mod:`instability_watch.detectors`):
         detectors: which rules run, a subset of ``KINDS``.
@@ -53,11 +59,15 @@ class WatchConfig:
             across ranks before the detectors run, so every rank decides the same.
     """
 
-    log_every: int = 10
-    shadow_every: int = 10
-    spectral_every: int = 10
+    # every 50 steps: inside Lightning a probe step (with its shadow and sigma) costs ~9 ms on a
+    # GPT-2-small step of ~38 ms on an H100, and a read-back ~10 ms; every 20 steps that was
+    # +1.1..+2.6% of the run, over the 1% bar (benchmarks/RESULTS.md, 2026-11-24)
+    probe_every: int = 50
+    shadow_every: int = 50
+    spectral_every: int = 50
+    log_every: int = 200
     detectors: Tuple[str, ...] = KINDS
-    warmup_steps: int = 100
+    warmup_steps: int = 500  # 10 probe steps at the default cadence form the baselines
     sustain: int = 5
     multi_max_factor: float = 3.0
     multi_max_min_rise: float = 0.01
@@ -102,9 +112,10 @@ class WatchConfig:
             bad = [k for k in v if k not in allowed]
             if bad:
                 raise ValueError(f"WatchConfig.{name} must name kinds from {allowed}, got unknown {bad}")
-            setattr(self, name, tuple(dict.fromkeys(v)))
+            object.__setattr__(self, name, tuple(dict.fromkeys(v)))  # frozen: normalised once, here
 
         integer("log_every", 1)
+        integer("probe_every", 1)
         integer("shadow_every", 0)
         integer("spectral_every", 0)
         integer("warmup_steps", 0)
@@ -123,6 +134,11 @@ class WatchConfig:
             flag(name)
         kinds("detectors", KINDS)
         kinds("switch_on", STABILIZABLE)
+        if self.shadow_every % self.probe_every:
+            raise ValueError(
+                f"WatchConfig.shadow_every must be 0 or a multiple of probe_every ({self.probe_every}): shadow "
+                f"steps are probe steps; got {self.shadow_every!r}"
+            )
         if self.delta_cusum_k >= 1.0:
             raise ValueError(
                 f"WatchConfig.delta_cusum_k must be < 1 (a sign step is +-1, so k >= 1 never accumulates), "

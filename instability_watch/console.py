@@ -34,6 +34,7 @@ from rich.text import Text
 from .detectors import Alert
 
 if TYPE_CHECKING:  # pragma: no cover
+    from .observe import LayerCoverage
     from .watch import InstabilityWatch, StepMetrics
 
 # One line per alert kind: what tripped, in words.
@@ -57,6 +58,36 @@ KIND_UNITS: Dict[str, str] = {
     "logit_growth": "largest attention logit",
     "nonfinite": "count",
 }
+
+
+def coverage_line(coverage: Sequence["LayerCoverage"], head_counts: Sequence[int]) -> str:
+    """One line on what the watch observes, e.g. ``12 layers × 12 heads observed; 0 calls unobserved``."""
+    n = len(head_counts)
+    seen = [c for c in coverage if c.observed_calls]
+    heads = f"{head_counts[0]} heads" if len(set(head_counts)) == 1 else f"{sum(head_counts)} heads in all"
+    layers = f"{n} layers" if len(seen) == n else f"{len(seen)} of {n} layers"
+    parts = [f"{layers} × {heads} observed"]
+
+    def tally(field: str) -> Dict[str, int]:
+        out: Dict[str, int] = {}
+        for c in coverage:
+            for reason, k in getattr(c, field).items():
+                out[reason] = out.get(reason, 0) + k
+        return out
+
+    def listed(d: Dict[str, int]) -> str:
+        return "; ".join(f"{r}: {k}" for r, k in d.items())
+
+    unobserved = tally("unobserved_calls")
+    total = sum(unobserved.values())
+    parts.append(f"{total} calls unobserved" + (f" ({listed(unobserved)})" if total else ""))
+    skipped = tally("shadow_skipped")
+    if skipped:
+        parts.append(f"{sum(skipped.values())} calls without shadow ({listed(skipped)})")
+    not_applied = tally("not_applied")
+    if not_applied:
+        parts.append(f"switch not applied to {sum(not_applied.values())} calls ({listed(not_applied)})")
+    return "; ".join(parts)
 
 
 def _fmt(x: float, digits: int = 4) -> str:
@@ -237,10 +268,12 @@ class ConsoleReporter:
         alerts: print a panel per new alert.
         live_table: keep a table of the worst heads, refreshed at every read-back.
         top: rows in that table.
+        coverage: print, once, a line saying what the watch observes (after the first
+            probe step), and a line for each switch that could not be applied.
     """
 
     def __init__(self, console: Optional[Console] = None, *, alerts: bool = True, live_table: bool = False,
-                 top: int = 8) -> None:
+                 top: int = 8, coverage: bool = True) -> None:
         if not isinstance(top, int) or isinstance(top, bool) or top < 1:
             raise ValueError(f"top must be a positive integer, got {top!r}")
         if console is None:
@@ -255,6 +288,9 @@ class ConsoleReporter:
         self._live = None
         self._closed = False
         self._watch: Optional["InstabilityWatch"] = None
+        self.show_coverage = bool(coverage)
+        self._coverage_shown = False
+        self._events_shown = 0
 
     def table(self, watch: Optional["InstabilityWatch"] = None) -> Optional[HeadTable]:
         """The current worst-heads table (``None`` before the first read-back)."""
@@ -265,6 +301,17 @@ class ConsoleReporter:
 
     def __call__(self, metrics: List["StepMetrics"], alerts: List[Alert], watch: "InstabilityWatch") -> None:
         self._watch = watch
+        if self.show_coverage and not self._coverage_shown:
+            coverage = watch.coverage()
+            if any(c.observed_calls or c.unobserved_calls for c in coverage):
+                self._coverage_shown = True
+                self.console.print(Text(f"instability_watch: {coverage_line(coverage, watch.head_counts)}"))
+        for e in watch.events[self._events_shown:] if self.show_coverage else ():
+            if e.kind == "switch_not_applied":
+                self.console.print(Text(
+                    f"instability_watch: {e.layer_name} head {e.head} is switched, but calls with {e.reason} "
+                    "stay on PyTorch's SDPA (our kernels cannot serve them)", style="yellow"))
+        self._events_shown = len(watch.events)
         if self.live_table:
             self.tracker.update(metrics)
         if self.show_alerts:

@@ -80,9 +80,14 @@ def _from_list(x, shape, fill=np.nan) -> np.ndarray:
 
 
 class Detector:
-    """Base: latching, warm-up bookkeeping and plain-type state."""
+    """Base: latching, warm-up bookkeeping and plain-type state.
+
+    ``metric`` names the per-step metric the rule reads (a key of
+    ``StepMetrics.values``; see ``watch.derive_metrics``).
+    """
 
     kind = ""
+    metric = ""
     _state_arrays: Tuple[str, ...] = ()
 
     def __init__(self, shape: Tuple[int, int], warmup_steps: int) -> None:
@@ -177,6 +182,7 @@ class _Sustained(_WithBaseline):
 
 class MultiMaxRise(_Sustained):
     kind = "multi_max"
+    metric = "multi_max_freq"
 
     def __init__(self, shape, warmup_steps: int, sustain: int, factor: float, min_rise: float) -> None:
         super().__init__(shape, warmup_steps, sustain)
@@ -193,6 +199,7 @@ class MultiMaxRise(_Sustained):
 
 class LogitGrowth(_Sustained):
     kind = "logit_growth"
+    metric = "max_score"
 
     def __init__(self, shape, warmup_steps: int, sustain: int, factor: float, min_logit: float) -> None:
         super().__init__(shape, warmup_steps, sustain)
@@ -210,6 +217,7 @@ class DeltaDrift(Detector):
     """Two-sided CUSUM of the signs of the per-shadow-step ``sum(delta_lp - delta_hp)``."""
 
     kind = "delta_drift"
+    metric = "delta_err_sum"
     _state_arrays = ("pos", "neg", "n_obs")
 
     def __init__(self, shape, warmup_steps: int, k: float, h: float) -> None:
@@ -243,6 +251,7 @@ class SpectralGrowth(_WithBaseline):
     """sigma(W_Q[h]) growth vs warm-up baseline, relative to the median head (and optionally absolute)."""
 
     kind = "spectral_growth"
+    metric = "sigma_wq"
 
     def __init__(self, shape, warmup_steps: int, sustain: int, rel_factor: float, abs_factor: Optional[float]) -> None:
         super().__init__(shape, warmup_steps, sustain)
@@ -279,7 +288,10 @@ class SpectralGrowth(_WithBaseline):
 
 
 class NonFinite(Detector):
+    """Any non-finite attention row, logit or sigma(W_Q), at once."""
+
     kind = "nonfinite"
+    metric = "nonfinite"
 
     def update(self, step: int, x: np.ndarray) -> List[Trip]:
         hit = np.isfinite(x) & (x > 0)

@@ -124,6 +124,8 @@ class RunWriter:
         self._metrics_f: Optional[io.TextIOBase] = None
         self._events_f: Optional[io.TextIOBase] = None
         self._events_written = 0
+        self._meta: dict = {}
+        self._coverage: Optional[list] = None
         self._layer_names: List[str] = []
         self._head_counts: List[int] = []
 
@@ -174,6 +176,7 @@ class RunWriter:
         else:
             mode = "w"
         _write_json(meta_path, meta)
+        self._meta = meta
         self._metrics_f = open(metrics_path, mode, newline="", encoding="utf-8")
         self._events_f = open(events_path, mode, newline="", encoding="utf-8")
         if mode == "w":
@@ -195,13 +198,23 @@ class RunWriter:
                 _num(a.value), _num(a.threshold), _csv_text(a.action), _csv_text(a.message),
             ]))
         for e in watch.events[self._events_written:]:
+            if e.kind == "switch_not_applied":
+                what = (f"{e.layer_name} head {e.head}: switch not applied to calls with {e.reason}; "
+                        "they stay on PyTorch's SDPA")
+            else:
+                what = f"{e.layer_name} head {e.head} moved to the stabilized kernel ({e.reason})"
             lines.append(_line([
                 str(e.step), str(e.layer), _csv_text(e.layer_name), str(e.head), _csv_text(e.kind), _csv_text(e.reason),
-                "", "", "", _csv_text(f"{e.layer_name} head {e.head} moved to the stabilized kernel ({e.reason})"),
+                "", "", "", _csv_text(what),
             ]))
         self._events_written = len(watch.events)
         self._events_f.write("".join(lines))
         self._sync()
+        coverage = [c.to_dict() for c in watch.coverage()]
+        if coverage != self._coverage:  # what was observed, in meta.json (rewritten atomically when it changes)
+            self._coverage = coverage
+            self._meta["coverage"] = coverage
+            _write_json(self.run_dir / META_FILE, self._meta)
 
     def format_metrics(self, metrics: List[StepMetrics]) -> str:
         """The CSV lines of ``metrics`` (padded heads of narrower layers left out).

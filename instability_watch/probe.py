@@ -22,6 +22,8 @@ Statistics (each of shape ``(H,)``, one entry per *query* head):
                             ``multi_max_rows / tie_rows``
 ``max_score``      float32  largest attention logit ``scale * q.k`` seen
 ``nonfinite_rows`` int64    rows whose output or log-sum-exp is not finite
+``masked_rows``    int64    rows whose every key is masked (statistics pass only;
+                            see ``kernels/stats.py``); counted in nothing else
 ``shadow_rows``    int64    rows that went through a shadow backward
 ``delta_err_sum``  float32  sum over rows of ``delta_lp - delta_hp`` (shadow only)
 ``delta_err_abs``  float32  sum over rows of ``|delta_lp - delta_hp|`` (shadow only)
@@ -36,12 +38,18 @@ before a BF16 training run fails.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict, List, Optional, Sequence
 
 import torch
 
 # Integer counters: rows of ``Probe.counts`` (int64, shape (len(COUNT_FIELDS), H)).
-COUNT_FIELDS = ("rows", "multi_max_rows", "tie_rows", "nonfinite_rows", "shadow_rows", "delta_err_pos")
+COUNT_FIELDS = (
+    "rows", "multi_max_rows", "tie_rows", "nonfinite_rows", "shadow_rows", "delta_err_pos", "masked_rows",
+    # the observer's call counts (the same value in every head's column; see observe.py)
+    "observed_calls", "shadow_calls", "unobserved_calls", "shadow_skipped_calls", "kernel_calls", "fallback_calls",
+)
+# The rows of COUNT_FIELDS that count calls, not attention rows.
+CALL_FIELDS = COUNT_FIELDS[7:]
 # Real-valued statistics: rows of ``Probe.values`` (float32, shape (len(VALUE_FIELDS), H)).
 VALUE_FIELDS = ("max_score", "delta_err_sum", "delta_err_abs")
 # The value each statistic is reset to.
@@ -131,3 +139,58 @@ class Probe:
 def probe_buffers(probe: Optional[Probe]):
     """``(counts, values)`` of a probe, or ``(None, None)``."""
     return (None, None) if probe is None else (probe.counts, probe.values)
+
+
+class ProbeBank:
+    """The probes of all watched layers, read and reset together.
+
+    Each layer's :class:`Probe` owns its two buffers, a ``(len(COUNT_FIELDS), H_l)``
+    ``counts`` and a ``(len(VALUE_FIELDS), H_l)`` ``values``; :attr:`counts` and
+    :attr:`values` are their concatenation in layer order (one ``cat`` per
+    read), and :meth:`zero_` resets all of them with two multi-tensor ops.
+    Separate buffers rather than views into one flat buffer: under
+    ``torch.compile`` with inductor on CUDA, a backward that adds into several
+    views of one buffer (the shadow statistics) corrupted all but the first
+    (seen with torch 2.11; aot_eager and CPU inductor were right).
+    """
+
+    def __init__(self, head_counts: Sequence[int], device: torch.device | str = "cpu") -> None:
+        self.head_counts = list(head_counts)
+        self._device = torch.device(device)
+        self.probes: List[Probe] = [Probe(h, device) for h in self.head_counts]
+        self._make_resets()
+
+    @property
+    def device(self) -> torch.device:
+        return self.probes[0].device if self.probes else self._device
+
+    @property
+    def counts(self) -> torch.Tensor:
+        """Every layer's ``counts``, flattened and concatenated in layer order (a copy)."""
+        if not self.probes:
+            return torch.zeros(0, dtype=torch.int64, device=self._device)
+        return torch.cat([p.counts.reshape(-1) for p in self.probes])
+
+    @property
+    def values(self) -> torch.Tensor:
+        """Every layer's ``values``, flattened and concatenated in layer order (a copy)."""
+        if not self.probes:
+            return torch.zeros(0, dtype=torch.float32, device=self._device)
+        return torch.cat([p.values.reshape(-1) for p in self.probes])
+
+    def _make_resets(self) -> None:
+        reset = torch.tensor([_VALUE_RESET[f] for f in VALUE_FIELDS], dtype=torch.float32, device=self.device)
+        self._value_resets = [reset[:, None].expand(len(VALUE_FIELDS), h).contiguous() for h in self.head_counts]
+
+    def to(self, device: torch.device | str) -> "ProbeBank":
+        """Move all buffers (keeping their contents and the :class:`Probe` objects)."""
+        self._device = torch.device(device)
+        for p in self.probes:
+            p.to(device)
+        self._make_resets()
+        return self
+
+    def zero_(self) -> None:
+        if self.probes:
+            torch._foreach_zero_([p.counts for p in self.probes])
+            torch._foreach_copy_([p.values for p in self.probes], self._value_resets)

@@ -4,29 +4,31 @@ Use it in any training loop::
 
     watch = InstabilityWatch(model, WatchConfig(auto_switch=True))
     for batch in data:
-        loss = model(batch)            # attention runs through our kernels,
-        loss.backward()                # each layer's probe accumulates on device
+        loss = model(batch)            # attention runs as always; on probe steps it is observed
+        loss.backward()
         optimizer.step(); optimizer.zero_grad()
         for alert in watch.step(loss): # once per optimizer step
             print(alert.message)
     watch.detach()
 
-What happens at each :meth:`InstabilityWatch.step` (no host sync):
+The model's attention is left to PyTorch (:mod:`~instability_watch.observe`).
+At each :meth:`InstabilityWatch.step`:
 
-1. every layer's probe is copied into one row of a device-side ring buffer
-   (one concatenation per buffer type, no per-layer copies) and reset;
-2. on spectral steps, sigma(W_Q) per head (:mod:`~instability_watch.spectral`)
-   goes into the same row; the loss too;
-3. the next step's shadow flag is set.
-
-Every ``log_every`` steps the ring is read back in one transfer (the one host
-sync), reduced across ranks first under ``torch.distributed``, turned into
-per-step metrics, and fed step by step to the detectors; alerts are logged,
-switch decisions are written into the layers' ``stabilize`` masks, and the
-listeners (console, CSV, loggers) receive the metrics and alerts.
+* on a probe step (every ``probe_every`` steps: 1, 1 + n, ...) every layer's
+  probe is copied into one row of a device-side ring buffer and reset, with
+  sigma(W_Q) on spectral steps and the loss; nothing leaves the device;
+* the next step is armed: observers are installed only for a probe step (and
+  kept on layers with switched heads); between probe steps nothing is
+  installed and nothing runs;
+* every ``log_every`` steps (and once after the first probe step, to check
+  coverage) the ring is read back in one transfer, the one host sync, reduced
+  across ranks under ``torch.distributed``, turned into per-step metrics
+  (:func:`derive_metrics`) and fed to the detectors; switch decisions move
+  heads onto the stabilized kernel; the listeners (console, CSV, loggers)
+  receive the metrics and alerts.
 
 Failures inside the watch never stop training: the failing part is reported
-once with its traceback and turned off (routing, statistics, spectral,
+once with its traceback and turned off (observing, statistics, spectral,
 detectors, a listener), unless ``strict=True``.
 """
 from __future__ import annotations
@@ -40,22 +42,25 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from .attach import Attachment, Layers, _log_rank_zero, _rank, attach
+from ._dist import log_rank_zero, rank
 from .config import WatchConfig
 from .detectors import Alert, Detector, build_detectors
-from .probe import COUNT_FIELDS, VALUE_FIELDS
+from .locate import Layers, resolve_layers
+from .observe import NOT_APPLIED, LayerCoverage, Observation, Site, observe
+from .probe import CALL_FIELDS, COUNT_FIELDS, VALUE_FIELDS
 from .spectral import SpectralNorms
 
 log = logging.getLogger("instability_watch")
 
-STATE_VERSION = 1
+STATE_VERSION = 2
 
 # Per-step metric names, in the order the CSV writes them (see README).
 METRICS = (
-    "rows", "tie_rows", "multi_max_rows", "multi_max_freq", "max_score", "nonfinite_rows",
+    "rows", "multi_max_rows", "multi_max_freq", "masked_rows", "max_score", "nonfinite_rows",
     "shadow_rows", "delta_err_sum", "delta_err_abs", "delta_err_pos_frac", "delta_cum",
     "sigma_wq", "stabilized",
 )
+RING_ROWS_MAX = 256  # read back early when this many steps wait on the device (bounds its memory)
 
 
 class WatchError(RuntimeError):
@@ -64,7 +69,12 @@ class WatchError(RuntimeError):
 
 @dataclass
 class Event:
-    """Something the watch did: ``kind`` is ``"switch"`` (a head moved to the stabilized kernel)."""
+    """Something the watch did or could not do.
+
+    ``kind`` is ``"switch"`` (a head moved to the stabilized kernel) or
+    ``"switch_not_applied"`` (a switched head's layer made a call our kernels
+    cannot serve; that call stayed on PyTorch's SDPA; ``reason`` says why).
+    """
 
     step: int
     layer: int
@@ -79,7 +89,7 @@ class Event:
 
 @dataclass
 class StepMetrics:
-    """Metrics of one optimizer step: ``values[name]`` is an ``(L, H_max)`` float array.
+    """Metrics of one observed step: ``values[name]`` is an ``(L, H_max)`` float array.
 
     ``NaN`` marks no observation (a padded head, a step without shadow or
     spectral computation, no rows). ``loss`` is NaN when no loss was passed.
@@ -100,23 +110,129 @@ def _due(step: int, every: int) -> bool:
     return every > 0 and (step - 1) % every == 0
 
 
+class RingLayout:
+    """The columns of one ring row (float64): every layer's ``counts``, every layer's ``values``, sigma, loss, ok.
+
+    ``counts`` and ``values`` are :class:`~instability_watch.probe.ProbeBank`'s
+    concatenations (per layer, field-major); ``ok`` is 1 where this rank
+    recorded the step (summed across ranks, so a rank that failed shows).
+    """
+
+    def __init__(self, head_counts: Sequence[int]) -> None:
+        self.head_counts = list(head_counts)
+        total = sum(self.head_counts)
+        nc, nv = len(COUNT_FIELDS), len(VALUE_FIELDS)
+        self.counts = slice(0, nc * total)
+        self.values = slice(nc * total, (nc + nv) * total)
+        self.sigma = slice((nc + nv) * total, (nc + nv + 1) * total)
+        self.loss = (nc + nv + 1) * total
+        self.ok = self.loss + 1
+        self.width = self.ok + 1
+
+    def max_columns(self) -> torch.Tensor:
+        """Columns reduced by max across ranks (the largest logit and sigma); the rest are summed."""
+        cols = torch.zeros(self.width, dtype=torch.bool)
+        i_max = VALUE_FIELDS.index("max_score")
+        offset = self.values.start
+        for h in self.head_counts:  # max_score sits in each layer's value block
+            cols[offset + i_max * h: offset + (i_max + 1) * h] = True
+            offset += len(VALUE_FIELDS) * h
+        cols[self.sigma] = True
+        return cols
+
+    def unpack(self, row: np.ndarray) -> Dict[str, np.ndarray]:
+        """Every probe field and ``sigma_wq`` of one row as an ``(L, H_max)`` array (NaN in padded heads)."""
+        L, Hm = len(self.head_counts), max(self.head_counts, default=0)
+        nc, nv = len(COUNT_FIELDS), len(VALUE_FIELDS)
+        out = {name: np.full((L, Hm), np.nan) for name in COUNT_FIELDS + VALUE_FIELDS + ("sigma_wq",)}
+        counts, values, sigma = row[self.counts], row[self.values], row[self.sigma]
+        oc = ov = 0
+        for layer, h in enumerate(self.head_counts):
+            c = counts[oc: oc + nc * h].reshape(nc, h)
+            v = values[ov: ov + nv * h].reshape(nv, h)
+            for i, name in enumerate(COUNT_FIELDS):
+                out[name][layer, :h] = c[i]
+            for i, name in enumerate(VALUE_FIELDS):
+                out[name][layer, :h] = v[i]
+            out["sigma_wq"][layer, :h] = sigma[oc // nc: oc // nc + h]
+            oc, ov = oc + nc * h, ov + nv * h
+        return out
+
+
+def derive_metrics(
+    raw: Dict[str, np.ndarray], pad: np.ndarray, delta_cum: np.ndarray, stabilized: np.ndarray
+) -> Tuple[Dict[str, np.ndarray], np.ndarray, np.ndarray]:
+    """Per-step metrics from one step's raw probe sums (a pure function).
+
+    Args:
+        raw: :meth:`RingLayout.unpack` of the step's row.
+        pad: ``(L, H_max)`` True where a layer has fewer heads.
+        delta_cum: the running ``sum(delta_lp - delta_hp)`` before this step.
+        stabilized: ``(L, H_max)`` 1 where the head runs the stabilized kernel.
+
+    Returns:
+        ``(metrics, delta_cum, broken)``: the :data:`METRICS` plus ``nonfinite``
+        (what the non-finite rule reads: broken rows, a NaN/+inf logit, a
+        non-finite sigma(W_Q)); the updated running sum; and where a shadow
+        step gave a non-finite drift on finite attention rows (ignored, reported).
+    """
+    m: Dict[str, np.ndarray] = {}
+    for name in ("rows", "multi_max_rows", "masked_rows", "nonfinite_rows", "shadow_rows"):
+        m[name] = np.where(pad, np.nan, raw[name])
+    with np.errstate(invalid="ignore", divide="ignore"):
+        m["multi_max_freq"] = np.where(raw["rows"] > 0, raw["multi_max_rows"] / raw["rows"], np.nan)
+        max_score = raw["max_score"]
+        m["max_score"] = np.where((raw["rows"] > 0) & ~np.isneginf(max_score), max_score, np.nan)
+        shadow = (raw["shadow_rows"] > 0) & ~pad
+        dsum = np.where(shadow, raw["delta_err_sum"], np.nan)
+        dabs = np.where(shadow, raw["delta_err_abs"], np.nan)
+        m["delta_err_pos_frac"] = np.where(shadow, raw["delta_err_pos"] / np.maximum(raw["shadow_rows"], 1), np.nan)
+    broken = shadow & ~np.isfinite(dsum) & ~(raw["nonfinite_rows"] > 0)
+    good = shadow & np.isfinite(dsum)
+    delta_cum = np.where(good, delta_cum + np.where(good, dsum, 0.0), delta_cum)
+    m["delta_err_sum"] = np.where(shadow & ~broken, dsum, np.nan)
+    m["delta_err_abs"] = np.where(shadow & ~broken, dabs, np.nan)
+    m["delta_cum"] = np.where(pad, np.nan, delta_cum)
+    sig = raw["sigma_wq"]
+    m["sigma_wq"] = np.where(pad, np.nan, sig)
+    m["stabilized"] = np.where(pad, np.nan, stabilized)
+    bad_logit = (raw["rows"] > 0) & (np.isnan(max_score) | np.isposinf(max_score))
+    bad_sigma = ~np.isnan(sig) & ~np.isfinite(sig)
+    m["nonfinite"] = np.where(pad, np.nan, np.nan_to_num(raw["nonfinite_rows"], nan=0.0) + bad_logit + bad_sigma)
+    return m, delta_cum, broken
+
+
 class InstabilityWatch:
     """Watch every attention head of ``model`` while it trains.
 
     Args:
-        model: the model; attached at construction (its code is not changed).
+        model: the model; its code and its attention calls are not changed.
         config: a :class:`WatchConfig` (defaults if ``None``).
-        layers: which layers to watch (see :func:`~instability_watch.attach.attach`):
-            ``None`` for the built-in locators, or :class:`AttentionLayer` descriptions.
+        layers: which layers to watch: ``None`` for the built-in locators
+            (:mod:`~instability_watch.locate`), or :class:`AttentionLayer`
+            descriptions (or a function of the model returning them).
         listeners: callables ``f(metrics, alerts, watch)`` run after each read-back.
+
+    Raises:
+        TypeError, ValueError: bad arguments; a model with no attention layer
+            the locators know; a model whose attention cannot be observed at all
+            (e.g. a Hugging Face model built with ``attn_implementation="eager"``).
+            A model in which nothing could be observed on the first probe step
+            raises ``ValueError`` from :meth:`step`, naming the reasons.
 
     Attributes:
         step_count: optimizer steps seen (the last step passed to :meth:`step`).
         alerts: every alert so far, in order.
-        events: every switch so far.
+        events: every switch (and switch not applied) so far.
         switched: ``{(layer, head): step}`` of heads on the stabilized kernel.
         last_metrics: the per-step metrics of the last read-back.
         layer_names, head_counts: the watched layers.
+
+    Example::
+
+        watch = InstabilityWatch(model, WatchConfig(auto_switch=True))
+        ...
+        print(watch.coverage())
     """
 
     def __init__(
@@ -142,36 +258,50 @@ class InstabilityWatch:
         self.switched: Dict[Tuple[int, int], int] = {}
         self.last_metrics: List[StepMetrics] = []
         self.disabled: Dict[str, str] = {}  # component -> why
-        self.attachment: Optional[Attachment] = None
+        self.observation: Optional[Observation] = None
         self.layer_names: List[str] = []
         self.head_counts: List[int] = []
         self._pending_steps: List[int] = []
         self._flushed_through = 0  # last step read back
         self._ring: Optional[torch.Tensor] = None
         self._reported_problems: set = set()
+        self._calls: List[Dict[str, int]] = []
+        self._coverage_checked = False
+        self._armed: Tuple[bool, bool] = (False, False)
         self.spectral = SpectralNorms()
         try:
-            self.attachment = attach(model, layers, beta=config.beta, eps=config.eps)
-        except Exception as exc:
+            found = resolve_layers(model, layers)
+        except (TypeError, ValueError):
+            raise  # bad input: the user has to fix it
+        except Exception as exc:  # noqa: BLE001 - a user's locator function failed: train on without the watch
             self._fail("attach", exc)
             return
-        self.attachment.on_error = lambda exc: self._fail("routing", exc)
-        self.layer_names = [s.name for s in self.attachment.sites]
-        self.head_counts = self.attachment.head_counts
-        shape = (len(self.head_counts), max(self.head_counts))
-        self.detectors: Dict[str, Detector] = build_detectors(config, shape)
-        self._delta_cum = np.zeros(shape)
-        self._pad = np.zeros(shape, dtype=bool)
+        self.observation = observe(model, found, beta=config.beta, eps=config.eps)
+        self.observation.on_error = self._fail
+        self.observation.on_note = self._on_note
+        self.layer_names = [s.name for s in self.observation.sites]
+        self.head_counts = self.observation.head_counts
+        self.layout = RingLayout(self.head_counts)
+        self._calls = [dict.fromkeys(CALL_FIELDS, 0) for _ in self.head_counts]
+        self.detectors: Dict[str, Detector] = build_detectors(config, self.shape)
+        self._delta_cum = np.zeros(self.shape)
+        self._pad = np.zeros(self.shape, dtype=bool)
         for i, h in enumerate(self.head_counts):
             self._pad[i, h:] = True
-        self._set_shadow(_due(1, config.shadow_every))
+        self._not_applied: set = set()  # layers whose switch was not applied to some call
+        self._arm(1)
 
     # ------------------------------------------------------------------ lifecycle
 
     @property
+    def attachment(self) -> Optional[Observation]:
+        """The model's :class:`~instability_watch.observe.Observation` (an alias kept for callers of 0.1)."""
+        return self.observation
+
+    @property
     def active(self) -> bool:
         """Attached and collecting statistics."""
-        return self.attachment is not None and self.attachment.attached and "statistics" not in self.disabled
+        return self.observation is not None and self.observation.attached and "statistics" not in self.disabled
 
     @property
     def shape(self) -> Tuple[int, int]:
@@ -179,10 +309,12 @@ class InstabilityWatch:
 
     def detach(self) -> None:
         """Read back the pending steps (alerts go to the listeners), then restore the model exactly."""
-        if self.attachment is None or not self.attachment.attached:
+        if self.observation is None or not self.observation.attached:
             return
-        self.flush()
-        self.attachment.detach()
+        try:
+            self.flush()
+        finally:
+            self.observation.detach()
 
     @property
     def flushed_through(self) -> int:
@@ -190,32 +322,31 @@ class InstabilityWatch:
         return self._flushed_through
 
     def pause_statistics(self) -> None:
-        """Stop collecting (e.g. during validation); attention stays routed, so switched heads stay stabilized."""
-        if self.attachment is not None:
-            self.attachment.probes = False
+        """Stop observing (e.g. during validation); switched heads stay on the stabilized kernel."""
+        if self.observation is not None:
+            self.observation.collect(False)
 
     def resume_statistics(self) -> None:
-        """Collect again after :meth:`pause_statistics` (unless statistics were turned off by a failure)."""
-        if self.attachment is not None and "statistics" not in self.disabled:
-            self.attachment.probes = True
+        """Observe again after :meth:`pause_statistics`."""
+        if self.observation is not None:
+            self.observation.collect(True)
 
     def start_at(self, step: int) -> None:
         """Continue counting after optimizer step ``step`` (a model resumed without watch state).
 
         Anything pending is discarded; the detectors' warm-up starts again from here.
         """
-        if not isinstance(step, int) or step < 0:
+        if not isinstance(step, int) or isinstance(step, bool) or step < 0:
             raise ValueError(f"step must be a non-negative integer, got {step!r}")
         self.step_count = step
         self._flushed_through = step
         self._pending_steps = []
-        if self.attachment is not None:
-            self.attachment.bank.zero_()
-            shape = self.shape
-            self.detectors = build_detectors(self.config, shape)
+        if self.observation is not None:
+            self.observation.bank.zero_()
+            self.detectors = build_detectors(self.config, self.shape)
             for d in self.detectors.values():
                 d.warmup_steps = step + self.config.warmup_steps
-        self._set_shadow(_due(step + 1, self.config.shadow_every))
+            self._arm(step + 1)
 
     def __enter__(self) -> "InstabilityWatch":
         return self
@@ -232,16 +363,20 @@ class InstabilityWatch:
         if component in self.disabled:
             return
         self.disabled[component] = f"{type(exc).__name__}: {exc}"
-        if self.attachment is not None:
-            if component == "routing":
-                self.attachment.routing = False  # every call goes to PyTorch's SDPA
-            elif component == "statistics":
-                # keep routing: heads already switched stay on the stabilized kernel
-                self.attachment.probes = False
+        if self.observation is not None:
+            if component == "routing":  # our kernels failed: every call goes to PyTorch's SDPA from now on
+                self.observation.routing = False
+                for (layer, head) in sorted(self.switched):
+                    site = self.observation.sites[layer]
+                    self.events.append(Event(self.step_count + 1, layer, head, "switch_not_applied",
+                                             f"our kernel failed ({type(exc).__name__})", site.name))
+                    self._not_applied.add(layer)
+            elif component == "statistics":  # observe no more; switched heads stay on the stabilized kernel
+                self._arm(self.step_count + 1)
         # A failure is reported by the process it happened in (once), with the rank.
         log.error(
             "instability_watch (rank %d): %s failed and is turned off; training goes on. %s",
-            _rank(), component, self.disabled[component], exc_info=exc,
+            rank(), component, self.disabled[component], exc_info=exc,
         )
 
     def _problem(self, key: str, message: str) -> None:
@@ -250,111 +385,142 @@ class InstabilityWatch:
             raise WatchError(message)
         if key not in self._reported_problems:
             self._reported_problems.add(key)
-            _log_rank_zero(logging.WARNING, "instability_watch: %s (ignored; reported once)", message)
+            log_rank_zero(logging.WARNING, "instability_watch: %s (ignored; reported once)", message)
+
+    def _on_note(self, site: Site, kind: str, reason: str) -> None:
+        """A layer met a reason for the first time (called by the observation, at call time)."""
+        if kind != NOT_APPLIED:
+            return
+        for (layer, head) in sorted(self.switched):
+            if layer == site.index:
+                self.events.append(Event(self.step_count + 1, layer, head, "switch_not_applied", reason, site.name))
+        self._not_applied.add(site.index)
 
     # ------------------------------------------------------------------ the step
 
-    def _set_shadow(self, on: bool) -> None:
-        if self.attachment is not None and "shadow" not in self.disabled:
-            self.attachment.bank.set_shadow(on)
+    def _arm(self, step: int) -> None:
+        """Set up the observers for ``step``: statistics on probe steps, shadow on shadow steps."""
+        if self.observation is None:
+            return
+        c = self.config
+        stats = _due(step, c.probe_every) and "statistics" not in self.disabled
+        shadow = stats and _due(step, c.shadow_every) and "shadow" not in self.disabled
+        if (stats, shadow) != self._armed:
+            self._armed = (stats, shadow)
+            self.observation.arm(stats=stats, shadow=shadow)
+
+    def records(self, step: int) -> bool:
+        """Whether optimizer step ``step`` is recorded (a probe or spectral step): its loss is kept then only."""
+        c = self.config
+        return _due(step, c.probe_every) or _due(step, c.spectral_every)
 
     def _ensure_ring(self) -> torch.Tensor:
-        bank = self.attachment.bank
-        total = sum(self.head_counts)
-        width = (len(COUNT_FIELDS) + len(VALUE_FIELDS) + 1) * total + 2  # + loss, + ok
-        if self._ring is None or self._ring.device != bank.device:
-            ring = torch.full((self.config.log_every, width), float("nan"), dtype=torch.float64, device=bank.device)
+        device = self.observation.bank.device
+        rows = min(self.config.log_every, RING_ROWS_MAX)
+        if self._ring is None or self._ring.device != device:
+            ring = torch.full((rows, self.layout.width), float("nan"), dtype=torch.float64, device=device)
             if self._ring is not None:
-                ring.copy_(self._ring.to(bank.device))
+                ring.copy_(self._ring.to(device))
             self._ring = ring
         return self._ring
 
     def step(self, loss: Optional[torch.Tensor | float] = None) -> List[Alert]:
-        """Close optimizer step ``step_count + 1``; every ``log_every`` steps, read back and detect.
+        """Close optimizer step ``step_count + 1``; read back every ``log_every`` steps.
 
         Call it once per optimizer step, after ``optimizer.step()`` (all
-        micro-batches of gradient accumulation add up into one step).
+        micro-batches of gradient accumulation add up into one step). Between
+        probe steps it does nothing on the device.
 
         Returns:
             The alerts raised by this call (empty except on read-back steps).
         """
         self.step_count += 1
         s = self.step_count
-        if self.attachment is None or not self.attachment.attached:
+        if self.observation is None or not self.observation.attached:
             return []
-        if "statistics" not in self.disabled:
-            try:
-                self._record(s, loss)
-            except Exception as exc:
-                self._fail("statistics", exc)
-        self._set_shadow(_due(s + 1, self.config.shadow_every))
-        if s % self.config.log_every == 0:
-            return self.flush()
+        if self.records(s):
+            if "statistics" not in self.disabled:
+                try:
+                    self._record(s, loss)
+                except Exception as exc:  # noqa: BLE001
+                    self._fail("statistics", exc)
+            self._pending_steps.append(s)  # in lockstep with the other ranks, recorded or not
+        self._arm(s + 1)
+        first_probe = not self._coverage_checked and _due(s, self.config.probe_every)
+        if first_probe or s % self.config.log_every == 0 or len(self._pending_steps) >= self._ring_rows():
+            alerts = self.flush()
+            if first_probe:
+                self._check_coverage()
+            return alerts
         return []
+
+    def _ring_rows(self) -> int:
+        return min(self.config.log_every, RING_ROWS_MAX)
 
     def _record(self, s: int, loss) -> None:
         ring = self._ensure_ring()
-        bank = self.attachment.bank
-        total = sum(self.head_counts)
-        nc, nv = len(COUNT_FIELDS), len(VALUE_FIELDS)
-        slot = len(self._pending_steps)
-        row = ring[slot]
-        row[: nc * total].copy_(bank.counts)
-        row[nc * total: (nc + nv) * total].copy_(bank.values)
-        sig = row[(nc + nv) * total: -2]
+        bank = self.observation.bank
+        lay = self.layout
+        row = ring[len(self._pending_steps)]
+        row[lay.counts].copy_(bank.counts)
+        row[lay.values].copy_(bank.values)
+        sig = row[lay.sigma]
         sig.fill_(float("nan"))
         if _due(s, self.config.spectral_every) and "spectral" not in self.disabled:
             try:
-                sigmas = self.spectral(self.attachment.w_q())
+                sigmas = self.spectral(self.observation.w_q())
                 sig.copy_(torch.cat(sigmas).to(sig.device))
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 self._fail("spectral", exc)
         if isinstance(loss, torch.Tensor):
-            row[-2:-1].copy_(loss.detach().reshape(-1)[:1])
+            row[lay.loss: lay.loss + 1].copy_(loss.detach().reshape(-1)[:1])
         else:
-            row[-2:-1].fill_(float("nan") if loss is None else float(loss))
-        # fill_, not ``row[-1] = 1.0``: item assignment of a Python number copies a
+            row[lay.loss: lay.loss + 1].fill_(float("nan") if loss is None else float(loss))
+        # fill_, not ``row[i] = 1.0``: item assignment of a Python number copies a
         # host scalar into device memory, which waits for the stream (a sync per step)
-        row[-1:].fill_(1.0)  # this rank recorded the step (summed across ranks)
+        row[lay.ok: lay.ok + 1].fill_(1.0)  # this rank recorded the step (summed across ranks)
         bank.zero_()
-        self._pending_steps.append(s)
 
     def flush(self) -> List[Alert]:
         """Read back pending steps now (one host sync), run the detectors, act; returns new alerts.
 
         Under ``torch.distributed`` every rank must call it at the same steps
-        (``step`` does, every ``log_every`` steps): a rank whose statistics
-        failed still takes part, and then every rank turns statistics off.
+        (``step`` does): a rank whose statistics failed still takes part, and
+        then every rank turns statistics off.
         """
-        if self.attachment is None:
+        if self.observation is None:
             return []
         distributed = self._distributed()
-        n = self.step_count - self._flushed_through
-        if n <= 0 or (not distributed and not self._pending_steps):
+        if self.step_count <= self._flushed_through:
             return []
-        steps = list(range(self._flushed_through + 1, self.step_count + 1))
-        recorded = len(self._pending_steps) == n and "statistics" not in self.disabled
+        steps = list(self._pending_steps)
+        if not distributed and not steps:
+            self._flushed_through = self.step_count
+            return []
+        recorded = "statistics" not in self.disabled
         self._flushed_through = self.step_count
         self._pending_steps = []
         if not distributed and not recorded:
             return []
         try:
             ring = self._ensure_ring()
+            n = len(steps)
             if recorded:
                 data = ring[:n].clone()
             else:  # this rank has nothing valid: take part with an "unhealthy" block
                 data = torch.full((n, ring.shape[1]), float("nan"), dtype=torch.float64, device=ring.device)
-                data[:, -1:].fill_(0.0)
+                data[:, self.layout.ok].fill_(0.0)
             if distributed:
                 data = self._reduce(data)
             host = data.cpu().numpy()  # the one host sync
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             self._fail("statistics", exc)
             return []
-        healthy_ranks = self._world() if distributed else 1
-        if not (host[:, -1] == healthy_ranks).all():
+        healthy = self._world() if distributed else 1
+        if len(host) and not (host[:, self.layout.ok] == healthy).all():
             self._fail("statistics", WatchError("statistics failed on another rank; turned off on every rank"))
             return []
+        self._count_calls(host)
         alerts: List[Alert] = []
         try:
             metrics = [self._metrics(step, host[i]) for i, step in enumerate(steps)]
@@ -363,14 +529,14 @@ class InstabilityWatch:
                     alerts.extend(self._detect(m))
         except WatchError:
             raise
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001
             self._fail("detectors", exc)
             return alerts
         self.last_metrics = metrics
         for listener in list(self.listeners):
             try:
                 listener(metrics, alerts, self)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001
                 if self.config.strict:
                     raise
                 self.listeners.remove(listener)
@@ -391,17 +557,7 @@ class InstabilityWatch:
         """Under torch.distributed: sum counts, delta sums and loss (loss averaged), max the logits and sigma."""
         dist = torch.distributed
         world = dist.get_world_size()
-        total = sum(self.head_counts)
-        nc, nv = len(COUNT_FIELDS), len(VALUE_FIELDS)
-        max_cols = torch.zeros(data.shape[1], dtype=torch.bool)
-        i_max = VALUE_FIELDS.index("max_score")
-        offs = 0
-        for h in self.head_counts:  # max_score sits in each layer's value block
-            start = nc * total + nv * offs + i_max * h
-            max_cols[start:start + h] = True
-            offs += h
-        max_cols[(nc + nv) * total: -2] = True  # sigma
-        max_cols = max_cols.to(data.device)
+        max_cols = self.layout.max_columns().to(data.device)
         # NaN does not survive all_reduce(MAX) portably: reduce with -inf in its place.
         maxed = torch.where(max_cols & ~torch.isnan(data), data, torch.full_like(data, float("-inf")))
         summed = torch.where(max_cols, torch.zeros_like(data), data)
@@ -409,92 +565,73 @@ class InstabilityWatch:
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         out = torch.where(max_cols, maxed, summed)
         out = torch.where(max_cols & torch.isneginf(out), torch.full_like(out, float("nan")), out)
-        out[:, -2] /= world  # loss: the mean over ranks; the ok column stays a count
+        out[:, self.layout.loss] /= world  # the mean over ranks; the ok column stays a count
         return out
 
     # ------------------------------------------------------------------ metrics
 
-    def _unpack(self, row: np.ndarray) -> Dict[str, np.ndarray]:
-        L, Hm = self.shape
-        total = sum(self.head_counts)
-        nc, nv = len(COUNT_FIELDS), len(VALUE_FIELDS)
-        out = {name: np.full((L, Hm), np.nan) for name in COUNT_FIELDS + VALUE_FIELDS + ("sigma_wq",)}
-        if all(h == Hm for h in self.head_counts):
-            counts = row[: nc * total].reshape(L, nc, Hm)
-            values = row[nc * total: (nc + nv) * total].reshape(L, nv, Hm)
-            for i, name in enumerate(COUNT_FIELDS):
-                out[name] = counts[:, i].copy()
-            for i, name in enumerate(VALUE_FIELDS):
-                out[name] = values[:, i].copy()
-            out["sigma_wq"] = row[(nc + nv) * total: -2].reshape(L, Hm).copy()
-            return out
-        oc = ov = os_ = 0
-        for l, h in enumerate(self.head_counts):  # non-uniform layers: per layer, at read-back only
-            c = row[oc: oc + nc * h].reshape(nc, h)
-            v = row[nc * total + ov: nc * total + ov + nv * h].reshape(nv, h)
-            for i, name in enumerate(COUNT_FIELDS):
-                out[name][l, :h] = c[i]
-            for i, name in enumerate(VALUE_FIELDS):
-                out[name][l, :h] = v[i]
-            out["sigma_wq"][l, :h] = row[(nc + nv) * total + os_: (nc + nv) * total + os_ + h]
-            oc, ov, os_ = oc + nc * h, ov + nv * h, os_ + h
-        return out
+    def _count_calls(self, host: np.ndarray) -> None:
+        """Add the read-back rows' call counts to the coverage totals (each head column holds the same count)."""
+        counts = host[:, self.layout.counts]
+        nc, offset = len(COUNT_FIELDS), 0
+        for layer, h in enumerate(self.head_counts):
+            block = counts[:, offset: offset + nc * h].reshape(len(host), nc, h)
+            for name in CALL_FIELDS:
+                col = block[:, COUNT_FIELDS.index(name), 0]
+                self._calls[layer][name] += int(np.nansum(col))
+            offset += nc * h
 
     def _metrics(self, step: int, row: np.ndarray) -> StepMetrics:
-        raw = self._unpack(row)
-        pad = self._pad
-        m: Dict[str, np.ndarray] = {}
-        for name in ("rows", "tie_rows", "multi_max_rows", "nonfinite_rows", "shadow_rows"):
-            m[name] = np.where(pad, np.nan, raw[name])
-        with np.errstate(invalid="ignore", divide="ignore"):
-            m["multi_max_freq"] = np.where(raw["tie_rows"] > 0, raw["multi_max_rows"] / raw["tie_rows"], np.nan)
-            max_score = raw["max_score"]
-            m["max_score"] = np.where((raw["rows"] > 0) & ~np.isneginf(max_score), max_score, np.nan)
-            shadow = (raw["shadow_rows"] > 0) & ~pad
-            dsum = np.where(shadow, raw["delta_err_sum"], np.nan)
-            dabs = np.where(shadow, raw["delta_err_abs"], np.nan)
-            dpos = np.where(shadow, raw["delta_err_pos"] / np.maximum(raw["shadow_rows"], 1), np.nan)
-        broken = shadow & ~np.isfinite(dsum) & ~(raw["nonfinite_rows"] > 0)
-        if broken.any():
-            l, h = map(int, np.argwhere(broken)[0])
-            self._problem("delta", f"non-finite delta_err_sum at step {step}, layer {self.layer_names[l]}, head {h} "
-                                   "with finite attention rows")
-        good = shadow & np.isfinite(dsum)
-        self._delta_cum = np.where(good, self._delta_cum + np.where(good, dsum, 0.0), self._delta_cum)
-        m["delta_err_sum"] = np.where(shadow & ~broken, dsum, np.nan)
-        m["delta_err_abs"] = np.where(shadow & ~broken, dabs, np.nan)
-        m["delta_err_pos_frac"] = dpos
-        m["delta_cum"] = np.where(pad, np.nan, self._delta_cum.copy())
-        m["sigma_wq"] = np.where(pad, np.nan, raw["sigma_wq"])
+        raw = self.layout.unpack(row)
         stab = np.zeros(self.shape)
-        for (l, h) in self.switched:
-            stab[l, h] = 1.0
-        m["stabilized"] = np.where(pad, np.nan, stab)
-        values = {k: m[k] for k in METRICS}
-        # not a CSV column: a logit that is NaN or +inf where rows ran (for the nonfinite rule)
-        values["_bad_logit"] = ((raw["rows"] > 0) & (np.isnan(max_score) | np.isposinf(max_score))).astype(float)
-        return StepMetrics(step=step, loss=float(row[-2]), values=values)
+        for (layer, head) in self.switched:
+            if layer not in self._not_applied:
+                stab[layer, head] = 1.0
+        values, self._delta_cum, broken = derive_metrics(raw, self._pad, self._delta_cum, stab)
+        if broken.any():
+            layer, head = map(int, np.argwhere(broken)[0])
+            self._problem("delta", f"non-finite delta_err_sum at step {step}, layer {self.layer_names[layer]}, "
+                                   f"head {head} with finite attention rows")
+        return StepMetrics(step=step, loss=float(row[self.layout.loss]), values=values)
+
+    def coverage(self) -> List[LayerCoverage]:
+        """What was observed, per layer, over the steps read back so far (no host sync).
+
+        Returns:
+            One :class:`~instability_watch.observe.LayerCoverage` per watched
+            layer: ``layer_name``, ``observed_calls``, ``unobserved_calls``
+            (reason -> count), ``shadow_calls``, ``shadow_skipped``,
+            ``kernel_calls`` and ``not_applied``, counted on probe steps.
+        """
+        if self.observation is None:
+            return []
+        return self.observation.coverage(self._calls)
+
+    def _check_coverage(self) -> None:
+        """After the first probe step: nothing observable is an error naming the reasons."""
+        if "statistics" in self.disabled:  # turned off by a failure (reported): nothing to judge
+            self._coverage_checked = True
+            return
+        cov = self.coverage()
+        if any(c.observed_calls for c in cov):
+            self._coverage_checked = True
+            return
+        reasons = {r: 0 for c in cov for r in c.unobserved_calls}
+        for c in cov:
+            for r, n in c.unobserved_calls.items():
+                reasons[r] += n
+        if not reasons:
+            return  # no watched layer ran yet: look again after the next probe step
+        self._coverage_checked = True
+        listed = "; ".join(f"{r} ({n} calls)" for r, n in reasons.items())
+        raise ValueError(f"instability_watch observed no attention call on the first probe step: {listed}")
 
     # ------------------------------------------------------------------ detection and action
-
-    def _detector_input(self, kind: str, m: StepMetrics) -> np.ndarray:
-        if kind == "multi_max":
-            return m["multi_max_freq"]
-        if kind == "logit_growth":
-            return m["max_score"]
-        if kind == "delta_drift":
-            return m["delta_err_sum"]
-        if kind == "spectral_growth":
-            return m["sigma_wq"]
-        # nonfinite: broken rows, a logit that is NaN/+inf, a sigma(W_Q) that is not finite
-        bad = np.nan_to_num(m["nonfinite_rows"], nan=0.0) + m.values["_bad_logit"]
-        sig = m["sigma_wq"]
-        return np.where(self._pad, np.nan, bad + (~np.isnan(sig) & ~np.isfinite(sig)))
 
     def _detect(self, m: StepMetrics) -> List[Alert]:
         new: List[Alert] = []
         for kind, detector in self.detectors.items():
-            for layer, head, value, threshold, message in detector.update(m.step, self._detector_input(kind, m)):
+            for layer, head, value, threshold, message in detector.update(m.step, m.values[detector.metric]):
                 action = "reported"
                 if (
                     self.config.auto_switch and kind in self.config.switch_on
@@ -506,7 +643,7 @@ class InstabilityWatch:
                     action = "already on the stabilized kernel"
                 alert = Alert(m.step, layer, head, kind, value, threshold, message, self.layer_names[layer], action)
                 new.append(alert)
-                _log_rank_zero(
+                log_rank_zero(
                     logging.INFO, "instability_watch: step %d, %s head %d: %s alert: %s [%s]",
                     m.step, alert.layer_name, head, kind, message, action,
                 )
@@ -514,15 +651,25 @@ class InstabilityWatch:
         return new
 
     def switch(self, layer: int, head: int, reason: str = "manual", step: Optional[int] = None) -> None:
-        """Move one head to the stabilized kernel (sticky; recorded as an event)."""
+        """Move one head to the stabilized kernel (sticky; recorded as an event).
+
+        The head's layer then runs every call on our kernels (standard for its
+        other heads). A call they cannot serve stays on PyTorch's SDPA, and a
+        ``switch_not_applied`` event says why.
+        """
+        if self.observation is None:
+            raise WatchError("the watch is not attached (see watch.disabled)")
         if not 0 <= layer < len(self.head_counts):
             raise ValueError(f"layer must be in [0, {len(self.head_counts)}), got {layer}")
         if (layer, head) in self.switched:
             return
-        self.attachment.set_stabilized(layer, head, True)
+        self.observation.set_stabilized(layer, head, True)
         step = self.step_count if step is None else step
         self.switched[(layer, head)] = step
         self.events.append(Event(step, layer, head, "switch", reason, self.layer_names[layer]))
+        site = self.observation.sites[layer]
+        for why in site.reasons.get(NOT_APPLIED, []):  # already known for this layer
+            self.events.append(Event(step, layer, head, "switch_not_applied", why, site.name))
 
     # ------------------------------------------------------------------ state
 
@@ -530,7 +677,8 @@ class InstabilityWatch:
         """Everything needed to resume identically, in plain Python types.
 
         Includes switched heads, cumulative delta sums, detector state, the
-        spectral warm-start vectors and the steps not yet read back (a host sync).
+        spectral warm-start vectors, coverage counts and the steps not yet
+        read back (a host sync).
         """
         pending: List[List[float]] = []
         if self._pending_steps and self._ring is not None:
@@ -547,42 +695,123 @@ class InstabilityWatch:
             "pending_steps": list(self._pending_steps),
             "flushed_through": self._flushed_through,
             "pending": pending,
+            "calls": [dict(c) for c in self._calls],
+            "coverage_checked": self._coverage_checked,
             "alerts": [a.to_dict() for a in self.alerts],
             "events": [e.to_dict() for e in self.events],
         }
 
     def load_state_dict(self, state: dict) -> None:
-        """Resume from :meth:`state_dict`; the model must have the same watched layers."""
-        if self.attachment is None:  # attaching failed (reported); nothing to restore into
+        """Resume from :meth:`state_dict`; the model must have the same watched layers.
+
+        Everything is checked before anything is applied: a state that does
+        not fit raises ``ValueError`` naming the key, and the watch is unchanged.
+        """
+        if self.observation is None:  # attaching failed (reported); nothing to restore into
             return
+        parsed = self._parse_state(state)
+        # -- apply (nothing below raises on a parsed state)
+        self.step_count = parsed["step"]
+        self.observation.reset_switches()
+        self.switched = {}
+        for (layer, head), s in parsed["switched"].items():
+            self.observation.set_stabilized(layer, head, True)
+            self.switched[(layer, head)] = s
+        self._delta_cum = parsed["delta_cum"]
+        for kind, d in self.detectors.items():
+            if kind in parsed["detectors"]:
+                d.load_state_dict(parsed["detectors"][kind])
+        self.spectral.load_state_dict(parsed["spectral"])
+        self._pending_steps = parsed["pending_steps"]
+        self._flushed_through = parsed["flushed_through"]
+        self._calls = parsed["calls"]
+        self._coverage_checked = parsed["coverage_checked"]
+        self._ring = None
+        if self._pending_steps:
+            ring = self._ensure_ring()
+            ring[: len(self._pending_steps)].copy_(parsed["pending"].to(ring.device))
+        self.alerts = parsed["alerts"]
+        self.events = parsed["events"]
+        self._armed = (False, False)
+        self._arm(self.step_count + 1)
+
+    def _parse_state(self, state) -> dict:
+        """Check a state from :meth:`state_dict` against this watch; every problem names its key."""
         if not isinstance(state, dict) or state.get("version") != STATE_VERSION:
-            raise ValueError(f"not an InstabilityWatch state (version {STATE_VERSION}): {type(state).__name__}")
-        if state["layers"] != self.layer_names or state["heads"] != self.head_counts:
+            got = state.get("version") if isinstance(state, dict) else type(state).__name__
+            raise ValueError(f"not an InstabilityWatch state of version {STATE_VERSION} (got version {got!r})")
+
+        def need(key):
+            if key not in state:
+                raise ValueError(f"InstabilityWatch state: missing key {key!r}")
+            return state[key]
+
+        def integer(key, value=None):
+            v = need(key) if value is None else value
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise ValueError(f"InstabilityWatch state: {key!r} must be a non-negative int, got {v!r}")
+            return v
+
+        if need("layers") != self.layer_names or need("heads") != self.head_counts:
             raise ValueError(
                 f"state was saved for layers {state['layers']} with heads {state['heads']}, "
                 f"this watch has {self.layer_names} with {self.head_counts}"
             )
-        self.step_count = int(state["step"])
-        for site in self.attachment.sites:
-            site.stabilize.zero_()
-        self.switched = {}
-        for l, h, s in state["switched"]:
-            self.attachment.set_stabilized(int(l), int(h), True)
-            self.switched[(int(l), int(h))] = int(s)
-        self._delta_cum = np.asarray(state["delta_cum"], dtype=np.float64).reshape(self.shape)
-        for kind, d in self.detectors.items():
-            if kind in state["detectors"]:
-                d.load_state_dict(state["detectors"][kind])
-        self.spectral.load_state_dict(state["spectral"])
-        self._pending_steps = [int(s) for s in state["pending_steps"]]
-        self._flushed_through = int(state.get("flushed_through", self.step_count - len(self._pending_steps)))
-        self._ring = None
-        if self._pending_steps:
-            ring = self._ensure_ring()
-            ring[: len(self._pending_steps)].copy_(torch.tensor(state["pending"], dtype=torch.float64))
-        self.alerts = [Alert(**a) for a in state["alerts"]]
-        self.events = [Event(**e) for e in state["events"]]
-        self._set_shadow(_due(self.step_count + 1, self.config.shadow_every))
+        out = {"step": integer("step"), "flushed_through": integer("flushed_through")}
+        switched = {}
+        for item in need("switched"):
+            if not (isinstance(item, (list, tuple)) and len(item) == 3):
+                raise ValueError(f"InstabilityWatch state: 'switched' entries must be [layer, head, step], got {item!r}")
+            layer, head, s = (integer("switched", x) for x in item)
+            if layer >= len(self.head_counts) or head >= self.head_counts[layer]:
+                raise ValueError(f"InstabilityWatch state: 'switched' names layer {layer} head {head}, "
+                                 f"which this watch does not have")
+            switched[(layer, head)] = s
+        out["switched"] = switched
+        try:
+            out["delta_cum"] = np.asarray(need("delta_cum"), dtype=np.float64).reshape(self.shape)
+        except (TypeError, ValueError):
+            raise ValueError(f"InstabilityWatch state: 'delta_cum' must be {self.shape} numbers") from None
+        detectors = need("detectors")
+        if not isinstance(detectors, dict):
+            raise ValueError("InstabilityWatch state: 'detectors' must be a dict")
+        for kind, d in self.detectors.items():  # load into copies first: nothing changes if one fails
+            if kind in detectors:
+                probe = build_detectors(self.config, self.shape)[kind]
+                try:
+                    probe.load_state_dict(detectors[kind])
+                except (KeyError, TypeError, ValueError) as exc:
+                    raise ValueError(f"InstabilityWatch state: 'detectors'[{kind!r}]: {exc}") from None
+        out["detectors"] = detectors
+        spectral = need("spectral")
+        try:
+            SpectralNorms().load_state_dict(spectral)
+        except (KeyError, TypeError, ValueError) as exc:
+            raise ValueError(f"InstabilityWatch state: 'spectral': {exc}") from None
+        out["spectral"] = spectral
+        out["pending_steps"] = [integer("pending_steps", s) for s in need("pending_steps")]
+        pending = need("pending")
+        try:
+            t = torch.tensor(pending, dtype=torch.float64) if pending else torch.zeros(0, self.layout.width,
+                                                                                       dtype=torch.float64)
+        except (TypeError, ValueError):
+            raise ValueError("InstabilityWatch state: 'pending' must be rows of numbers") from None
+        if t.shape != (len(out["pending_steps"]), self.layout.width):
+            raise ValueError(f"InstabilityWatch state: 'pending' has shape {tuple(t.shape)}, expected "
+                             f"({len(out['pending_steps'])}, {self.layout.width})")
+        out["pending"] = t
+        calls = state.get("calls", [dict.fromkeys(CALL_FIELDS, 0) for _ in self.head_counts])
+        if not (isinstance(calls, list) and len(calls) == len(self.head_counts)
+                and all(isinstance(c, dict) for c in calls)):
+            raise ValueError("InstabilityWatch state: 'calls' must hold one dict per layer")
+        out["calls"] = [{k: int(c.get(k, 0)) for k in CALL_FIELDS} for c in calls]
+        out["coverage_checked"] = bool(state.get("coverage_checked", True))
+        try:
+            out["alerts"] = [Alert(**a) for a in need("alerts")]
+            out["events"] = [Event(**e) for e in need("events")]
+        except TypeError as exc:
+            raise ValueError(f"InstabilityWatch state: 'alerts'/'events' entries do not fit ({exc})") from None
+        return out
 
     # ------------------------------------------------------------------ summaries
 

@@ -62,18 +62,17 @@ def test_no_graph_break_at_attention():
 # ---------------------------------------------------------------- a compiled model with the watch attached
 
 
-def _watched_gpt():
-    """A small bf16 nanoGPT with the watch attached (NoPE and 8 tokens: many rows with repeated maxima)."""
+def _watched_gpt(cfg=None):
+    """A small nanoGPT (NoPE and 8 tokens: many rows with repeated maxima) with the watch attached."""
     from instability_watch import InstabilityWatch, WatchConfig
     from instability_watch.nanogpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, pos_embedding=False)).to(torch.bfloat16)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, pos_embedding=False))
     metrics = []
-    watch = InstabilityWatch(
-        model, WatchConfig(log_every=2, shadow_every=2, spectral_every=2, warmup_steps=100, strict=True),
-        listeners=[lambda ms, alerts, w: metrics.extend(ms)],
-    )
+    cfg = cfg or dict(probe_every=2, shadow_every=4, spectral_every=2, log_every=4)
+    watch = InstabilityWatch(model, WatchConfig(warmup_steps=100, strict=True, **cfg),
+                             listeners=[lambda ms, alerts, w: metrics.extend(ms)])
     return model, watch, metrics
 
 
@@ -83,57 +82,68 @@ def _batch(step, device="cpu"):
 
 
 def _train_gpt(model, forward, watch, steps, *, switch_at=None, counter=None):
-    """SGD steps closed by ``watch.step``; at ``switch_at`` two heads move to the stabilized kernel.
+    """SGD steps under bf16 autocast closed by ``watch.step``; at ``switch_at`` two heads are switched.
 
-    Returns the number of graphs ``counter`` had compiled after each step.
+    Returns the number of graphs ``counter`` had compiled after each step, and the losses.
     """
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
-    frames = []
+    device = next(model.parameters()).device
+    frames, losses = [], []
     for s in range(1, steps + 1):
         if s == switch_at:
             watch.switch(0, 1)
-            watch.switch(1, 2)
-        x = _batch(s, next(model.parameters()).device)
-        loss = forward(x, x)[1]
+            watch.switch(0, 2)
+        x = _batch(s, device)
+        with torch.autocast(device.type, dtype=torch.bfloat16):
+            loss = forward(x, x)[1]
         loss.backward()
         opt.step()
         opt.zero_grad()
         watch.step(loss)
+        losses.append(loss.detach())
         if counter is not None:
             frames.append(counter.frame_count)
-    return frames
+    return frames, losses
 
 
-def _assert_same_metrics(ms_eager, ms_compiled):
+def _assert_same_metrics(ms_eager, ms_compiled, rtol=1e-5):
     from instability_watch.watch import METRICS
 
     assert [m.step for m in ms_compiled] == [m.step for m in ms_eager]
     for me, mc in zip(ms_eager, ms_compiled):
-        assert mc.loss == pytest.approx(me.loss, rel=1e-5)
+        assert mc.loss == pytest.approx(me.loss, rel=rtol)
         for name in METRICS:
-            np.testing.assert_allclose(mc[name], me[name], rtol=1e-5, atol=1e-7, equal_nan=True,
+            np.testing.assert_allclose(mc[name], me[name], rtol=rtol, atol=1e-7, equal_nan=True,
                                        err_msg=f"step {me.step}, {name}")
 
 
-def test_compiled_watched_model_trains_with_the_eager_statistics():
-    """torch.compile of a watched model (fullgraph: no break at attention); switching heads never recompiles."""
+def test_compiled_watched_model_one_graph_per_kind_of_step():
+    """torch.compile of a watched model, fullgraph (no break at attention). The kinds of step and
+    their graphs: plain (nothing installed), probe, probe + shadow; after a layer's first switch the
+    same three with that layer on our kernels. Nothing recompiles after that, flipping heads included."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     torch._dynamo.reset()
     model_e, watch_e, ms_e = _watched_gpt()
-    _train_gpt(model_e, model_e, watch_e, 6, switch_at=3)
+    _, losses_e = _train_gpt(model_e, model_e, watch_e, 12, switch_at=6)
 
     model_c, watch_c, ms_c = _watched_gpt()
     counter = CompileCounterWithBackend("aot_eager")
     compiled = torch.compile(model_c, backend=counter, fullgraph=True)
-    frames = _train_gpt(model_c, compiled, watch_c, 6, switch_at=3, counter=counter)
-    # one graph for shadow steps, one for the others; the switch at step 3 changes a mask in place
-    assert frames == [1, 2, 2, 2, 2, 2]
-    assert len(ms_c) == 6 and sum(ms_c[0]["multi_max_rows"].ravel()) > 0
-    assert ms_c[-1]["shadow_rows"].sum() == 0 and (ms_c[-2]["shadow_rows"] == 64).all()
+    frames, losses_c = _train_gpt(model_c, compiled, watch_c, 12, switch_at=6, counter=counter)
+    # steps: 1 probe+shadow, 2 plain, 3 probe, 4 plain (cached), 5 probe+shadow (cached);
+    # switch at 6: 6 plain, 7 probe, 9 probe+shadow, each once more with layer 0 on our kernels
+    assert frames == [1, 2, 3, 3, 3, 4, 5, 5, 6, 6, 6, 6]
+    assert [m.step for m in ms_c] == [1, 3, 5, 7, 9, 11]
+    assert sum(ms_c[0]["multi_max_rows"].ravel()) > 0
+    assert (ms_c[0]["shadow_rows"] == 64).all() and np.isnan(ms_c[1]["delta_err_sum"]).all()
     _assert_same_metrics(ms_e, ms_c)
-    assert watch_c.switched == watch_e.switched == {(0, 1): 2, (1, 2): 2}
-    assert watch_c.attachment.sites[0].watched_calls == 0  # compiled calls do no Python bookkeeping
+    assert all(torch.equal(a, b) for a, b in zip(losses_c, losses_e))
+    assert watch_c.switched == watch_e.switched == {(0, 1): 5, (0, 2): 5}
+    # coverage is counted on the device: exact under compile too
+    assert [c.to_dict() for c in watch_c.coverage()] == [c.to_dict() for c in watch_e.coverage()]
+    assert [c.observed_calls for c in watch_c.coverage()] == [6, 6]
+    assert [c.kernel_calls for c in watch_c.coverage()] == [3, 0]
 
     # The masks are read by the compiled graph: flipping heads changes its output like the eager model's.
     x = _batch(99)
@@ -142,7 +152,7 @@ def test_compiled_watched_model_trains_with_the_eager_statistics():
         n = counter.frame_count
         for watch in (watch_c, watch_e):
             for h in range(4):
-                watch.attachment.set_stabilized(0, h, True)
+                watch.observation.set_stabilized(0, h, True)
         after_c, after_e = compiled(x)[0], model_e(x)[0]
     assert counter.frame_count == n
     assert torch.equal(before_c, before_e) and torch.equal(after_c, after_e)
@@ -151,39 +161,63 @@ def test_compiled_watched_model_trains_with_the_eager_statistics():
     watch_e.detach()
 
 
+def test_compiled_unwatched_and_watched_training_are_identical():
+    """Observing changes nothing a compiled model computes: losses bitwise equal to the unwatched model's."""
+    from instability_watch.nanogpt import GPT, GPTConfig
+
+    torch._dynamo.reset()
+    model_c, watch_c, _ = _watched_gpt(dict(probe_every=1, shadow_every=1, spectral_every=1, log_every=2))
+    compiled = torch.compile(model_c, backend="aot_eager", fullgraph=True)
+    _, watched = _train_gpt(model_c, compiled, watch_c, 4)
+    watch_c.detach()
+
+    torch.manual_seed(0)
+    plain = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, pos_embedding=False))
+
+    class NoWatch:
+        def step(self, loss):
+            pass
+
+        def switch(self, *a):
+            pass
+
+    _, unwatched = _train_gpt(plain, torch.compile(plain, backend="aot_eager", fullgraph=True), NoWatch(), 4)
+    assert all(torch.equal(a, b) for a, b in zip(watched, unwatched))
+
+
 def test_compiled_model_moved_after_attaching(monkeypatch):
     """Attach, move the model, compile (Lightning's order: the callback attaches in setup, the
     strategy moves the model, then it is compiled): the first traced call brings the probes and
     masks over at trace time, without reaching the model from the traced code (Dynamo's "already
     tracked for mutation") and without a graph break. On a CPU the watch starts on ``meta``."""
-    from instability_watch.attach import Attachment, ProbeBank
+    from instability_watch.observe import Observation
+    from instability_watch.probe import ProbeBank
 
     torch._dynamo.reset()
     model_e, watch_e, ms_e = _watched_gpt()
     _train_gpt(model_e, model_e, watch_e, 2)
 
     model_c, watch_c, ms_c = _watched_gpt()
-    att = watch_c.attachment
+    obs = watch_c.observation
     moves = []
-    relocate = Attachment._relocate
+    relocate = Observation._relocate
 
     def fresh_from_meta(self, device):  # meta tensors hold no data: come back as fresh buffers
         moves.append((self.bank.device.type, torch.device(device).type))
         if self.bank.device.type != "meta":
             return relocate(self, device)
-        bank = ProbeBank(self.bank.head_counts, device)
-        bank.set_shadow(self.bank.probes[0].shadow)
-        self.bank = bank
+        self.bank = ProbeBank(self.bank.head_counts, device)
         for site in self.sites:
             site.stabilize = torch.zeros_like(site.stabilize, device=device)
         self._sync()
 
-    monkeypatch.setattr(Attachment, "_relocate", fresh_from_meta)
-    att._relocate(torch.device("meta"))  # "attached on another device"
+    monkeypatch.setattr(Observation, "_relocate", fresh_from_meta)
+    obs._relocate(torch.device("meta"))  # "attached on another device"
+    watch_c._ring = None
     compiled = torch.compile(model_c, backend="aot_eager", fullgraph=True)
     _train_gpt(model_c, compiled, watch_c, 2)
     assert moves == [("cpu", "meta"), ("meta", "cpu")]  # moved back once, by the first compiled call
-    assert att.bank.device.type == "cpu" and all(s.router.stabilize.device.type == "cpu" for s in att.sites)
+    assert obs.bank.device.type == "cpu" and all(s.observer.counts.device.type == "cpu" for s in obs.sites)
     _assert_same_metrics(ms_e, ms_c)
     watch_c.detach()
     watch_e.detach()
@@ -197,14 +231,15 @@ def test_compiled_watched_model_on_gpu_attached_on_cpu():
     torch._dynamo.reset()
     model_e, watch_e, ms_e = _watched_gpt()
     model_e.cuda()
-    _train_gpt(model_e, model_e, watch_e, 4, switch_at=3)
+    _train_gpt(model_e, model_e, watch_e, 12, switch_at=6)
     model_c, watch_c, ms_c = _watched_gpt()
     model_c.cuda()
     counter = CompileCounterWithBackend("inductor")
     compiled = torch.compile(model_c, backend=counter, fullgraph=True)
-    _train_gpt(model_c, compiled, watch_c, 4, switch_at=3)
-    assert counter.frame_count == 2
-    assert watch_c.attachment.bank.device.type == "cuda"
+    frames, _ = _train_gpt(model_c, compiled, watch_c, 12, switch_at=6, counter=counter)
+    assert frames[-1] == 6 and frames[-4:] == [6] * 4
+    assert watch_c.observation.bank.device.type == "cuda"
+    assert [m.step for m in ms_c] == [m.step for m in ms_e]
     for me, mc in zip(ms_e, ms_c):
         assert (mc["rows"] == me["rows"]).all() and (mc["shadow_rows"] == me["shadow_rows"]).all()
         assert mc.loss == pytest.approx(me.loss, rel=2e-2)

@@ -16,7 +16,7 @@ from instability_watch.console import AlertPanel, ConsoleReporter, _short_names
 from lightning_models import TiedModule
 from watch_models import TiedAttention, train_tied
 
-CFG = WatchConfig(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
+CFG = WatchConfig(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
 
 
 def _console(terminal: bool = False) -> Console:
@@ -81,6 +81,9 @@ def test_live_table_on_a_terminal_and_nested_under_a_progress_bar():
 def test_quiet_reporter_and_argument_check():
     c = _console()
     _run(ConsoleReporter(c, alerts=False, live_table=False))
+    assert _text(c) == "instability_watch: 1 layers × 4 heads observed; 0 calls unobserved\n"  # said once
+    c = _console()
+    _run(ConsoleReporter(c, alerts=False, live_table=False, coverage=False))
     assert _text(c) == ""
     with pytest.raises(ValueError, match="top must be a positive integer, got 0"):
         ConsoleReporter(c, top=0)

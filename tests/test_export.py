@@ -14,7 +14,7 @@ from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, RunDirError,
 from instability_watch.watch import METRICS
 from watch_models import TiedAttention, train_tied
 
-CFG = WatchConfig(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
+CFG = WatchConfig(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +110,7 @@ def test_layers_of_different_widths_and_names_that_need_quoting(tmp_path):
     wq = lambda m: (lambda: m.q.weight.detach().reshape(1, 16, 16).expand(m.heads, 16, 16))
     layers = [AttentionLayer(wide, 3, wq(wide), name='first,"odd" name'), AttentionLayer(narrow, 2, wq(narrow))]
     writer = RunWriter(tmp_path)
-    watch = InstabilityWatch(nn.ModuleList([wide, narrow]), WatchConfig(log_every=2), layers=layers,
+    watch = InstabilityWatch(nn.ModuleList([wide, narrow]), WatchConfig(probe_every=1, log_every=2), layers=layers,
                              listeners=[writer])
     writer.open(watch)
     for _ in range(4):

@@ -22,7 +22,7 @@ from instability_watch.callbacks.lightning import _unsupported_strategy
 from lightning_models import TiedModule, TinyGPT
 
 REPO = Path(__file__).resolve().parents[1]
-TIED_CFG = dict(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
+TIED_CFG = dict(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
 
 
 def _trainer(tmp_path, **kw):
@@ -37,7 +37,7 @@ def _trainer(tmp_path, **kw):
 def test_csv_rows_logger_scalars_and_gradient_accumulation(tmp_path):
     torch.manual_seed(0)
     model = TinyGPT(val=True)
-    cb = InstabilityWatchCallback(WatchConfig(log_every=4, shadow_every=2, spectral_every=4, warmup_steps=4),
+    cb = InstabilityWatchCallback(WatchConfig(probe_every=1, log_every=4, shadow_every=2, spectral_every=4, warmup_steps=4),
                                   alerts=False)
     logger = CSVLogger(str(tmp_path / "logs"))
     trainer = _trainer(
@@ -73,7 +73,7 @@ def test_csv_rows_logger_scalars_and_gradient_accumulation(tmp_path):
     logged = pd.read_csv(Path(logger.log_dir) / "metrics.csv")
     col = "instability_watch/multi_max_freq_max"
     assert col in logged.columns and "instability_watch/switched_heads" in logged.columns
-    assert sorted(logged.loc[logged[col].notna(), "step"].astype(int)) == [4, 8, 12]
+    assert sorted(logged.loc[logged[col].notna(), "step"].astype(int)) == [1, 4, 8, 12]  # 1: the coverage check
     # detached at teardown: the model is untouched again
     assert not any("forward" in vars(mod) for mod in model.modules())
     meta = run.meta
@@ -288,3 +288,57 @@ def test_exception_in_training_reads_back_detaches_and_the_callback_can_be_reuse
     assert cb.run_dir != run_dir and cb.watch.model is model2
     m2 = load_run(cb.run_dir).metrics
     assert sorted(m2["step"].unique()) == [1, 2, 3, 4, 5] and (m2["rows"] > 0).all()
+
+
+class _RealModule(pl.LightningModule):
+    """A model nobody here wrote, as a LightningModule: its own loss, AdamW."""
+
+    def __init__(self, name):
+        super().__init__()
+        from real_models import MODELS
+
+        self.spec = MODELS[name]
+        self.model = self.spec.build()
+        self.losses = []
+
+    def training_step(self, batch, batch_idx):
+        loss = self.spec.loss(self.model, batch)
+        self.losses.append(loss.detach().clone())
+        return loss
+
+    def configure_optimizers(self):
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+
+@pytest.mark.parametrize("name", ["nanogpt-dropout", "hf-gpt2-default"])
+def test_bf16_mixed_training_is_bitwise_identical_with_the_callback(tmp_path, name):
+    """Lightning, precision="bf16-mixed", the models' default dropout: the watch changes no bit of training."""
+    from real_models import MODELS
+
+    g = torch.Generator().manual_seed(1)
+    batches = [MODELS[name].batch(g) for _ in range(20)]
+
+    def fit(watch):
+        pl.seed_everything(0, verbose=False)
+        module = _RealModule(name)
+        callbacks = []
+        if watch:
+            callbacks.append(InstabilityWatchCallback(
+                WatchConfig(probe_every=2, shadow_every=4, spectral_every=4, log_every=10),
+                run_dir=tmp_path / "run", alerts=False))
+        trainer = _trainer(tmp_path, callbacks=callbacks, max_steps=20, precision="bf16-mixed")
+        trainer.fit(module, torch.utils.data.DataLoader(batches, batch_size=None))
+        return module, (callbacks[0] if watch else None)
+
+    plain, _ = fit(False)
+    watched, cb = fit(True)
+    assert len(watched.losses) == 20
+    assert all(torch.equal(a, b) for a, b in zip(watched.losses, plain.losses))
+    for (n, p), q in zip(watched.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), n
+    run = load_run(tmp_path / "run")
+    assert sorted(run.metrics["step"].unique()) == list(range(1, 20, 2))
+    assert (run.metrics["rows"] > 0).all() and run.metrics["max_score"].notna().all()
+    coverage = run.meta["coverage"]
+    assert all(c["observed_calls"] == 10 and c["unobserved_calls"] == {} for c in coverage)
+    assert all(c["shadow_skipped"] == {"dropout": 5} for c in coverage)  # dropout 0.1: no shadow, and said so

@@ -32,7 +32,7 @@ def real_run(tmp_path_factory) -> Path:
     run_dir = tmp_path_factory.mktemp("report") / "run"
     torch.manual_seed(0)
     model = TiedAttention()
-    cfg = WatchConfig(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
+    cfg = WatchConfig(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
     writer = RunWriter(run_dir)
     watch = InstabilityWatch(model, cfg, layers=model.layers(), listeners=[writer])
     writer.open(watch)

@@ -7,20 +7,24 @@ import pytest
 import torch
 
 from instability_watch import InstabilityWatch, WatchConfig, WatchError
-from instability_watch.attach import AttentionLayer
+from instability_watch.locate import AttentionLayer
 from instability_watch.nanogpt import GPT, GPTConfig
 from watch_models import TiedAttention, train_tied
 
-E2E = dict(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3)
+E2E = dict(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3)
+
+
+def _collect(watch):
+    """Every read-back's metrics, in order (a listener)."""
+    metrics = []
+    watch.listeners.append(lambda ms, alerts, w: metrics.extend(ms))
+    return metrics
 
 
 def _train_tied(model, watch, steps, start=0, opt=None):
     opt = opt or torch.optim.SGD(model.parameters(), lr=1e-3)
-    metrics = []
-    for i in range(start, start + steps):
-        train_tied(model, watch, i, i + 1, opt)
-        if (i + 1) % watch.config.log_every == 0:
-            metrics += watch.last_metrics
+    metrics = _collect(watch)
+    train_tied(model, watch, start, start + steps, opt)
     return metrics, opt
 
 
@@ -56,7 +60,12 @@ def test_end_to_end_near_ties_alert_switch_and_drift_flattens():
     assert (np.abs(cum[-1, :2] - cum[switch_step + 5, :2]) < 0.1 * np.abs(cum[switch_step, :2])).all()
     stab = np.array([m["stabilized"][0] for m in metrics])
     assert (stab[-1] == [1, 1, 0, 0]).all() and (stab[0] == 0).all()
-    assert watch.attachment.stabilized() == [[True, True, False, False]]
+    assert watch.observation.stabilized() == [[True, True, False, False]]
+    # measured from PyTorch's own SDPA until the switch, from our stabilized kernel after it
+    (cov,) = watch.coverage()
+    assert cov.observed_calls == cov.shadow_calls == 80 and cov.unobserved_calls == {}
+    first_read_back = -(-min(watch.switched.values()) // 5) * 5  # a switch acts from the read-back after its alert
+    assert cov.kernel_calls == 80 - first_read_back
 
 
 def test_without_auto_switch_only_reports():
@@ -102,7 +111,7 @@ def test_state_dict_round_trip_resumes_identically():
     assert a["delta_cum"] == b["delta_cum"]
     assert a["detectors"] == b["detectors"]
     assert a["alerts"] == b["alerts"] and a["events"] == b["events"]
-    assert watch.attachment.stabilized() == ref_watch.attachment.stabilized()
+    assert watch.observation.stabilized() == ref_watch.observation.stabilized()
 
     with pytest.raises(ValueError, match="state was saved for layers"):
         other = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=8))
@@ -114,30 +123,36 @@ def test_state_dict_round_trip_resumes_identically():
 def test_gradient_accumulation_counts_optimizer_steps():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
-    watch = InstabilityWatch(model, WatchConfig(log_every=2, shadow_every=1, spectral_every=0))
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=2, shadow_every=1, spectral_every=0))
+    metrics = _collect(watch)
     x = torch.randint(0, 256, (3, 16))
     for _ in range(2):
         for _ in range(4):  # micro-batches
             model(x, x)[1].backward()
         watch.step()
     assert watch.step_count == 2
-    assert [m.step for m in watch.last_metrics] == [1, 2]
-    for m in watch.last_metrics:
+    assert [m.step for m in metrics] == [1, 2]
+    for m in metrics:
         assert (m["rows"] == 4 * 3 * 16).all() and (m["shadow_rows"] == 4 * 3 * 16).all()
 
 
 def test_cadence_of_shadow_and_spectral_steps():
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
-    watch = InstabilityWatch(model, WatchConfig(log_every=6, shadow_every=3, spectral_every=2))
+    watch = InstabilityWatch(model, WatchConfig(probe_every=2, log_every=12, shadow_every=4, spectral_every=3))
+    metrics = _collect(watch)
     x = torch.randint(0, 256, (2, 16))
-    for _ in range(6):
+    for _ in range(12):
         model(x, x)[1].backward()
         watch.step()
-    shadow = [int(m["shadow_rows"][0, 0]) for m in watch.last_metrics]
-    sigma = [bool(np.isfinite(m["sigma_wq"][0, 0])) for m in watch.last_metrics]
-    assert shadow == [32, 0, 0, 32, 0, 0]
-    assert sigma == [True, False, True, False, True, False]
+    # probe steps 1, 3, 5, ...; shadow steps 1, 5, 9; spectral steps 1, 4, 7, 10 (recorded without statistics)
+    assert [m.step for m in metrics] == [1, 3, 4, 5, 7, 9, 10, 11]
+    rows = [int(np.nan_to_num(m["rows"][0, 0])) for m in metrics]
+    shadow = [int(np.nan_to_num(m["shadow_rows"][0, 0])) for m in metrics]
+    sigma = [bool(np.isfinite(m["sigma_wq"][0, 0])) for m in metrics]
+    assert rows == [32, 32, 0, 32, 32, 32, 0, 32]
+    assert shadow == [32, 0, 0, 32, 0, 32, 0, 0]
+    assert sigma == [True, False, True, False, True, False, True, False]
 
 
 def test_listeners_receive_metrics_and_a_failing_listener_is_dropped(caplog):
@@ -154,8 +169,8 @@ def test_listeners_receive_metrics_and_a_failing_listener_is_dropped(caplog):
     watch = InstabilityWatch(model, WatchConfig(**E2E), layers=model.layers(), listeners=[bad, good])
     with caplog.at_level(logging.ERROR, logger="instability_watch"):
         _train_tied(model, watch, 20)
-    assert len(seen) == 4 and sum(n for n, _ in seen) == 20
-    assert watch.listeners == [good]
+    assert len(seen) == 5 and sum(n for n, _ in seen) == 20  # read back at 1 (coverage), 5, 10, 15, 20
+    assert watch.listeners[0] is good and bad not in watch.listeners
     errors = [r for r in caplog.records if "failed and is turned off" in r.getMessage()]
     assert len(errors) == 1 and "disk full" in errors[0].getMessage() and errors[0].exc_info
 
@@ -188,7 +203,7 @@ def test_raising_locator_does_not_stop_training(caplog):
 
     model = _nano()
     with caplog.at_level(logging.ERROR, logger="instability_watch"):
-        watch = InstabilityWatch(model, WatchConfig(log_every=2), layers=locator)
+        watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=2), layers=locator)
         losses = _steps(model, watch)
     assert not watch.active and "attach" in watch.disabled
     assert all(np.isfinite(losses)) and losses[-1] < losses[0]
@@ -201,7 +216,7 @@ def test_raising_locator_does_not_stop_training(caplog):
 def test_raising_w_q_turns_off_spectral_only():
     model = _nano()
     layers = [AttentionLayer(b.attn, 2, lambda: (_ for _ in ()).throw(RuntimeError("sharded"))) for b in model.h]
-    watch = InstabilityWatch(model, WatchConfig(log_every=2, spectral_every=1), layers=layers)
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=2, spectral_every=1), layers=layers)
     _steps(model, watch, 4)
     assert set(watch.disabled) == {"spectral"}
     assert watch.step_count == 4
@@ -209,24 +224,24 @@ def test_raising_w_q_turns_off_spectral_only():
 
     model = _nano()
     layers = [AttentionLayer(b.attn, 2, lambda: (_ for _ in ()).throw(RuntimeError("sharded"))) for b in model.h]
-    watch = InstabilityWatch(model, WatchConfig(log_every=2, spectral_every=1, strict=True), layers=layers)
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=2, spectral_every=1, strict=True), layers=layers)
     with pytest.raises(RuntimeError, match="sharded"):
         _steps(model, watch, 1)
 
 
 def _nan_into_delta(watch):
     """A forward hook that writes NaN into the first layer's shadow delta sum (a broken metric)."""
-    probe_values = lambda: watch.attachment.sites[0].probe.values  # noqa: E731
+    probe_values = lambda: watch.observation.bank.probes[0].values  # noqa: E731
 
     def hook(module, args, out):
         probe_values()[1].fill_(float("nan"))
 
-    return watch.attachment.sites[0].layer.module.register_forward_hook(hook)
+    return watch.observation.sites[0].layer.module.register_forward_hook(hook)
 
 
 def test_nan_metric_is_reported_not_fatal(caplog):
     model = _nano()
-    watch = InstabilityWatch(model, WatchConfig(log_every=2, shadow_every=1))
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=2, shadow_every=1))
     _nan_into_delta(watch)
     with caplog.at_level(logging.WARNING, logger="instability_watch"):
         losses = _steps(model, watch, 4)
@@ -237,14 +252,14 @@ def test_nan_metric_is_reported_not_fatal(caplog):
     assert np.isfinite(m["delta_cum"]).all()
 
     model = _nano()
-    watch = InstabilityWatch(model, WatchConfig(log_every=2, shadow_every=1, strict=True))
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=2, shadow_every=1, strict=True))
     _nan_into_delta(watch)
     with pytest.raises(WatchError, match="non-finite delta_err_sum"):
         _steps(model, watch, 2)
 
 
 def test_kernel_failure_falls_back_to_pytorch_sdpa(monkeypatch, caplog):
-    import instability_watch.attach as attach_mod
+    import instability_watch.observe as observe_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel launch failed")
@@ -253,19 +268,49 @@ def test_kernel_failure_falls_back_to_pytorch_sdpa(monkeypatch, caplog):
     x = torch.randint(0, 256, (2, 16))
     with torch.no_grad():
         ref = model(x, x)[1]
-    watch = InstabilityWatch(model, WatchConfig(log_every=1))
-    monkeypatch.setattr(attach_mod, "flash_attention", broken)
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=1))
+    watch.switch(0, 1)
+    monkeypatch.setattr(observe_mod, "flash_attention", broken)
+    with caplog.at_level(logging.ERROR, logger="instability_watch"):
+        out = model(x, x)[1]
+        out.backward()
+        watch.step(out)
+    assert torch.equal(out, ref)  # PyTorch's SDPA served the call
+    assert "routing" in watch.disabled and not watch.observation.routing
+    assert "statistics" not in watch.disabled and watch.coverage()[0].observed_calls == 1  # still observed
+    assert [e.kind for e in watch.events] == ["switch", "switch_not_applied"]
+    assert "kernel failed" in watch.events[1].reason
+    assert sum("routing failed" in r.getMessage() for r in caplog.records) == 1
+    watch.detach()
+
+    model = _nano()
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=1, strict=True))
+    watch.switch(0, 0)
+    with pytest.raises(RuntimeError, match="kernel launch failed"):
+        model(x, x)
+    watch.detach()
+
+
+def test_statistics_failure_leaves_the_users_output(monkeypatch, caplog):
+    import instability_watch.observe as observe_mod
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("stats kernel failed")
+
+    model = _nano()
+    x = torch.randint(0, 256, (2, 16))
+    with torch.no_grad():
+        ref = model(x, x)[1]
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=1))
+    monkeypatch.setattr(observe_mod, "attention_stats", broken)
     with caplog.at_level(logging.ERROR, logger="instability_watch"):
         with torch.no_grad():
             out = model(x, x)[1]
-    assert torch.equal(out, ref)  # PyTorch's SDPA served the call
-    assert "routing" in watch.disabled and not watch.attachment.routing
-    assert sum("routing failed" in r.getMessage() for r in caplog.records) == 1
-
-    model = _nano()
-    watch = InstabilityWatch(model, WatchConfig(log_every=1, strict=True))
-    with pytest.raises(RuntimeError, match="kernel launch failed"):
-        model(x, x)
+        watch.step()
+    assert torch.equal(out, ref)
+    assert set(watch.disabled) == {"statistics"}
+    assert all("forward" not in b.attn.__dict__ for b in model.h)  # nothing armed any more
+    watch.detach()
 
 
 def test_engine_argument_errors():
@@ -288,18 +333,18 @@ def test_deepcopy_and_pickle_of_a_watched_model():
     import io
 
     model = _nano()
-    watch = InstabilityWatch(model, WatchConfig(log_every=1))
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=1))
     twin = copy.deepcopy(model)
     with torch.no_grad():
         for p in twin.parameters():
             p.zero_()
     x = torch.randint(0, 256, (2, 16))
-    calls = watch.attachment.sites[0].watched_calls
-    with torch.no_grad():
-        twin(x, x)
-    assert watch.attachment.sites[0].watched_calls == calls  # the copy runs unrouted, on its own weights
+    twin(x, x)[1].backward()  # the copy runs its own forward on its own weights, unobserved
+    model(x, x)[1].backward()
+    watch.step()
+    assert [c.observed_calls for c in watch.coverage()] == [1, 1]
     torch.save(model, io.BytesIO())  # picklable while attached
-    with pytest.raises(ValueError, match="already watched by another attachment"):
+    with pytest.raises(ValueError, match="already watched"):
         InstabilityWatch(model, WatchConfig(strict=True))
     watch.detach()
     assert all("forward" not in m.__dict__ for m in model.modules())
@@ -322,6 +367,7 @@ def test_backward_failure_falls_back_to_pytorch(monkeypatch, caplog):
 
     model = Attn()
     watch = InstabilityWatch(model, WatchConfig(), layers=[AttentionLayer(model, 2, lambda: torch.zeros(2, 4, 4))])
+    watch.switch(0, 0)  # the layer runs on our kernels
     monkeypatch.setattr(ops, "_backward", broken)
     with caplog.at_level(logging.ERROR, logger="instability_watch"):
         model(q, k, v).sum().backward()
@@ -331,6 +377,7 @@ def test_backward_failure_falls_back_to_pytorch(monkeypatch, caplog):
     assert "routing" in watch.disabled
     watch.detach()
     strict = InstabilityWatch(model, WatchConfig(strict=True), layers=[AttentionLayer(model, 2, lambda: torch.zeros(2, 4, 4))])
+    strict.switch(0, 0)
     with pytest.raises(RuntimeError, match="backward kernel failed"):
         model(q, k, v).sum().backward()
     strict.detach()
@@ -349,7 +396,7 @@ def test_detach_reads_back_pending_steps():
 
 def test_nonfinite_weights_alert():
     model = _nano()
-    watch = InstabilityWatch(model, WatchConfig(log_every=2, spectral_every=1))
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=2, spectral_every=1))
     with torch.no_grad():
         model.h[1].attn.c_attn.weight[3, 0] = float("inf")
     x = torch.randint(0, 256, (2, 16))
@@ -362,16 +409,20 @@ def test_nonfinite_weights_alert():
 
 
 def test_statistics_failure_keeps_switched_heads_stabilized(monkeypatch):
+    import instability_watch.observe as observe_mod
+
     model = _nano()
-    watch = InstabilityWatch(model, WatchConfig(log_every=1))
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=1))
     watch.switch(0, 1)
     monkeypatch.setattr(watch, "_record", lambda s, loss: (_ for _ in ()).throw(RuntimeError("boom")))
     _steps(model, watch, 2)
-    assert "statistics" in watch.disabled
-    assert watch.attachment.routing and not watch.attachment.probes
-    calls = watch.attachment.sites[0].watched_calls
+    assert set(watch.disabled) == {"statistics"} and watch.observation.routing
+    calls = []
+    real = observe_mod.flash_attention
+    monkeypatch.setattr(observe_mod, "flash_attention", lambda *a, **kw: calls.append(kw["stabilize"].tolist()) or real(*a, **kw))
     _steps(model, watch, 1)
-    assert watch.attachment.sites[0].watched_calls == calls + 1  # still on our (stabilized) kernel
+    assert calls == [[False, True]]  # still on our (stabilized) kernel
+    assert "forward" not in model.h[1].attn.__dict__  # the unswitched layer is left alone
 
 
 def test_load_state_after_failed_attach_is_a_no_op():

@@ -5,7 +5,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from instability_watch.attach import AttentionLayer
+from instability_watch.locate import AttentionLayer
 from instability_watch.mechanism import near_tie_inputs
 
 

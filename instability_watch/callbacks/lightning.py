@@ -28,7 +28,7 @@ except ImportError as exc:  # pragma: no cover - lightning is a dependency
         "InstabilityWatchCallback needs PyTorch Lightning: pip install 'lightning>=2.4'"
     ) from exc
 
-from ..attach import AttentionLayer, find_attention_layers
+from ..locate import AttentionLayer, find_attention_layers
 from ..config import WatchConfig
 from ..console import ConsoleReporter
 from ..export import RunWriter
@@ -60,7 +60,7 @@ class InstabilityWatchCallback(Callback):
         config: a :class:`~instability_watch.WatchConfig` (or a dict of its
             fields); the defaults if ``None``.
         layers: ``None`` to find attention layers with the built-in locators
-            (nanoGPT, Hugging Face GPT-2 / Llama-style, ``nn.MultiheadAttention``),
+            (nanoGPT, Hugging Face GPT-2 / Llama-style / BERT-style, ``nn.MultiheadAttention``),
             a list of :class:`~instability_watch.AttentionLayer`, or a function
             of the LightningModule returning one.
         run_dir: where to write ``metrics.csv``, ``events.csv`` and
@@ -157,8 +157,8 @@ class InstabilityWatchCallback(Callback):
         why = _unsupported_strategy(trainer.strategy)
         if why is not None:
             raise MisconfigurationException(f"InstabilityWatchCallback cannot watch this run: {why}.")
-        if self.watch is not None and self.watch.attachment is not None:
-            self.watch.attachment.detach()  # a callback reused for another fit: start clean
+        if self.watch is not None and self.watch.observation is not None:
+            self.watch.observation.detach()  # a callback reused for another fit: start clean
         self._trainer = trainer
         self.watch, self.writer, self.reporter = None, None, None
         self._pending_state, self._restored, self._deferred = None, False, False
@@ -187,8 +187,9 @@ class InstabilityWatchCallback(Callback):
             return None
         raise MisconfigurationException(
             f"InstabilityWatchCallback found no attention layer in {type(pl_module).__name__}. The built-in "
-            "locators know nanoGPT-style blocks (c_attn + scaled_dot_product_attention), Hugging Face GPT-2 and "
-            "Llama-style attention (q_proj/k_proj, attn_implementation='sdpa') and nn.MultiheadAttention; "
+            "locators know nanoGPT-style blocks (c_attn + scaled_dot_product_attention), Hugging Face GPT-2, "
+            "Llama-style (q_proj/k_proj) and BERT-style (query/key/value) attention built with "
+            "attn_implementation='sdpa', and nn.MultiheadAttention; "
             "describe other layers with layers=[AttentionLayer(module, num_heads, w_q)]."
         )
 
@@ -292,7 +293,8 @@ class InstabilityWatchCallback(Callback):
         if watch is None:
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1:
+        # the loss is kept on recorded steps only: between probe steps the callback does nothing on the device
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and watch.records(self._last_global_step + 1):
             loss = loss.detach().float().reshape(())
             if pl_module.automatic_optimization:
                 # Lightning hands back the loss divided by accumulate_grad_batches (what it backpropagated)
@@ -355,16 +357,16 @@ class InstabilityWatchCallback(Callback):
         watch = self.watch
         try:
             if crashed and watch._distributed():
-                if watch.attachment is not None:  # the other ranks may never reach a collective again
-                    watch.attachment.detach()
+                if watch.observation is not None:  # the other ranks may never reach a collective again
+                    watch.observation.detach()
             else:
                 watch.detach()  # reads back the steps still on the device, so the CSV has them
         except Exception as exc:
             if self.config.strict and not crashed:
                 raise
             log.error("instability_watch: detaching failed (%s)", exc, exc_info=exc)
-            if watch.attachment is not None and watch.attachment.attached:
-                watch.attachment.detach()
+            if watch.observation is not None and watch.observation.attached:
+                watch.observation.detach()
         finally:
             if self.reporter is not None:
                 self.reporter.close()
@@ -411,4 +413,4 @@ class InstabilityWatchCallback(Callback):
                         "the watch starts fresh at the resumed step", exc)
             self._restored = False
             return
-        self._restored = self.watch.attachment is not None
+        self._restored = self.watch.observation is not None

@@ -29,6 +29,7 @@ __all__ = [
     "SUPPORTED_HEAD_DIMS",
     "BACKENDS",
     "high_precision_delta",
+    "unsupported",
 ]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
@@ -142,6 +143,31 @@ def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend) ->
             raise ValueError(f"probe must be on q's device {q.device}, got {probe.device}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+
+
+def unsupported(q, k, v, *, attn_mask=None, dropout_p=0.0, scale=None, enable_gqa=False) -> Optional[str]:
+    """Why :func:`flash_attention` cannot serve this ``F.scaled_dot_product_attention`` call (``None`` if it can).
+
+    The arguments are SDPA's, after autocast's cast. The watch keeps such calls
+    on PyTorch's SDPA and says why.
+    """
+    if attn_mask is not None:
+        return "attn_mask"
+    if dropout_p:
+        return "dropout"
+    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+        return "not 4-D (B, H, N, D)"
+    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
+        return f"dtype {q.dtype}"
+    if q.shape[-1] not in SUPPORTED_HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape != k.shape:
+        return f"head dims q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]} (supported: {SUPPORTED_HEAD_DIMS})"
+    if k.shape[1] != q.shape[1] and (not enable_gqa or q.shape[1] % k.shape[1]):
+        return "key/value heads differ from query heads without enable_gqa"
+    if k.shape[0] != q.shape[0] or q.shape[2] < 1 or k.shape[2] < 1:
+        return "shape"
+    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+        return f"scale {scale!r}"
+    return None
 
 
 def flash_attention(

@@ -21,7 +21,7 @@ def run(rank, out_dir, port, fail_rank, fail_step):
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = TiedAttention()
-    cfg = WatchConfig(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
+    cfg = WatchConfig(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
     watch = InstabilityWatch(model, cfg, layers=model.layers())
     if rank == fail_rank:
         original = watch._record

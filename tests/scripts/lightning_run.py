@@ -21,7 +21,7 @@ import lightning.pytorch as pl  # noqa: E402
 from instability_watch import InstabilityWatchCallback  # noqa: E402
 from lightning_models import TiedModule  # noqa: E402
 
-CFG = dict(log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
+CFG = dict(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
 
 
 class KillAt(TiedModule):

@@ -1,0 +1,160 @@
+"""The watch's cost inside Lightning, measured in one process: alternating fits of the same module.
+
+examples/train_gpt2.py's ``GPTModule`` (the main job's model and recipe) is fitted
+again and again in one process, in rounds that alternate ``Trainer.fit`` without
+and with ``InstabilityWatchCallback`` at the ``WatchConfig`` defaults (order
+swapped every round). With ``--compile`` the module is compiled once, so every
+fit after the first reuses the same compiled graphs (the watched fits add the
+probe step's graph once). Each fit's steps/s is taken between optimizer steps
+``--skip`` and ``--steps`` (CUDA synchronised at both ends), which leaves out
+Trainer start-up and compilation; the ratio per round is watched / unwatched.
+
+Separate processes scatter by several percent on the lent H100 (the same command
+gave 30.0 and 31.4 steps/s), more than the bar being measured, and so do fits
+within one process. So each watched fit also attributes its own cost: CUDA events
+at every step's start give each step's duration (host stalls included, as gaps);
+the steps between probe steps run exactly the unwatched code, so the watch's cost
+is what the probe and read-back steps take beyond the median of the other steps,
+over the fit's time (``attributed``).
+
+Run:  python benchmarks/lightning_overhead.py [--preset gpt2-small] [--rounds 3] [--steps 125] [--skip 25] [--compile]
+"""
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import json
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import lightning.pytorch as pl
+import torch
+from torch.utils.data import DataLoader
+
+from instability_watch import InstabilityWatchCallback, WatchConfig
+from instability_watch.corpus import stdlib_text, train_val_split
+
+EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt2.py"
+
+
+def _example():
+    spec = importlib.util.spec_from_file_location("train_gpt2_example", EXAMPLE)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+class Window(pl.Callback):
+    """Steps/s between optimizer steps ``skip`` and ``stop`` (synchronised at both ends)."""
+
+    def __init__(self, skip: int, stop: int, config: WatchConfig = None) -> None:
+        self.skip, self.stop = skip, stop
+        self.t0 = None
+        self.rate = None
+        self.config = config
+        self.marks = []  # (step about to run, CUDA event)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        if torch.cuda.is_available() and self.skip < trainer.global_step + 1 <= self.stop:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append((trainer.global_step + 1, ev))
+
+    def attributed(self) -> dict:
+        """The watch's share of the fit's time (probe and read-back steps beyond the median other step),
+        and the extra milliseconds of a probe step (median) and of the read-back steps (each)."""
+        if self.config is None or len(self.marks) < 3:
+            return {"share": float("nan")}
+        torch.cuda.synchronize()
+        c = self.config
+        steps = [(s, a.elapsed_time(b)) for (s, a), (_, b) in zip(self.marks, self.marks[1:])]
+        probe = {s for s, _ in steps if (s - 1) % c.probe_every == 0 or (s - 1) % c.spectral_every == 0}
+        read_back = {s for s, _ in steps if s % c.log_every == 0} - probe
+        base = statistics.median(ms for s, ms in steps if s not in probe | read_back)
+        extra = sum(ms - base for s, ms in steps if s in probe | read_back)
+        return {"share": extra / sum(ms for _, ms in steps), "base_ms": base,
+                "probe_extra_ms": statistics.median(ms - base for s, ms in steps if s in probe) if probe else None,
+                "read_back_extra_ms": [ms - base for s, ms in steps if s in read_back]}
+
+    @staticmethod
+    def _now() -> float:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        return time.perf_counter()
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if trainer.global_step == self.skip:
+            self.t0 = self._now()
+        elif trainer.global_step == self.stop and self.t0 is not None:
+            self.rate = (self.stop - self.skip) / (self._now() - self.t0)
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--preset", default="gpt2-small")
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--steps", type=int, default=125, help="optimizer steps per fit")
+    ap.add_argument("--skip", type=int, default=25, help="steps of each fit left out of its timing")
+    ap.add_argument("--compile", action="store_true")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    ex = _example()
+    preset = ex.PRESETS[args.preset]
+    gpu = torch.cuda.is_available()
+    pl.seed_everything(0, verbose=False)
+    train_bytes, _ = train_val_split(stdlib_text(preset.corpus_bytes))
+    module = ex.GPTModule(preset, compile=args.compile)
+    root = Path(tempfile.mkdtemp(prefix="lightning_overhead_"))
+    results = {"plain": [], "watch": []}
+    ratios, attributed = [], []
+    for r in range(args.rounds):
+        order = ("plain", "watch") if r % 2 == 0 else ("watch", "plain")
+        rates = {}
+        for kind in order:
+            data = DataLoader(ex.ByteWindows(train_bytes, preset.block, args.steps * preset.batch, seed=r),
+                              batch_size=preset.batch, drop_last=True)
+            config = WatchConfig()
+            window = Window(args.skip, args.steps, config if kind == "watch" else None)
+            callbacks = [window]
+            if kind == "watch":
+                callbacks.append(InstabilityWatchCallback(config, run_dir=root / f"run{r}", alerts=False))
+            trainer = pl.Trainer(
+                accelerator="gpu" if gpu else "cpu", devices=1, precision="bf16-mixed", max_steps=args.steps,
+                gradient_clip_val=1.0, logger=False, callbacks=callbacks, enable_checkpointing=False,
+                enable_progress_bar=False, enable_model_summary=False, num_sanity_val_steps=0,
+                limit_val_batches=0, default_root_dir=str(root),
+            )
+            trainer.fit(module, data)
+            rates[kind] = window.rate
+            results[kind].append(window.rate)
+            if kind == "watch":
+                attributed.append(window.attributed())
+        ratios.append(rates["watch"] / rates["plain"])
+        a = attributed[-1]
+        print(f"round {r}: plain {rates['plain']:.2f} steps/s, watch {rates['watch']:.2f} steps/s, "
+              f"ratio {ratios[-1]:.4f}; within the watched fit: {100 * a['share']:+.2f}% (step {a.get('base_ms', 0):.2f} "
+              f"ms; probe step {a.get('probe_extra_ms') or 0:+.2f} ms; read-back {a.get('read_back_extra_ms')} ms)",
+              flush=True)
+    out = {"preset": args.preset, "compile": args.compile, "steps": args.steps, "skip": args.skip,
+           "device": torch.cuda.get_device_name() if gpu else "cpu", **results, "ratios": ratios,
+           "ratio_median": statistics.median(ratios), "attributed": attributed}
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        out["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
+    if args.json:
+        Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"\n{'compile' if args.compile else 'eager'}: plain {statistics.median(results['plain']):.2f} steps/s, "
+          f"watch {statistics.median(results['watch']):.2f} steps/s, ratio (median of {args.rounds} rounds) "
+          f"{out['ratio_median']:.4f}, range {min(ratios):.4f}-{max(ratios):.4f}; attributed within the watched "
+          f"fits {', '.join('%+.2f%%' % (100 * a['share']) for a in attributed)}"
+          + (f"; dynamo {out['dynamo']}" if args.compile else ""))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

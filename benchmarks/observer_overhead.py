@@ -1,0 +1,263 @@
+"""What the watch costs on a training step of models nobody here wrote, against the same model unwatched.
+
+Hugging Face models built from their configs (``GPT2Config()`` as shipped:
+GPT-2 small with its dropout; a ~1.1B Llama with GQA 32/4, TinyLlama's shape),
+trained in a plain loop under ``torch.autocast(bfloat16)`` with AdamW, attention
+by PyTorch's SDPA at its default backend (cuDNN on an H100). Two copies of the
+model train side by side in one process, in interleaved blocks of steps:
+
+* ``plain``  -- no watch;
+* ``watch``  -- ``InstabilityWatch(model)`` at the ``WatchConfig`` defaults, attached
+  once, for the whole run.
+
+Both copies see the same batches, so they do the same work (the watch does not
+change training). The ratio per round is plain time / watch time; the table gives
+the median over rounds. Then the cost of each kind of step, measured on the
+plain copy with a watch attached for one block (its first steps untimed):
+
+* ``probe``    -- a statistics pass on every step (``probe_every=1``, no shadow);
+* ``shadow``   -- statistics and shadow on every step;
+* ``switched`` -- one layer switched, all its heads on the stabilized kernel, no probes.
+
+Run:  python benchmarks/observer_overhead.py [--models hf-gpt2,hf-llama-1b] [--rounds 4] [--block 40]
+                                             [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import copy
+import json
+import os
+import statistics
+import time
+from typing import Callable, Dict, List, Optional
+
+import torch
+
+from instability_watch import InstabilityWatch, WatchConfig
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+
+def hf_gpt2(tiny: bool):
+    import transformers as t
+
+    cfg = t.GPT2Config() if not tiny else t.GPT2Config(n_layer=2, n_head=4, n_embd=64, vocab_size=512)
+    cfg._attn_implementation = "sdpa"
+    seq, batch = (1024, 16) if not tiny else (64, 2)
+    return t.GPT2LMHeadModel(cfg), cfg.vocab_size, batch, seq
+
+
+def hf_llama_1b(tiny: bool):
+    import transformers as t
+
+    if tiny:
+        cfg = t.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=512, max_position_embeddings=64)
+        seq, batch = 64, 2
+    else:  # TinyLlama-1.1B's shape: 22 layers, 2048 wide, 32 query heads on 4 KV heads
+        cfg = t.LlamaConfig(hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+                            num_key_value_heads=4, vocab_size=32000, max_position_embeddings=2048)
+        seq, batch = 2048, 4
+    cfg._attn_implementation = "sdpa"
+    return t.LlamaForCausalLM(cfg), cfg.vocab_size, batch, seq
+
+
+def nanogpt_small(tiny: bool):
+    """The package's nanoGPT-style GPT-2 small (no dropout, nanoGPT's padded vocabulary), as the main job trains it."""
+    from instability_watch.nanogpt import GPT, GPTConfig
+
+    if tiny:
+        return _NanoLM(GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64))), 512, 2, 64
+    cfg = GPTConfig(vocab_size=50304, block_size=1024, n_layer=12, n_head=12, n_embd=768)
+    return _NanoLM(GPT(cfg)), 50304, 16, 1024
+
+
+class _NanoLM(torch.nn.Module):
+    """nanoGPT's (logits, loss) behind the Hugging Face call signature used here."""
+
+    def __init__(self, gpt) -> None:
+        super().__init__()
+        self.gpt = gpt
+
+    def forward(self, input_ids, labels):
+        return _Out(self.gpt(input_ids, labels)[1])
+
+
+class _Out:
+    def __init__(self, loss) -> None:
+        self.loss = loss
+
+
+MODELS: Dict[str, Callable] = {"hf-gpt2": hf_gpt2, "hf-llama-1b": hf_llama_1b, "nanogpt-small": nanogpt_small}
+
+
+class Copy:
+    """One copy of the model with its optimizer (and, for the watched copy, its watch)."""
+
+    def __init__(self, model, device, watch_config: Optional[WatchConfig] = None, compile: bool = False) -> None:
+        self.model = model.to(device).train()
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=1e-4, fused=device == "cuda")
+        self.watch = InstabilityWatch(self.model, watch_config) if watch_config is not None else None
+        self.forward = torch.compile(self.model) if compile else self.model  # after the watch attached
+        self.events: List[tuple] = []  # (step kind, start, end) CUDA events, read after the run
+
+    def step(self, ids: torch.Tensor, device: str) -> None:
+        record = device == "cuda" and self.watch is not None
+        if record:
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+        with torch.autocast(device, dtype=torch.bfloat16):
+            loss = self.forward(input_ids=ids, labels=ids).loss
+        loss.backward()
+        self.opt.step()
+        self.opt.zero_grad(set_to_none=True)
+        if self.watch is not None:
+            probe = (self.watch.step_count % self.watch.config.probe_every) == 0  # the step now closing
+            self.watch.step(loss)
+        if record:
+            end.record()
+            self.events.append(("probe" if probe else "plain", start, end))
+
+    def step_times(self) -> Dict[str, float]:
+        """Median milliseconds of the watched copy's probe steps and of its other steps (from CUDA events)."""
+        torch.cuda.synchronize()
+        by: Dict[str, List[float]] = {}
+        for kind, a, b in self.events:
+            by.setdefault(kind, []).append(a.elapsed_time(b))
+        return {k: statistics.median(v) for k, v in by.items()}
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def timed(c: Copy, batches: List[torch.Tensor], device: str, skip: int = 0) -> float:
+    """Seconds per step over ``batches`` (the first ``skip`` steps run untimed)."""
+    for ids in batches[:skip]:
+        c.step(ids, device)
+    _sync(device)
+    t0 = time.perf_counter()
+    for ids in batches[skip:]:
+        c.step(ids, device)
+    _sync(device)
+    return (time.perf_counter() - t0) / max(1, len(batches) - skip)
+
+
+KINDS = {
+    "probe": dict(probe_every=1, shadow_every=0, spectral_every=0),
+    "shadow": dict(probe_every=1, shadow_every=1, spectral_every=0),
+    "switched": dict(probe_every=10 ** 9, shadow_every=0, spectral_every=0),
+}
+
+
+def bench(name: str, args, device: str) -> dict:
+    torch.manual_seed(0)
+    base, vocab, batch, seq = MODELS[name](args.tiny)
+    plain = Copy(copy.deepcopy(base), device, compile=args.compile)
+    watched = Copy(base, device, WatchConfig(), compile=args.compile)
+    g = torch.Generator().manual_seed(0)
+
+    def batches(n):
+        return [torch.randint(0, vocab, (batch, seq), generator=g).to(device) for _ in range(n)]
+
+    for c in (plain, watched):  # warm-up: allocator, cuDNN plans, compiled graphs, the first probe and read-back
+        timed(c, batches(12 if args.compile else 3), device)
+    watched.events.clear()
+    ratios, t_plain, t_watch = [], [], []
+    for r in range(args.rounds):
+        data = batches(args.block)
+        order = (plain, watched) if r % 2 == 0 else (watched, plain)
+        times = {id(c): timed(c, data, device) for c in order}
+        t_plain.append(times[id(plain)])
+        t_watch.append(times[id(watched)])
+        ratios.append(times[id(plain)] / times[id(watched)])
+        print(f"[{name}] round {r}: plain {1e3 * t_plain[-1]:.2f} ms/step, watch {1e3 * t_watch[-1]:.2f} "
+              f"ms/step, ratio {ratios[-1]:.4f}", flush=True)
+    watched.watch.flush()
+    coverage = [c.to_dict() for c in watched.watch.coverage()]
+    unobserved = sum(sum(c["unobserved_calls"].values()) for c in coverage)
+    out = {
+        "model": name, "batch": batch, "seq": seq, "layers": len(watched.watch.head_counts),
+        "heads": watched.watch.head_counts[0], "rounds": args.rounds, "block": args.block,
+        "plain_ms": [1e3 * t for t in t_plain], "watch_ms": [1e3 * t for t in t_watch], "ratios": ratios,
+        "ratio_median": statistics.median(ratios), "unobserved_calls": unobserved,
+        "observed_calls": sum(c["observed_calls"] for c in coverage), "coverage": coverage,
+        "alerts": len(watched.watch.alerts), "kinds": {}, "compile": args.compile,
+        "watched_step_ms": watched.step_times() if device == "cuda" else {},
+    }
+    if args.compile:
+        from torch._dynamo.utils import counters
+
+        out["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
+        print(f"[{name}] dynamo: {out['dynamo']}", flush=True)
+    print(f"[{name}] watched copy, median ms per step: {out['watched_step_ms']}", flush=True)
+    watched.watch.detach()
+    # -- the cost of each kind of step, on the plain copy
+    for kind, cfg in (() if args.compile else KINDS.items()):
+        costs = []
+        for r in range(args.kind_rounds):
+            data = batches(args.kind_block + 2)
+            ref = timed(plain, data, device, skip=2)
+            watch = InstabilityWatch(plain.model, WatchConfig(log_every=10 ** 6, **cfg))
+            if kind == "switched":
+                for h in range(watch.head_counts[0]):
+                    watch.switch(0, h)
+            plain.watch = watch
+            t = timed(plain, data, device, skip=2)
+            plain.watch = None
+            watch.flush()
+            cov = watch.coverage()[0]
+            watch.detach()
+            costs.append(t / ref - 1)
+        if not costs:
+            continue
+        out["kinds"][kind] = {"costs": costs, "median": statistics.median(costs),
+                              "layer0_not_applied": cov.not_applied, "layer0_kernel_calls": cov.kernel_calls}
+        print(f"[{name}] {kind}: {', '.join(f'{100 * c:+.2f}%' for c in costs)}", flush=True)
+    del plain, watched, base
+    if device == "cuda":
+        torch.cuda.empty_cache()
+    return out
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="hf-gpt2,hf-llama-1b,nanogpt-small")
+    ap.add_argument("--rounds", type=int, default=4)
+    ap.add_argument("--block", type=int, default=50, help="steps per timed block (the defaults probe every 10)")
+    ap.add_argument("--kind-rounds", type=int, default=2)
+    ap.add_argument("--kind-block", type=int, default=10)
+    ap.add_argument("--tiny", action="store_true", help="tiny models (a CPU check of this script)")
+    ap.add_argument("--compile", action="store_true", help="torch.compile both copies (after the watch attached); "
+                                                           "no per-kind costs")
+    ap.add_argument("--json", help="write the results here")
+    args = ap.parse_args()
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    results = [bench(name, args, device) for name in args.models.split(",")]
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
+                       "torch": torch.__version__, "results": results}, f, indent=1)
+    print(f"\n{'model':<12} {'plain ms':>9} {'watch ms':>9} {'ratio':>7} {'range':>15} {'unobserved':>10}  "
+          f"{'probe':>7} {'shadow':>7} {'switched':>8}")
+    for r in results:
+        k = r["kinds"]
+        if not k:
+            print(f"{r['model']:<12} {statistics.median(r['plain_ms']):9.2f} {statistics.median(r['watch_ms']):9.2f} "
+                  f"{r['ratio_median']:7.4f} {min(r['ratios']):7.4f}-{max(r['ratios']):.4f} "
+                  f"{r['unobserved_calls']:10d}  {'(compiled) ' if r['compile'] else ''}"
+                  f"watched copy's steps (ms): {r['watched_step_ms']}")
+            continue
+        print(f"{r['model']:<12} {statistics.median(r['plain_ms']):9.2f} {statistics.median(r['watch_ms']):9.2f} "
+              f"{r['ratio_median']:7.4f} {min(r['ratios']):7.4f}-{max(r['ratios']):.4f} {r['unobserved_calls']:10d}  "
+              f"{100 * k['probe']['median']:+6.2f}% {100 * k['shadow']['median']:+6.2f}% "
+              f"{100 * k['switched']['median']:+7.2f}%"
+              + ("" if not k["switched"]["layer0_not_applied"] else
+                 f" (switch not applied: {', '.join(k['switched']['layer0_not_applied'])})"))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

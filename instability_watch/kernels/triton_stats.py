@@ -1,0 +1,425 @@
+"""Triton kernels of the observer's passes: the statistics pass and the shadow pass.
+
+The definitions are those of ``stats.py`` (its module docstring; ``stats_reference``
+and ``shadow_reference`` are the test oracle). One kernel, two variants chosen by
+the ``SHADOW`` constexpr; both share the program layout (a tile of ``BLOCK_M``
+query rows of one head against the KV blocks it may see) and one score helper:
+
+* ``S = scale * (q.k)`` in float32 from the inputs' dtype (float32 inputs: exact
+  float32 dots), then the additive mask added, masked keys at ``-inf``, NaN kept.
+  The product and the sum are rounded separately, as in the reference (the
+  statistics kernel is compiled without FMA contraction).
+* Statistics (``SHADOW=False``): no ``P V`` and no exponentials. Each row keeps
+  its two largest scores *per lane* (column of the KV tile) across the KV blocks:
+  three min/max per score, nothing across lanes; NaN drops out because Triton's
+  ``minimum``/``maximum`` return the other operand (``minnum``/``maxnum``). A NaN
+  among the visible scores makes the block's row sum NaN (one add per score):
+  that is the row's NaN flag. The lanes are merged into ``t1``, ``t2`` once, at
+  the end. Without an additive mask the tracking is on the raw ``q.k`` and the
+  scale is applied to ``t1``, ``t2`` at the end (rounding a product by a positive
+  scale is monotone, so this is the same two numbers).
+* Shadow (``SHADOW=True``): an online softmax over the same scores, ``P`` in
+  float32, ``dP = dO V^T`` on tensor cores with float32 accumulation, and the two
+  row sums ``l = sum P`` and ``a = sum P dP``: ``delta_hp = a / l``. ``O_hp`` is
+  never formed.
+
+Per-row results are reduced inside the program; each program issues one relaxed
+atomic per statistic of its head, skipped when it would add nothing.
+"""
+from __future__ import annotations
+
+import math
+from typing import Optional
+
+import torch
+import triton
+import triton.language as tl
+
+from ..probe import COUNT_FIELDS, VALUE_FIELDS
+from .stats import MASK_FLOOR, _mask4
+from .triton_attention import _INTERPRET, _INTERPRETER_CONFIG, _Launcher, _cdiv, _dot_precision, _head_dim_tile
+
+# Rows of the probe buffers, as constexprs for the kernel.
+C_ROWS = tl.constexpr(COUNT_FIELDS.index("rows"))
+C_MULTI = tl.constexpr(COUNT_FIELDS.index("multi_max_rows"))
+C_TIE_ROWS = tl.constexpr(COUNT_FIELDS.index("tie_rows"))
+C_NONFINITE = tl.constexpr(COUNT_FIELDS.index("nonfinite_rows"))
+C_MASKED = tl.constexpr(COUNT_FIELDS.index("masked_rows"))
+C_SHADOW = tl.constexpr(COUNT_FIELDS.index("shadow_rows"))
+C_DPOS = tl.constexpr(COUNT_FIELDS.index("delta_err_pos"))
+V_MAXS = tl.constexpr(VALUE_FIELDS.index("max_score"))
+V_DSUM = tl.constexpr(VALUE_FIELDS.index("delta_err_sum"))
+V_DABS = tl.constexpr(VALUE_FIELDS.index("delta_err_abs"))
+
+# The call's attn_mask, as the kernel reads it.
+MASK_NONE = tl.constexpr(0)
+MASK_BOOL = tl.constexpr(1)  # uint8 view of a bool mask: nonzero = attend
+MASK_ADD = tl.constexpr(2)  # additive float mask: <= MASK_FLOOR (or -inf) = masked
+FLOOR = tl.constexpr(MASK_FLOOR)
+
+
+# ---------------------------------------------------------------------------
+# Helpers
+
+
+@triton.jit
+def _scores(
+    q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale,
+    stride_kn, stride_mn,
+    MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr, SCALED: tl.constexpr,
+    EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """Scores of the query tile ``q`` against keys ``start_n + offs_n``: (BLOCK_M, BLOCK_N) float32.
+
+    ``scale * (q.k)`` (``SCALED``; else the raw ``q.k``), plus the additive mask;
+    masked keys (causal, the call's mask, past ``N_KV``) at ``-inf``; NaN kept.
+    ``K_blk`` and ``M_blk`` point at the tile of keys/mask entries of ``start_n = 0``.
+    """
+    cols = start_n + offs_n
+    # -- the K block; keys past N_KV and padded head dims read as 0
+    if MASK_KV:
+        k = tl.load(K_blk + start_n * stride_kn, mask=(cols[:, None] < N_KV) & (offs_d[None, :] < D), other=0.0)
+    elif EVEN_D:
+        k = tl.load(K_blk + start_n * stride_kn)
+    else:
+        k = tl.load(K_blk + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
+    # -- q.k in float32 (tensor cores for bf16/fp16, exact products for float32), then the scale
+    s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+    if SCALED:
+        s = s * scale
+    # -- the call's mask: a bool mask selects, an additive one is added (NaN in it is not
+    #    "masked": it makes the score NaN, as in the reference)
+    if MASK_KIND != 0:
+        m_ok = row_ok[:, None]
+        if MASK_KV:
+            m_ok = m_ok & (cols[None, :] < N_KV)
+        if MASK_KIND == 1:
+            keep = tl.load(M_blk + start_n * stride_mn, mask=m_ok, other=0)
+            s = tl.where(keep != 0, s, float("-inf"))
+        else:
+            bias = tl.load(M_blk + start_n * stride_mn, mask=m_ok, other=0.0).to(tl.float32)
+            s = tl.where(bias <= FLOOR, float("-inf"), s + bias)
+    # -- causal (top-left: key j visible from row i iff j <= i) and the ragged last block
+    if MASK_CAUSAL:
+        s = tl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
+    if MASK_KV:
+        s = tl.where(cols[None, :] < N_KV, s, float("-inf"))
+    return s
+
+
+# ---------------------------------------------------------------------------
+# Inner loops
+
+
+@triton.jit
+def _stats_inner(
+    top1, top2, poison,
+    q, K_blk, M_blk, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
+    lo, hi,
+    MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr, SCALED: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # State: per (row, lane) the largest and second largest score seen in that lane
+    # (repeats counted), -inf until seen; per row a NaN flag.
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        s = _scores(
+            q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
+            MASK_CAUSAL=MASK_CAUSAL, MASK_KV=MASK_KV, MASK_KIND=MASK_KIND, SCALED=SCALED,
+            EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+        )
+        # -- NaN flag: a visible NaN makes the row's sum NaN. So does +inf beside a -inf
+        #    (masked) entry, harmlessly: such a row's t1 is +inf, non-finite anyway, and
+        #    not masked either way.
+        blk = tl.sum(s, 1)
+        poison = poison | (blk != blk)
+        # -- insert s into each lane's top two: second = median(top2, top1, s). With
+        #    minnum/maxnum semantics a NaN s leaves both unchanged (the reference reads
+        #    NaN as -inf for the top two).
+        top2 = tl.minimum(top1, tl.maximum(top2, s))
+        top1 = tl.maximum(top1, s)
+    return top1, top2, poison
+
+
+@triton.jit
+def _shadow_inner(
+    m_i, l_i, a_i,
+    q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
+    stride_kn, stride_vn, stride_mn,
+    lo, hi,
+    MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    # State per row: m the running maximum score (-inf until one is seen), l = sum P and
+    # a = sum P dP, both relative to m (rescaled when m moves).
+    for start_n in range(lo, hi, BLOCK_N):
+        start_n = tl.multiple_of(start_n, BLOCK_N)
+        s = _scores(
+            q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
+            MASK_CAUSAL=MASK_CAUSAL, MASK_KV=MASK_KV, MASK_KIND=MASK_KIND, SCALED=True,
+            EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+        )
+        # -- the V block
+        cols = start_n + offs_n
+        if MASK_KV:
+            v = tl.load(V_blk + start_n * stride_vn, mask=(cols[:, None] < N_KV) & (offs_dv[None, :] < DV), other=0.0)
+        elif EVEN_DV:
+            v = tl.load(V_blk + start_n * stride_vn)
+        else:
+            v = tl.load(V_blk + start_n * stride_vn, mask=offs_dv[None, :] < DV, other=0.0)
+        # -- online softmax in float32. The shift is 0 while a row has seen nothing but
+        #    -inf (masked keys give P = 0, not NaN); a NaN score gives P = NaN, so l and a
+        #    turn NaN (as the reference's row); a +inf score gives exp(inf - inf) = NaN too.
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        shift = tl.where(m_new > float("-inf"), m_new, 0.0)
+        alpha = tl.exp(m_i - shift)  # 0 while m_i is -inf
+        p = tl.exp(s - shift[:, None])
+        # -- dP = dO V^T, float32 accumulation; l and a
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        a_i = a_i * alpha + tl.sum(p * dp, 1)
+        m_i = m_new
+    return m_i, l_i, a_i
+
+
+# ---------------------------------------------------------------------------
+# Kernel
+
+
+@triton.jit
+def _attn_stats(
+    Q, K, V, O, DO, Mask, Counts, Values,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on,
+    stride_dob, stride_doh, stride_don,
+    stride_mb, stride_mh, stride_mm, stride_mn,
+    H, GROUP, N_Q, N_KV, D, DV,
+    scale, eps,
+    SHADOW: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, SCALED: tl.constexpr,
+    HAS_O: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One tile of BLOCK_M query rows of one head: its statistics (or shadow sums) added to the head's counters."""
+    tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(SCALED or not (SHADOW or MASK_KIND == 2), "P and an additive mask need the scaled score")
+    tl.static_assert(HAS_O or not SHADOW, "the shadow pass reads O")
+    if CAUSAL:
+        # the longest rows first: the last tiles of the grid are the short ones
+        start_m = tl.num_programs(0) - 1 - tl.program_id(0)
+    else:
+        start_m = tl.program_id(0)
+    off_bh = tl.program_id(1)
+    off_b = (off_bh // H).to(tl.int64)  # 64-bit base offsets: a (B, H, N, N_kv) mask can pass 2^31 entries
+    off_h = off_bh % H  # the column of the probe buffers
+    off_h64 = off_h.to(tl.int64)
+    off_hk = (off_h // GROUP).to(tl.int64)  # grouped-query attention: the KV head this query head reads
+
+    offs_m = start_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    offs_n = tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_dv = tl.arange(0, HEAD_DV)
+    row_ok = offs_m < N_Q
+    q_mask = row_ok[:, None] & (offs_d[None, :] < D)
+    q = tl.load(Q + off_b * stride_qb + off_h64 * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_mask, other=0.0)
+    K_blk = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
+    if MASK_KIND != 0:
+        M_blk = Mask + off_b * stride_mb + off_h64 * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
+    else:
+        M_blk = Mask  # unused
+    dv_ok = row_ok[:, None] & (offs_dv[None, :] < DV)
+
+    # -- KV range: causal rows see keys <= row, so blocks above the diagonal are skipped;
+    #    blocks wholly below it (and, without causal, all but a ragged last block) need no
+    #    causal or bounds mask.
+    if CAUSAL:
+        hi = tl.minimum((start_m + 1) * BLOCK_M, N_KV)
+        n_full = tl.minimum(start_m * BLOCK_M, N_KV) // BLOCK_N * BLOCK_N
+    else:
+        hi = N_KV
+        n_full = N_KV // BLOCK_N * BLOCK_N
+
+    if SHADOW:
+        # ----------------------------------------------------------------- shadow pass
+        do = tl.load(DO + off_b * stride_dob + off_h64 * stride_doh + offs_m[:, None] * stride_don + offs_dv[None, :], mask=dv_ok, other=0.0)
+        V_blk = V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_dv[None, :]
+        m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+        l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        a_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        m_i, l_i, a_i = _shadow_inner(
+            m_i, l_i, a_i, q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
+            stride_kn, stride_vn, stride_mn, 0, n_full,
+            MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=MASK_KIND,
+            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, DOT_PRECISION=DOT_PRECISION,
+        )
+        m_i, l_i, a_i = _shadow_inner(
+            m_i, l_i, a_i, q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
+            stride_kn, stride_vn, stride_mn, n_full, hi,
+            MASK_CAUSAL=CAUSAL, MASK_KV=True, MASK_KIND=MASK_KIND,
+            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, DOT_PRECISION=DOT_PRECISION,
+        )
+        # -- delta_lp = rowsum(dO * O) from the call's O; delta_hp = a / l. A row is masked
+        #    when it saw no score above -inf and no NaN (a NaN row stays in, NaN).
+        o = tl.load(O + off_b * stride_ob + off_h64 * stride_oh + offs_m[:, None] * stride_on + offs_dv[None, :], mask=dv_ok, other=0.0)
+        delta_lp = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+        live = row_ok & ((m_i > float("-inf")) | (l_i != l_i))
+        err = tl.where(live, delta_lp - a_i / l_i, 0.0)
+        # -- the tile's sums, one atomic per statistic
+        n_live = tl.sum(live.to(tl.int32), 0).to(tl.int64)
+        n_pos = tl.sum((err > 0).to(tl.int32), 0).to(tl.int64)
+        any_live = n_live > 0
+        tl.atomic_add(Counts + C_SHADOW * H + off_h, n_live, mask=any_live, sem="relaxed")
+        tl.atomic_add(Counts + C_DPOS * H + off_h, n_pos, mask=n_pos > 0, sem="relaxed")
+        tl.atomic_add(Values + V_DSUM * H + off_h, tl.sum(err, 0), mask=any_live, sem="relaxed")
+        tl.atomic_add(Values + V_DABS * H + off_h, tl.sum(tl.abs(err), 0), mask=any_live, sem="relaxed")
+    else:
+        # ----------------------------------------------------------------- statistics pass
+        top1 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
+        top2 = tl.full([BLOCK_M, BLOCK_N], float("-inf"), dtype=tl.float32)
+        poison = offs_m < 0  # all False
+        top1, top2, poison = _stats_inner(
+            top1, top2, poison, q, K_blk, M_blk, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
+            0, n_full,
+            MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=MASK_KIND, SCALED=SCALED,
+            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+        )
+        top1, top2, poison = _stats_inner(
+            top1, top2, poison, q, K_blk, M_blk, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
+            n_full, hi,
+            MASK_CAUSAL=CAUSAL, MASK_KV=True, MASK_KIND=MASK_KIND, SCALED=SCALED,
+            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+        )
+        # -- merge the lanes: t1 the largest lane maximum; t2 the largest of the lanes'
+        #    seconds and of the other lanes' maxima (t1 itself if two lanes hold it)
+        t1 = tl.max(top1, 1)
+        n_top = tl.sum((top1 == t1[:, None]).to(tl.int32), 1)
+        runner_up = tl.max(tl.where(top1 < t1[:, None], top1, float("-inf")), 1)
+        t2 = tl.maximum(tl.max(top2, 1), tl.where(n_top > 1, t1, runner_up))
+        if not SCALED:
+            # tracked on raw q.k: x -> round(x * scale) is monotone for scale > 0
+            t1 = t1 * scale
+            t2 = t2 * scale
+        # -- classify the rows (stats.py): masked = no score above -inf and no NaN;
+        #    non-finite = a NaN or +inf score, or a NaN/Inf in the row of O
+        live = row_ok & ((t1 > float("-inf")) | poison)
+        masked = row_ok & ~live
+        bad = live & (poison | (t1 == float("inf")))
+        if HAS_O:
+            o = tl.load(O + off_b * stride_ob + off_h64 * stride_oh + offs_m[:, None] * stride_on + offs_dv[None, :], mask=dv_ok, other=0.0)
+            o_bad = tl.sum((~(tl.abs(o.to(tl.float32)) < float("inf"))).to(tl.int32), 1) > 0  # NaN fails < too
+            bad = bad | (live & o_bad)
+        multi = live & (tl.abs(t1) < float("inf")) & (t2 >= t1 - eps)
+        # -- the tile's counts and maximum, one atomic per statistic (skipped when zero)
+        n_live = tl.sum(live.to(tl.int32), 0).to(tl.int64)
+        n_multi = tl.sum(multi.to(tl.int32), 0).to(tl.int64)
+        n_masked = tl.sum(masked.to(tl.int32), 0).to(tl.int64)
+        n_bad = tl.sum(bad.to(tl.int32), 0).to(tl.int64)
+        top = tl.max(tl.where(live, t1, float("-inf")), 0)
+        tl.atomic_add(Counts + C_ROWS * H + off_h, n_live, mask=n_live > 0, sem="relaxed")
+        tl.atomic_add(Counts + C_TIE_ROWS * H + off_h, n_live, mask=n_live > 0, sem="relaxed")
+        tl.atomic_add(Counts + C_MULTI * H + off_h, n_multi, mask=n_multi > 0, sem="relaxed")
+        tl.atomic_add(Counts + C_MASKED * H + off_h, n_masked, mask=n_masked > 0, sem="relaxed")
+        tl.atomic_add(Counts + C_NONFINITE * H + off_h, n_bad, mask=n_bad > 0, sem="relaxed")
+        tl.atomic_max(Values + V_MAXS * H + off_h, top, mask=top > float("-inf"), sem="relaxed")
+
+
+# ---------------------------------------------------------------------------
+# Launchers
+
+# Launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim tile
+# (shadow: the larger of D's and D_v's; statistics: D's). A fixed table, not triton.autotune: tuning runs would
+# repeat the atomics. Picked from a small sweep on one H100 (torch 2.11, triton 3.6; bf16,
+# causal, time per call against PyTorch's flash forward on the same inputs):
+#   GPT-2  B16 H12 N1024 D64:         flash 135 us, statistics  79 us, shadow 136 us
+#   Llama  B4 H32/4 N2048 D128 (GQA): flash 479 us, statistics 204 us, shadow 492 us
+#   Gemma  B4 H8/4 N2048 D256:        flash 286 us, statistics 127 us, shadow 318 us
+# To be tuned further on the GPU (other shapes, fp16, masks; float32 not measured).
+# - statistics: no P V and no exponentials; the per-lane top two are two (BLOCK_M, BLOCK_N)
+#   float32 tiles (32 registers each at 64 x 64 with 4 warps). 64 x 64 with 4 warps beat
+#   128 x 64 with 8 (+40% time) and 128 x 128 at every head dim tried.
+# - shadow: the forward's work (two dots per block, one exp per score) with Q and dO in
+#   registers; narrow KV blocks (32) were fastest at every head dim tried.
+STATS_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 64, 4, 2)}
+SHADOW_CONFIGS = {16: (64, 32, 4, 3), 32: (64, 32, 4, 3), 64: (64, 32, 4, 3), 128: (128, 32, 8, 3), 256: (128, 32, 8, 2)}
+# float32 inputs: twice the bytes per tile and no tensor cores ("ieee" dots); not tuned
+FP32_CONFIGS = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)}
+
+_launch_stats = _Launcher(_attn_stats)
+
+
+def _config(table, head_dim: int, dtype: torch.dtype):
+    if _INTERPRET:
+        return _INTERPRETER_CONFIG  # one program at a time on CPU: small tiles, odd sizes covered
+    if dtype == torch.float32:
+        return FP32_CONFIGS[head_dim]
+    return table[head_dim]
+
+
+def _strides(t: Optional[torch.Tensor]):
+    return (0, 0, 0) if t is None else t.stride()[:3]
+
+
+def _launch(q, k, v, o, do, attn_mask, counts, values, *, shadow: bool, causal: bool, scale: float, eps: float):
+    B, H, N, D = q.shape
+    h_kv, n_kv = k.shape[1], k.shape[2]
+    q, k, v, o, do = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, o, do))
+    dv = o.shape[-1] if o is not None else D
+    # the call's mask as a (B, H, N, N_kv) view (stride 0 on broadcast dims); bool read as bytes
+    mask = _mask4(attn_mask, B, H, N, n_kv)
+    if mask is None:
+        kind, mask_strides = 0, (0, 0, 0, 0)
+    else:
+        kind, mask_strides = (1 if mask.dtype == torch.bool else 2), mask.stride()
+        if kind == 1:
+            mask = mask.view(torch.uint8)
+    # without P or an additive mask, the statistics track raw q.k and scale t1, t2 at the end
+    scaled = shadow or kind == 2 or not (0.0 < scale < math.inf)
+    head_dim, head_dv = _head_dim_tile(D), _head_dim_tile(dv)
+    if shadow:
+        block_m, block_n, warps, stages = _config(SHADOW_CONFIGS, max(head_dim, head_dv), q.dtype)
+    else:  # O is read once, after the loop
+        block_m, block_n, warps, stages = _config(STATS_CONFIGS, head_dim, q.dtype)
+    # the statistics compare scores exactly: scale * q.k and + mask rounded separately (no FMA)
+    options = {} if (_INTERPRET or shadow) else dict(enable_fp_fusion=False)
+    _launch_stats(
+        (_cdiv(N, block_m), B * H),
+        (q, k, v, o, do, mask, counts, values),
+        (*q.stride()[:3], *k.stride()[:3], *_strides(v), *_strides(o), *_strides(do), *mask_strides,
+         H, H // h_kv, N, n_kv, D, dv, scale, eps),
+        dict(
+            SHADOW=shadow, CAUSAL=causal, MASK_KIND=kind, SCALED=scaled, HAS_O=o is not None,
+            HEAD_DIM=head_dim, HEAD_DV=head_dv, BLOCK_M=block_m, BLOCK_N=block_n,
+            EVEN_D=D == head_dim, EVEN_DV=dv == head_dv, DOT_PRECISION=_dot_precision(q.dtype),
+            num_warps=warps, num_stages=stages, **options,
+        ),
+    )
+
+
+def attention_stats(
+    q: torch.Tensor, k: torch.Tensor, attn_mask: Optional[torch.Tensor], o: Optional[torch.Tensor],
+    counts: torch.Tensor, values: torch.Tensor, *, causal: bool, scale: float, eps: float,
+) -> None:
+    """The statistics pass (``stats.py``) on the GPU; adds into ``counts`` and ``values``, no host sync.
+
+    Args:
+        q: (B, H, N, D), k: (B, H_kv, N_kv, D), bfloat16/float16/float32, D <= 256,
+            ``H % H_kv == 0``; any strides (last dim copied if not unit-stride).
+        attn_mask: None, or bool (True = attend) or float (additive), broadcastable to
+            (B, H, N, N_kv).
+        o: None, or the call's output (B, H, N, D_v): rows holding NaN/Inf count as non-finite.
+        counts: int64 (len(COUNT_FIELDS), H); values: float32 (len(VALUE_FIELDS), H), contiguous.
+    """
+    _launch(q, k, None, o, None, attn_mask, counts, values, shadow=False, causal=causal, scale=scale, eps=eps)
+
+
+def attention_shadow(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
+    attn_mask: Optional[torch.Tensor], counts: torch.Tensor, values: torch.Tensor, *, causal: bool, scale: float,
+) -> None:
+    """The shadow pass (``stats.py``) on the GPU; adds into ``counts`` and ``values``, no host sync.
+
+    Shapes as :func:`attention_stats`, with v (B, H_kv, N_kv, D_v), o and do (B, H, N, D_v),
+    D_v <= 256. Adds ``shadow_rows``, ``delta_err_pos``, ``delta_err_sum`` and ``delta_err_abs``.
+    """
+    _launch(q, k, v, o, do, attn_mask, counts, values, shadow=True, causal=causal, scale=scale, eps=0.0)

@@ -1,0 +1,351 @@
+"""Observing unmodified models: training unchanged, every call covered, W_Q located, switches applied or reported."""
+import logging
+
+import numpy as np
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from instability_watch import InstabilityWatch, WatchConfig
+from instability_watch.kernels import stats as st
+from instability_watch.locate import AttentionLayer, find_attention_layers
+from instability_watch.nanogpt import GPT, GPTConfig
+from instability_watch.probe import Probe
+from real_models import MODELS, hf_bert_padding, hf_gpt2_default, hf_llama_gqa
+
+CFG = dict(probe_every=2, shadow_every=4, spectral_every=4, log_every=10, warmup_steps=100)
+
+
+def _train(name, steps, config=None):
+    """``steps`` AdamW steps under CPU bf16 autocast from seed 0; the watch if ``config``."""
+    spec = MODELS[name]
+    torch.manual_seed(0)
+    model = spec.build()
+    model.train()
+    metrics = []
+    watch = None
+    if config is not None:
+        watch = InstabilityWatch(model, config, listeners=[lambda ms, al, w: metrics.extend(ms)])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        batch = spec.batch(g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = spec.loss(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        if watch is not None:
+            watch.step(loss)
+    return model, losses, watch, metrics
+
+
+@pytest.mark.parametrize("name", list(MODELS))
+def test_watched_training_is_bitwise_identical_and_every_head_is_observed(name):
+    spec = MODELS[name]
+    plain, plain_losses, _, _ = _train(name, 20)
+    rng_plain = torch.get_rng_state()
+    model, losses, watch, metrics = _train(name, 20, WatchConfig(**CFG))
+    rng_watched = torch.get_rng_state()
+    watch.detach()
+
+    # the same losses, weights and random numbers, bit for bit
+    assert all(torch.equal(a, b) for a, b in zip(losses, plain_losses))
+    for (n, p), q in zip(model.named_parameters(), plain.parameters()):
+        assert torch.equal(p, q), n
+    assert torch.equal(rng_plain, rng_watched)
+
+    # every layer and head has statistics on every probe step (1, 3, ..., 19)
+    assert watch.head_counts == [spec.heads] * spec.layers
+    assert [m.step for m in metrics] == list(range(1, 20, 2))
+    for m in metrics:
+        assert (m["rows"] > 0).all() and np.isfinite(m["max_score"]).all()
+        assert np.isfinite(m["multi_max_freq"]).all()
+    assert all(np.isfinite(m["sigma_wq"]).all() for m in metrics if (m.step - 1) % 4 == 0)
+
+    # coverage: every call observed; calls with dropout get no shadow, and say so
+    dropout = name in ("nanogpt-dropout", "hf-gpt2-default", "hf-bert-padding")
+    for c in watch.coverage():
+        assert c.observed_calls == 10 and c.unobserved_calls == {}
+        assert c.kernel_calls == 0 and c.not_applied == {}
+        if dropout:
+            assert c.shadow_calls == 0 and c.shadow_skipped == {"dropout": 5}
+        else:
+            assert c.shadow_calls == 5 and c.shadow_skipped == {}
+            assert all(np.isfinite(m["delta_err_sum"]).all() for m in metrics if (m.step - 1) % 4 == 0)
+    # a padded BERT batch: the padded keys are masked, no row is fully masked
+    if name == "hf-bert-padding":
+        assert all((m["masked_rows"] == 0).all() for m in metrics)
+
+
+def test_nothing_is_installed_between_probe_steps():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+    watch = InstabilityWatch(model, WatchConfig(probe_every=3, shadow_every=0, log_every=3))
+    modules = [b.attn for b in model.h]
+    installed = []
+    x = torch.randint(0, 256, (2, 16))
+    for _ in range(6):
+        installed.append(all("forward" in m.__dict__ for m in modules))
+        model(x, x)[1].backward()
+        watch.step()
+    assert installed == [True, False, False, True, False, False]  # probe steps 1 and 4 only
+    # and no mode is entered on the other steps: a counting mode sees no extra handler
+    watch.detach()
+    assert all("forward" not in m.__dict__ for m in modules)
+
+
+def test_float32_qk_under_autocast_are_observed_as_bf16():
+    """HF Llama hands float32 q, k to SDPA under autocast; the statistics are those of the BF16 inputs SDPA uses."""
+    torch.manual_seed(0)
+    model = hf_llama_gqa()
+    seen = []
+
+    class Capture(TorchFunctionMode):  # outside the watch's mode: sees the call as the model made it
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            kwargs = kwargs or {}
+            if func is F.scaled_dot_product_attention:
+                seen.append((args[0].detach().clone(), args[1].detach().clone(), kwargs))
+            return func(*args, **kwargs)
+
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0))
+    x = torch.randint(0, 97, (2, 32), generator=torch.Generator().manual_seed(3))
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), Capture():
+        model(input_ids=x, use_cache=False)
+    assert seen and all(q.dtype == torch.float32 and k.dtype == torch.float32 for q, k, _ in seen)
+    for site, (q, k, kw) in zip(watch.observation.sites, seen):
+        bf16, fp32 = Probe(4), Probe(4)
+        for ref, cast in ((bf16, torch.bfloat16), (fp32, torch.float32)):
+            st.stats_reference(q.to(cast), k.to(cast), None, None, ref.counts, ref.values,
+                               causal=True, scale=kw["scale"], eps=1e-3)
+        probe = watch.observation.bank.probes[site.index]
+        assert torch.equal(probe.rows, bf16.rows) and torch.equal(probe.multi_max_rows, bf16.multi_max_rows)
+        assert torch.equal(probe.max_score, bf16.max_score)
+        assert not torch.equal(probe.max_score, fp32.max_score)  # the test can tell the two apart
+    watch.detach()
+
+
+def test_switched_layer_runs_on_our_kernels_in_the_autocast_dtype(monkeypatch):
+    import instability_watch.observe as observe_mod
+
+    torch.manual_seed(0)
+    model = hf_llama_gqa()
+    dtypes = []
+    real = observe_mod.flash_attention
+
+    def spy(q, k, v, **kw):
+        dtypes.append((q.dtype, k.dtype, v.dtype, kw["stabilize"].tolist()))
+        return real(q, k, v, **kw)
+
+    monkeypatch.setattr(observe_mod, "flash_attention", spy)
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=1, log_every=1))
+    watch.switch(1, 2)
+    x = torch.randint(0, 97, (2, 32))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(input_ids=x, labels=x).loss
+    loss.backward()
+    watch.step(loss)
+    assert dtypes == [(torch.bfloat16,) * 3 + ([False, False, True, False],)]  # layer 1 only, never float32
+    cov = watch.coverage()
+    assert [c.kernel_calls for c in cov] == [0, 1] and all(c.not_applied == {} for c in cov)
+    assert [c.observed_calls for c in cov] == [1, 1] and [c.shadow_calls for c in cov] == [1, 1]
+    m = watch.last_metrics[-1]
+    assert m["stabilized"][1].tolist() == [0, 0, 1, 0] and np.isfinite(m["delta_err_sum"]).all()
+    assert [e.kind for e in watch.events] == ["switch"]
+    watch.detach()
+
+
+@pytest.mark.parametrize("build,reason", [(hf_bert_padding, "attn_mask"), (hf_gpt2_default, "dropout")])
+def test_switch_not_applied_is_reported_with_its_reason(build, reason, caplog):
+    torch.manual_seed(0)
+    model = build()
+    model.train()
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, log_every=2))
+    watch.switch(0, 1)
+    g = torch.Generator().manual_seed(0)
+    batch = MODELS["hf-bert-padding"].batch(g) if build is hf_bert_padding else {"input_ids": torch.randint(0, 97, (2, 32), generator=g)}
+    with caplog.at_level(logging.WARNING, logger="instability_watch"):
+        for _ in range(2):
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                out = model(**batch)
+            watch.step()
+    events = [(e.kind, e.layer, e.head, e.reason) for e in watch.events]
+    assert events == [("switch", 0, 1, "manual"), ("switch_not_applied", 0, 1, reason)]
+    cov = watch.coverage()
+    assert cov[0].not_applied == {reason: 2} and cov[0].kernel_calls == 0 and cov[1].not_applied == {}
+    assert watch.last_metrics[-1]["stabilized"][0].tolist() == [0, 0, 0, 0]  # not applied: not stabilized
+    assert sum("stay on PyTorch's SDPA although a head is switched" in r.getMessage() for r in caplog.records) == 1
+    assert out is not None
+    watch.detach()
+
+
+def test_eager_attention_is_an_error_naming_the_reason():
+    t = pytest.importorskip("transformers")
+    cfg = t.LlamaConfig(num_hidden_layers=1, num_attention_heads=2, hidden_size=32, intermediate_size=64,
+                        vocab_size=97, attn_implementation="eager")
+    with pytest.raises(ValueError, match="attn_implementation='eager'.*attn_implementation='sdpa'"):
+        InstabilityWatch(t.LlamaForCausalLM(cfg))
+
+
+class _ManualAttention(nn.Module):
+    """Attention written out by hand (no SDPA call)."""
+
+    def __init__(self):
+        super().__init__()
+        self.wq = nn.Parameter(torch.randn(2, 8, 8))
+
+    def forward(self, x):  # (B, 2, N, 8)
+        q = torch.einsum("bhnd,hed->bhne", x, self.wq)
+        return torch.softmax(q @ x.transpose(-1, -2), dim=-1) @ x
+
+
+def test_nothing_observable_is_an_error_after_the_first_probe_step():
+    torch.manual_seed(0)
+    model = _ManualAttention()
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1), layers=[AttentionLayer(model, 2, lambda: model.wq)])
+    watch.step()  # no forward yet: nothing to judge
+    model(torch.randn(1, 2, 5, 8)).sum().backward()
+    with pytest.raises(ValueError, match="observed no attention call.*no F.scaled_dot_product_attention call"):
+        watch.step()
+    watch.detach()
+
+
+def test_eval_mode_calls_are_not_observed():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=1))
+    x = torch.randint(0, 256, (2, 16))
+    model.eval()
+    with torch.no_grad():
+        model(x)
+    model.train()
+    model(x, x)[1].backward()
+    watch.step()
+    assert watch.coverage()[0].observed_calls == 1
+    assert (watch.last_metrics[0]["rows"] == 32).all()
+    watch.detach()
+
+
+def test_multihead_attention_is_located_and_reported_unobservable():
+    torch.manual_seed(0)
+    mha = nn.MultiheadAttention(16, 2, batch_first=True)
+    model = nn.Sequential(mha)
+    (layer,) = find_attention_layers(model)
+    assert layer.num_heads == 2
+    torch.testing.assert_close(layer.w_q().reshape(16, 16), mha.in_proj_weight[:16])
+
+    class Wrap(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.mha = mha
+
+        def forward(self, x):
+            return self.mha(x, x, x, need_weights=False)[0]
+
+    wrapped = Wrap()
+    watch = InstabilityWatch(wrapped, WatchConfig(probe_every=1))
+    wrapped(torch.randn(2, 5, 16)).sum().backward()
+    with pytest.raises(ValueError, match="nn.MultiheadAttention hides its SDPA call"):
+        watch.step()
+    watch.detach()
+
+
+# ---------------------------------------------------------------- locating W_Q
+
+
+def test_hf_gpt2_w_q_is_the_transposed_conv1d_slice():
+    torch.manual_seed(0)
+    model = hf_gpt2_default()
+    layers = find_attention_layers(model)
+    attn = model.transformer.h[1].attn
+    w = layers[1].w_q()
+    e = attn.embed_dim
+    x = torch.randn(3, e)
+    q_ref = (x @ attn.c_attn.weight[:, :e]).view(3, 4, e // 4)  # Conv1D: x @ weight + bias
+    torch.testing.assert_close(torch.einsum("nc,hdc->nhd", x, w), q_ref)
+
+
+def test_llama_w_q_is_q_proj_per_head():
+    torch.manual_seed(0)
+    model = hf_llama_gqa()
+    layers = find_attention_layers(model)
+    assert [tuple(layer.w_q().shape) for layer in layers] == [(4, 16, 64)] * 2
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(torch.einsum("nc,hdc->nhd", x, layers[0].w_q()), attn.q_proj(x).view(3, 4, 16))
+
+
+def test_bert_w_q_is_the_query_projection_per_head():
+    torch.manual_seed(0)
+    model = hf_bert_padding()
+    layers = find_attention_layers(model)
+    assert [layer.num_heads for layer in layers] == [4, 4]
+    assert [layer.name for layer in layers] == ["bert.encoder.layer.0.attention.self", "bert.encoder.layer.1.attention.self"]
+    attn = model.bert.encoder.layer[1].attention.self
+    x = torch.randn(3, 64)
+    q = torch.einsum("nc,hdc->nhd", x, layers[1].w_q()) + attn.query.bias.view(4, 16)
+    torch.testing.assert_close(q, attn.query(x).view(3, 4, 16))
+
+
+def test_nanogpt_w_q_is_first_third_of_c_attn():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32))
+    (l0, _) = find_attention_layers(model)
+    torch.testing.assert_close(l0.w_q().reshape(64, 64), model.h[0].attn.c_attn.weight[:64])
+
+
+class _Custom(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = nn.Parameter(torch.randn(3, 2, 16, 16) * 0.3)
+
+    def forward(self, x):  # x (B, H=2, N, 16)
+        q, k, v = (torch.einsum("bhnd,hed->bhne", x, w) for w in self.qkv)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+
+
+def test_user_described_layer():
+    torch.manual_seed(0)
+    model = _Custom()
+    x = torch.randn(2, 2, 8, 16)
+    ref = model(x)
+    watch = InstabilityWatch(
+        model, WatchConfig(probe_every=1, log_every=1, spectral_every=1),
+        layers=lambda m: [AttentionLayer(m, 2, lambda: m.qkv[0], name="custom")],
+    )
+    out = model(x)
+    out.sum().backward()
+    watch.step()
+    assert torch.equal(out, ref)
+    m = watch.last_metrics[0]
+    assert watch.layer_names == ["custom"] and (m["rows"] == 16).all()
+    expected = torch.linalg.matrix_norm(model.qkv[0].detach(), ord=2)
+    torch.testing.assert_close(torch.tensor(m["sigma_wq"][0], dtype=torch.float32), expected, rtol=1e-4, atol=0)
+    watch.detach()
+
+
+def test_attach_errors_name_the_problem():
+    with pytest.raises(ValueError, match="no attention layers found"):
+        InstabilityWatch(nn.Linear(3, 3))
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32))
+    layer = find_attention_layers(model)[0]
+    with pytest.raises(ValueError, match="listed twice"):
+        InstabilityWatch(model, layers=[layer, layer])
+    with pytest.raises(TypeError, match=r"layers\[0\] must be an instability_watch.AttentionLayer"):
+        InstabilityWatch(model, layers=["h.0.attn"])
+    with pytest.raises(ValueError, match="num_heads must be a positive int"):
+        AttentionLayer(model.h[0].attn, 0, lambda: None)
+    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+        InstabilityWatch("gpt")
+    watch = InstabilityWatch(model, layers=[AttentionLayer(model.h[0].attn, 4, lambda: torch.zeros(3, 3))])
+    with pytest.raises(ValueError, match=r"w_q\(\) of layer h.0.attn must return a tensor \(H=4"):
+        watch.observation.w_q()
+    with pytest.raises(ValueError, match="already watched"):
+        InstabilityWatch(model)
+    watch.detach()
+    InstabilityWatch(model).detach()  # free again after detach
