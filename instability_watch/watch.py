@@ -288,15 +288,9 @@ class InstabilityWatch:
         self._pad = np.zeros(self.shape, dtype=bool)
         for i, h in enumerate(self.head_counts):
             self._pad[i, h:] = True
-        self._not_applied: set = set()  # layers whose switch was not applied to some call
         self._arm(1)
 
     # ------------------------------------------------------------------ lifecycle
-
-    @property
-    def attachment(self) -> Optional[Observation]:
-        """The model's :class:`~instability_watch.observe.Observation` (an alias kept for callers of 0.1)."""
-        return self.observation
 
     @property
     def active(self) -> bool:
@@ -370,7 +364,6 @@ class InstabilityWatch:
                     site = self.observation.sites[layer]
                     self.events.append(Event(self.step_count + 1, layer, head, "switch_not_applied",
                                              f"our kernel failed ({type(exc).__name__})", site.name))
-                    self._not_applied.add(layer)
             elif component == "statistics":  # observe no more; switched heads stay on the stabilized kernel
                 self._arm(self.step_count + 1)
         # A failure is reported by the process it happened in (once), with the rank.
@@ -394,7 +387,6 @@ class InstabilityWatch:
         for (layer, head) in sorted(self.switched):
             if layer == site.index:
                 self.events.append(Event(self.step_count + 1, layer, head, "switch_not_applied", reason, site.name))
-        self._not_applied.add(site.index)
 
     # ------------------------------------------------------------------ the step
 
@@ -584,8 +576,9 @@ class InstabilityWatch:
     def _metrics(self, step: int, row: np.ndarray) -> StepMetrics:
         raw = self.layout.unpack(row)
         stab = np.zeros(self.shape)
-        for (layer, head) in self.switched:
-            if layer not in self._not_applied:
+        routing = "routing" not in self.disabled
+        for (layer, head) in self.switched:  # 1 where the switch is applied to every call of the layer
+            if routing and not self.observation.sites[layer].reasons.get(NOT_APPLIED):
                 stab[layer, head] = 1.0
         values, self._delta_cum, broken = derive_metrics(raw, self._pad, self._delta_cum, stab)
         if broken.any():
@@ -616,10 +609,10 @@ class InstabilityWatch:
         if any(c.observed_calls for c in cov):
             self._coverage_checked = True
             return
-        reasons = {r: 0 for c in cov for r in c.unobserved_calls}
+        reasons: Dict[str, int] = {}
         for c in cov:
             for r, n in c.unobserved_calls.items():
-                reasons[r] += n
+                reasons[r] = reasons.get(r, 0) + n
         if not reasons:
             return  # no watched layer ran yet: look again after the next probe step
         self._coverage_checked = True

@@ -49,7 +49,6 @@ bounded (about :data:`CHUNK_ELEMENTS` scores at a time) whatever ``N``.
 from __future__ import annotations
 
 import importlib.util
-import math
 from typing import Optional
 
 import torch
@@ -134,7 +133,7 @@ def _stats_reference(q, k, attn_mask, o, counts, values, *, causal, scale, eps) 
     cdt = _compute_dtype(q.dtype)
     kf = k.to(cdt)
     mask4 = _mask4(attn_mask, B, H, N, n_kv)
-    acc = torch.zeros(5, H, dtype=torch.int64, device=q.device)  # rows, multi, masked, nonfinite, (spare)
+    acc = torch.zeros(4, H, dtype=torch.int64, device=q.device)  # rows, multi, masked, nonfinite
     top = torch.full((H,), float("-inf"), dtype=cdt, device=q.device)
     step = _chunk(B, H, n_kv, N)
     for i0 in range(0, N, step):
@@ -283,7 +282,3 @@ def attention_shadow(
     """The shadow pass (module docstring): Triton on CUDA, PyTorch elsewhere. Inputs assumed checked."""
     run = shadow_op if torch.compiler.is_compiling() else _shadow_impl
     run(q, k, v, o, do, attn_mask, counts, values, bool(causal), float(scale))
-
-
-def default_scale(head_dim: int) -> float:
-    return 1.0 / math.sqrt(head_dim)
