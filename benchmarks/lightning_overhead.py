@@ -22,6 +22,7 @@ Run:  python benchmarks/lightning_overhead.py [--preset gpt2-small] [--rounds 3]
 from __future__ import annotations
 
 import argparse
+import gc
 import importlib.util
 import json
 import statistics
@@ -57,12 +58,25 @@ class Window(pl.Callback):
         self.rate = None
         self.config = config
         self.marks = []  # (step about to run, CUDA event)
+        self.modes_seen = 0  # torch-function modes found active at a step's start (the watch leaves none behind)
+        self.gc_start = None
+        self.gc_collections = None  # garbage collections per generation inside the timed window
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
         if torch.cuda.is_available() and self.skip < trainer.global_step + 1 <= self.stop:
             ev = torch.cuda.Event(enable_timing=True)
             ev.record()
             self.marks.append((trainer.global_step + 1, ev))
+            self.modes_seen = max(self.modes_seen, torch._C._len_torch_function_stack())
+
+    def other_step_ms(self) -> float:
+        """Median duration of the steps that are neither probe nor read-back steps (of the watched
+        fit's cadence, also in an unwatched fit, so both medians cover the same steps)."""
+        torch.cuda.synchronize()
+        c = self.config or WatchConfig()
+        steps = [(s, a.elapsed_time(b)) for (s, a), (_, b) in zip(self.marks, self.marks[1:])]
+        return statistics.median(ms for s, ms in steps
+                                 if (s - 1) % c.probe_every and (s - 1) % c.spectral_every and s % c.log_every)
 
     def attributed(self) -> dict:
         """The watch's share of the fit's time (probe and read-back steps beyond the median other step),
@@ -89,8 +103,10 @@ class Window(pl.Callback):
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.skip:
             self.t0 = self._now()
+            self.gc_start = [g["collections"] for g in gc.get_stats()]
         elif trainer.global_step == self.stop and self.t0 is not None:
             self.rate = (self.stop - self.skip) / (self._now() - self.t0)
+            self.gc_collections = [g["collections"] - c for g, c in zip(gc.get_stats(), self.gc_start)]
 
 
 def main() -> int:
@@ -110,7 +126,8 @@ def main() -> int:
     module = ex.GPTModule(preset, compile=args.compile)
     root = Path(tempfile.mkdtemp(prefix="lightning_overhead_"))
     results = {"plain": [], "watch": []}
-    ratios, attributed = [], []
+    ratios, attributed, other = [], [], {"plain": [], "watch": []}
+    modes, gcs = [], {"plain": [], "watch": []}
     for r in range(args.rounds):
         order = ("plain", "watch") if r % 2 == 0 else ("watch", "plain")
         rates = {}
@@ -131,17 +148,24 @@ def main() -> int:
             trainer.fit(module, data)
             rates[kind] = window.rate
             results[kind].append(window.rate)
+            if gpu:
+                other[kind].append(window.other_step_ms())
+            modes.append(window.modes_seen)
+            gcs[kind].append(window.gc_collections)
             if kind == "watch":
                 attributed.append(window.attributed())
         ratios.append(rates["watch"] / rates["plain"])
         a = attributed[-1]
         print(f"round {r}: plain {rates['plain']:.2f} steps/s, watch {rates['watch']:.2f} steps/s, "
               f"ratio {ratios[-1]:.4f}; within the watched fit: {100 * a['share']:+.2f}% (step {a.get('base_ms', 0):.2f} "
-              f"ms; probe step {a.get('probe_extra_ms') or 0:+.2f} ms; read-back {a.get('read_back_extra_ms')} ms)",
+              f"ms; probe step {a.get('probe_extra_ms') or 0:+.2f} ms; read-back {a.get('read_back_extra_ms')} ms)"
+              + (f"; median other step plain {other['plain'][-1]:.2f} ms, watch {other['watch'][-1]:.2f} ms"
+                 if gpu else "") + f"; gc plain {gcs['plain'][-1]} watch {gcs['watch'][-1]}",
               flush=True)
     out = {"preset": args.preset, "compile": args.compile, "steps": args.steps, "skip": args.skip,
            "device": torch.cuda.get_device_name() if gpu else "cpu", **results, "ratios": ratios,
-           "ratio_median": statistics.median(ratios), "attributed": attributed}
+           "ratio_median": statistics.median(ratios), "attributed": attributed,
+           "other_step_ms": other, "torch_function_modes_seen": max(modes), "gc_collections": gcs}
     if args.compile:
         from torch._dynamo.utils import counters
 
@@ -153,6 +177,13 @@ def main() -> int:
           f"{out['ratio_median']:.4f}, range {min(ratios):.4f}-{max(ratios):.4f}; attributed within the watched "
           f"fits {', '.join('%+.2f%%' % (100 * a['share']) for a in attributed)}"
           + (f"; dynamo {out['dynamo']}" if args.compile else ""))
+    if gpu:
+        ratio_other = [p / w for p, w in zip(other["plain"], other["watch"])]
+        share = statistics.median(a["share"] for a in attributed)
+        print(f"median other step: plain/watch per round {', '.join('%.4f' % r for r in ratio_other)} "
+              f"(median {statistics.median(ratio_other):.4f}); torch-function modes active at a step start: "
+              f"{max(modes)}; step-time estimate (median other-step ratio x (1 - attributed share)) "
+              f"{statistics.median(ratio_other) * (1 - share):.4f}")
     return 0
 
 

@@ -130,6 +130,13 @@ class WatchConfig:
         number("logit_min", 0.0)
         number("beta", 1.0, inclusive=False)
         number("eps", 0.0)
+        from .kernels.reference import FLOAT32_MAX, MAX_BETA
+
+        if self.beta > MAX_BETA:
+            raise ValueError(f"WatchConfig.beta must be in (1, {MAX_BETA:g}] (the paper uses 2 to 8; the kernels cap "
+                             f"the shift, so a larger beta changes nothing), got {self.beta!r}")
+        if self.eps > FLOAT32_MAX:
+            raise ValueError(f"WatchConfig.eps must be at most {FLOAT32_MAX:.4g} (the largest float32), got {self.eps!r}")
         for name in ("auto_switch", "strict", "sync_distributed"):
             flag(name)
         kinds("detectors", KINDS)

@@ -111,7 +111,9 @@ def measure_bias(
     * ``o_max_err``: max ``|O - O_exact|``;
     * ``delta_err_sum``: sum over rows of ``delta_lp - delta_hp`` (per call, all heads);
     * ``delta_pos_frac``: fraction of rows with ``delta_lp > delta_hp``;
-    * ``multi_max_frac``: fraction of rows where the tie test fired.
+    * ``multi_max_frac``: fraction of rows where the tie test fired, among the rows
+      it was counted over (``tie_rows``: all of them on the reference path; the
+      Triton kernel samples the query tiles of unstabilized heads).
     """
     q = inputs.q.detach().clone().requires_grad_(True)
     H = q.shape[1]
@@ -121,11 +123,11 @@ def measure_bias(
     o.backward(inputs.do)
     ref = exact_attention(inputs.q, inputs.k, inputs.v, causal=causal)
     err = o.detach().double() - ref
-    rows = probe.rows.sum().item()
+    tie_rows = probe.tie_rows.sum().item()
     return {
         "o_bias": err[..., inputs.neg_dims].mean().item(),
         "o_max_err": err.abs().max().item(),
         "delta_err_sum": probe.delta_err_sum.double().sum().item(),
         "delta_pos_frac": probe.delta_err_pos.sum().item() / max(probe.shadow_rows.sum().item(), 1),
-        "multi_max_frac": probe.multi_max_rows.sum().item() / max(rows, 1),
+        "multi_max_frac": probe.multi_max_rows.sum().item() / max(tie_rows, 1),
     }

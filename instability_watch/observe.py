@@ -51,7 +51,7 @@ from ._dist import log_rank_zero
 from .kernels import flash_attention, unsupported
 from .kernels.ops import ERROR_HANDLER
 from .kernels.stats import attention_shadow, attention_stats
-from .locate import AttentionLayer, attention_implementation
+from .locate import AttentionLayer, without_sdpa
 from .probe import COUNT_FIELDS, ProbeBank
 
 _SDPA = F.scaled_dot_product_attention
@@ -458,18 +458,20 @@ class Observation:
         self._sync()
 
     def _check_implementations(self) -> None:
-        """Hugging Face layers built without SDPA cannot be observed: an error if none can."""
-        off = [(s, attention_implementation(s.layer.module)) for s in self.sites]
-        off = [(s, impl) for s, impl in off if impl is not None and impl != "sdpa"]
+        """Layers built to compute attention without SDPA cannot be observed: an error if none can.
+
+        E.g. Hugging Face models with ``attn_implementation='eager'`` (see :func:`~.locate.without_sdpa`).
+        """
+        off = [(s, without_sdpa(s.layer.module, self.model)) for s in self.sites]
+        off = [(s, why) for s, why in off if why is not None]
         if off and len(off) == len(self.sites):
-            impl = off[0][1]
+            setting, remedy = off[0][1]
             raise ValueError(
-                f"the model computes attention with attn_implementation={impl!r}, without "
-                "F.scaled_dot_product_attention, so no attention call can be observed; build it with "
-                "attn_implementation='sdpa' (e.g. AutoModel.from_config(config, attn_implementation='sdpa'))"
+                f"the model computes attention with {setting}, without F.scaled_dot_product_attention, "
+                f"so no attention call can be observed; {remedy}"
             )
-        for site, impl in off:
-            self._note(site, UNOBSERVED, f"attn_implementation={impl!r} does not call F.scaled_dot_product_attention")
+        for site, (setting, _) in off:
+            self._note(site, UNOBSERVED, f"{setting} does not call F.scaled_dot_product_attention")
 
     # -- what the observers read -------------------------------------------------------
 
@@ -539,8 +541,9 @@ class Observation:
     def _relocate(self, device: torch.device) -> None:
         """Move probes and masks to the device the layers run on (once, e.g. after ``model.to``)."""
         self.bank.to(device)
-        for site in self.sites:
-            site.stabilize = site.stabilize.to(device)
+        for site in self.sites:  # from the meta device (a model materialized after attaching): none switched
+            site.stabilize = (torch.zeros_like(site.stabilize, device=device) if site.stabilize.is_meta
+                              else site.stabilize.to(device))
         self._sync()
 
     def _note(self, site: Site, kind: str, reason: str) -> None:

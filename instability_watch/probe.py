@@ -183,11 +183,22 @@ class ProbeBank:
         self._value_resets = [reset[:, None].expand(len(VALUE_FIELDS), h).contiguous() for h in self.head_counts]
 
     def to(self, device: torch.device | str) -> "ProbeBank":
-        """Move all buffers (keeping their contents and the :class:`Probe` objects)."""
+        """Move all buffers (keeping their contents and the :class:`Probe` objects).
+
+        From the meta device (a model built there, then materialized) there is
+        nothing to keep: the buffers come back fresh (zeroed).
+        """
+        fresh = self._device.type == "meta"
         self._device = torch.device(device)
         for p in self.probes:
-            p.to(device)
+            if fresh:
+                p.counts = torch.empty_like(p.counts, device=device)
+                p.values = torch.empty_like(p.values, device=device)
+            else:
+                p.to(device)
         self._make_resets()
+        if fresh:
+            self.zero_()
         return self
 
     def zero_(self) -> None:

@@ -9,12 +9,15 @@ saw and did:
   which the head was switched to the stabilized kernel, the peak multi-max
   frequency and peak attention logit, the final ``sum(delta_lp - delta_hp)``
   and the growth of sigma(W_Q). Heads that raised alerts come first (earliest
-  alert first), then the heads with the largest accumulated delta drift;
-* one PNG per metric (:func:`write_plots`), the metric against the step for the
-  worst heads (all other heads thin and gray) above the loss, with every alert
-  (a vertical line, one colour per kind) and switch (dashed) marked. The
-  figures correspond to those of the paper (Qiu & Yao, *Why Low-Precision
-  Transformer Training Fails*):
+  alert first), then the heads with the largest accumulated delta drift. What
+  the reader skipped or ignored (a torn last line, an incomplete last step,
+  see :mod:`instability_watch.export`) is listed once under the header;
+* one PNG per metric (:func:`write_plots`), the metric against the step above
+  the loss: the heads most extreme in *that* metric in colour and labelled,
+  heads that alerted or switched too, all others thin and gray; every alert (a
+  vertical line, one colour per kind) and switch (dashed) marked. The figures
+  correspond to those of the paper (Qiu & Yao, *Why Low-Precision Transformer
+  Training Fails*):
 
   ================  ==========================================================
   ``sigma_wq.png``  spectral norm sigma(W_Q) per head: paper Fig. 3 / Fig. 11
@@ -25,40 +28,47 @@ saw and did:
   ``loss.png``      the training loss alone, with the same marks
   ================  ==========================================================
 
+The report reads metrics.csv a block at a time (:func:`digest_run`) and keeps
+only what it shows: per head, the summary's values and at most
+:data:`PLOT_POINTS` points per metric (a bucket of steps becomes one point:
+its largest value, or for the running sum its last); per step, the loss. Its
+memory does not grow with the number of steps times heads: a 200,000-step
+GPT-2-small run (a 3.6 GB metrics.csv) is reported in 0.6 GB and 30 s on two
+CPU cores (``benchmarks/report_memory.py``).
+
 Metrics are sparse by design (sigma(W_Q) only every ``spectral_every`` steps,
 the delta statistics only on shadow steps): ``NaN`` means "not observed" and
 such points are left out of every plot and summary value.
 
 Example::
 
-    from instability_watch.export import load_run
     from instability_watch import report
 
-    run = load_run("runs/exp1")
-    print(report.head_summary(run).head())
-    report.write_plots(run, "runs/exp1/report")
+    digest = report.digest_run("runs/exp1")     # or report.digest(load_run("runs/exp1"))
+    print(report.head_summary(digest).head())
+    report.write_plots(digest, "runs/exp1/report")
 """
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import pandas as pd
 from rich import box
+from rich.cells import cell_len
 from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
 from .detectors import KINDS
-from .export import load_run
+from .export import BLOCK_BYTES, HeadIndex, Run, stream_run
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
     from matplotlib.figure import Figure
-
-    from .export import Run
 
 INSTALL_PLOTS = 'install matplotlib: pip install "instability_watch[plots]"'
 
@@ -69,15 +79,20 @@ SUMMARY_COLUMNS = (
        "sigma_first", "sigma_last", "sigma_growth", "switched_at")
 )
 
-# (file stem, metrics column, title, y label); order = order of the files written
+# (file stem, metrics column, title, y label, how); order = order of the files written. ``how``:
+#   "peak":   a bucket of steps keeps its largest value; the heads with the largest value are coloured
+#   "signed": a running sum: a bucket keeps its last value; the heads with the largest |value| are coloured
 METRIC_PLOTS = (
-    ("sigma_wq", "sigma_wq", "spectral norm σ(W_Q) per head (paper Fig. 3/11)", "σ(W_Q)"),
+    ("sigma_wq", "sigma_wq", "spectral norm σ(W_Q) per head (paper Fig. 3/11)", "σ(W_Q)", "peak"),
     ("multi_max", "multi_max_freq", "multi-max frequency: rows whose maximum repeats (paper Fig. 13)",
-     "multi-max freq."),
+     "multi-max freq.", "peak"),
     ("delta_cum", "delta_cum", "cumulative Σ(δ_lp − δ_hp) over the shadow steps (paper Fig. 5a)",
-     "Σ(δ_lp − δ_hp)"),
-    ("max_score", "max_score", "largest attention logit per head", "max logit"),
+     "Σ(δ_lp − δ_hp)", "signed"),
+    ("max_score", "max_score", "largest attention logit per head", "max logit", "peak"),
 )
+PLOT_POINTS = 1000
+"""Points per head and metric at most (an even number): a run of more steps is drawn from buckets of steps.
+A 1100-pixel-wide figure shows no more; a run of up to this many steps is drawn exactly."""
 
 # alert marks: one colour per kind; switches: dashed dark gray. The heads' colours avoid all of them.
 KIND_COLORS = {
@@ -88,46 +103,264 @@ KIND_COLORS = {
     "nonfinite": "black",
 }
 SWITCH_COLOR = "0.3"
+GRAY = "0.7"
 HEAD_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:brown", "tab:cyan", "navy", "darkgoldenrod",
-               "teal", "slateblue", "darkkhaki")
+               "teal", "slateblue", "darkkhaki", "peru", "mediumseagreen")
+
+_NO_STEP = np.iinfo(np.int64).min  # an empty bucket (or no finite value yet)
+_NO_FIRST = np.iinfo(np.int64).max
+
+
+# --------------------------------------------------------------------------- reading: the digest
+
+
+class _Buckets:
+    """One metric's downsampled series for every head: at most ``n`` points per head.
+
+    The steps ``[lo, lo + n * width)`` are cut into ``n`` buckets; a bucket keeps
+    one (step, value): its largest value (``how="peak"``) or its last
+    (``"signed"``). When a step falls outside, the width doubles (pairs of
+    buckets merge), so the range follows the run without knowing it in advance.
+    """
+
+    def __init__(self, how: str, n: int) -> None:
+        self.how, self.n = how, n
+        self.step = np.full((0, n), _NO_STEP, dtype=np.int64)  # (heads, n)
+        self.value = np.full((0, n), np.nan)  # (heads, n)
+
+    def grow(self, heads: int) -> None:
+        if heads > len(self.step):
+            cap = max(heads, 2 * len(self.step))
+            self.step = np.concatenate([self.step, np.full((cap - len(self.step), self.n), _NO_STEP, np.int64)])
+            self.value = np.concatenate([self.value, np.full((cap - len(self.value), self.n), np.nan)])
+
+    def halve(self, down: bool) -> None:
+        """Merge pairs of buckets: the series takes half the buckets, the lower half (or, ``down``, the upper)."""
+        step = self.step.reshape(len(self.step), self.n // 2, 2)  # (heads, n/2, 2)
+        value = self.value.reshape(len(self.value), self.n // 2, 2)
+        if self.how == "peak":
+            right = np.isnan(value[..., 0]) | (value[..., 1] > value[..., 0])
+        else:
+            right = step[..., 1] > step[..., 0]
+        merged_step = np.where(right, step[..., 1], step[..., 0])  # (heads, n/2)
+        merged_value = np.where(right, value[..., 1], value[..., 0])
+        half = slice(self.n // 2, None) if down else slice(0, self.n // 2)
+        self.step = np.full_like(self.step, _NO_STEP)
+        self.value = np.full_like(self.value, np.nan)
+        self.step[:, half], self.value[:, half] = merged_step, merged_value
+
+    def add(self, cell: np.ndarray, step: np.ndarray, value: np.ndarray) -> None:
+        """Put finite values in their flat cells (``head * n + bucket``)."""
+        flat_step, flat_value = self.step.reshape(-1), self.value.reshape(-1)
+        if self.how == "peak":
+            np.fmax.at(flat_value, cell, value)
+            won = value == flat_value[cell]
+        else:
+            np.maximum.at(flat_step, cell, step)
+            won = step == flat_step[cell]
+        flat_step[cell[won]], flat_value[cell[won]] = step[won], value[won]
+
+    def series(self, head: int) -> Tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of one head, in step order (empty buckets left out)."""
+        keep = ~np.isnan(self.value[head])
+        return self.step[head, keep], self.value[head, keep]
+
+
+class _Digester:
+    """A :func:`~instability_watch.export.stream_run` sink: reduces metrics rows to a :class:`RunDigest`."""
+
+    def __init__(self, points: int = PLOT_POINTS) -> None:
+        if points < 2 or points % 2:
+            raise ValueError(f"points must be an even number >= 2, got {points!r}")
+        self.points = points
+        self.heads = HeadIndex()
+        self.names: Dict[int, str] = {}
+        self.cap = 0
+        nan = np.empty(0)
+        self.peak = {c: nan for c in ("multi_max_freq", "max_score")}  # largest observed value (inf kept)
+        self.high = {column: nan for _, column, _, _, _ in METRIC_PLOTS}  # largest non-NaN value
+        self.low = {column: nan for _, column, _, _, how in METRIC_PLOTS if how == "signed"}
+        self.at = {  # (step, value) of a finite value: the last delta, the first and last sigma
+            "delta_last": (np.empty(0, np.int64), nan), "sigma_first": (np.empty(0, np.int64), nan),
+            "sigma_last": (np.empty(0, np.int64), nan)}
+        self.buckets = {column: _Buckets(how, points) for _, column, _, _, how in METRIC_PLOTS}
+        self.lo, self.width = 0, 0  # the buckets cover steps [lo, lo + points * width)
+        self.losses: List[pd.Series] = []  # per piece: the first loss of each step
+
+    def _grow(self, heads: int) -> None:
+        if heads <= self.cap:
+            return
+        cap = max(heads, 2 * self.cap)
+
+        def more(a: np.ndarray, fill) -> np.ndarray:
+            return np.concatenate([a, np.full(cap - len(a), fill, dtype=a.dtype)])
+
+        for table in (self.peak, self.high, self.low):
+            for k in table:
+                table[k] = more(table[k], np.nan)
+        for k, (step, value) in self.at.items():
+            self.at[k] = (more(step, _NO_FIRST if k == "sigma_first" else _NO_STEP), more(value, np.nan))
+        for b in self.buckets.values():
+            b.grow(cap)
+        self.cap = cap
+
+    def _fit(self, lo: int, hi: int) -> None:
+        """Widen the buckets until they cover steps ``lo..hi``."""
+        if self.width == 0:
+            self.lo, self.width = lo, 1
+        while lo < self.lo or hi >= self.lo + self.points * self.width:
+            down = lo < self.lo
+            for b in self.buckets.values():
+                b.halve(down)
+            if down:
+                self.lo -= self.points * self.width
+            self.width *= 2
+
+    def add(self, frame: pd.DataFrame) -> None:
+        step = frame["step"].to_numpy()
+        layer = frame["layer"].to_numpy()
+        index = self.heads(layer, frame["head"].to_numpy())  # (rows,)
+        self._grow(len(self.heads))
+        for name_layer in pd.unique(layer).tolist():
+            if name_layer not in self.names:
+                self.names[name_layer] = str(frame["layer_name"].iat[int(np.argmax(layer == name_layer))])
+        loss = frame["loss"].to_numpy(dtype="float64")
+        self.losses.append(pd.Series(loss).groupby(step).first())
+        self._fit(int(step.min()), int(step.max()))
+        # in float: exact for any step below 2**53, and no int64 overflow for absurd ones
+        bucket = np.clip((step - float(self.lo)) // self.width, 0, self.points - 1).astype(np.int64)
+        values = {c: frame[c].to_numpy(dtype="float64") for c in ("multi_max_freq", "max_score", "delta_cum",
+                                                                   "sigma_wq")}
+        for column, v in values.items():
+            seen = ~np.isnan(v)
+            if column in self.peak:
+                np.fmax.at(self.peak[column], index[seen], v[seen])
+            np.fmax.at(self.high[column], index[seen], v[seen])
+            if column in self.low:
+                np.fmin.at(self.low[column], index[seen], v[seen])
+            finite = np.isfinite(v)
+            self.buckets[column].add(index[finite] * self.points + bucket[finite], step[finite], v[finite])
+        for key, column, first in (("delta_last", "delta_cum", False), ("sigma_first", "sigma_wq", True),
+                                   ("sigma_last", "sigma_wq", False)):
+            v = values[column]
+            finite = np.isfinite(v)
+            at_step, at_value = self.at[key]
+            i, s = index[finite], step[finite]
+            (np.minimum if first else np.maximum).at(at_step, i, s)
+            won = s == at_step[i]
+            at_value[i[won]] = v[finite][won]
+
+    def digest(self, run_dir: Path, meta: dict, events: pd.DataFrame, problems: List[str]) -> "RunDigest":
+        n = len(self.heads)
+        layers = self.heads.layers
+        heads = pd.DataFrame({
+            "layer": layers, "layer_name": pd.array([self.names[int(x)] for x in layers], dtype="string"),
+            "head": self.heads.heads,
+            "peak_multi_max_freq": self.peak["multi_max_freq"][:n], "peak_max_score": self.peak["max_score"][:n],
+            "final_delta_cum": self.at["delta_last"][1][:n],
+            "sigma_first": self.at["sigma_first"][1][:n], "sigma_last": self.at["sigma_last"][1][:n],
+        })
+        extreme = {}
+        for _, column, _, _, how in METRIC_PLOTS:
+            high = self.high[column][:n]
+            extreme[column] = high if how == "peak" else np.fmax(np.abs(high), np.abs(self.low[column][:n]))
+        if self.losses:
+            steps = pd.concat(self.losses).groupby(level=0).first()
+            steps = pd.DataFrame({"step": steps.index.to_numpy(dtype="int64"), "loss": steps.to_numpy()})
+        else:
+            steps = pd.DataFrame({"step": pd.Series(dtype="int64"), "loss": pd.Series(dtype="float64")})
+        return RunDigest(run_dir=run_dir, meta=meta, events=events, problems=list(problems), heads=heads,
+                         steps=steps, extreme=extreme, buckets=self.buckets)
+
+
+@dataclass
+class RunDigest:
+    """What the report shows of a run, in memory that does not grow with steps times heads.
+
+    Attributes:
+        run_dir, meta, events, problems: as in :class:`~instability_watch.export.Run`.
+        heads: one row per (layer, head) of metrics.csv: ``layer``, ``layer_name``,
+            ``head``, ``peak_multi_max_freq``, ``peak_max_score`` (largest
+            observed, inf kept), ``final_delta_cum`` (last finite),
+            ``sigma_first``, ``sigma_last`` (first and last finite).
+        steps: one row per step: ``step`` and ``loss`` (as :attr:`Run.steps`).
+        extreme: per plotted column, how extreme each head of ``heads`` is (the
+            largest value, or the largest |value| of a running sum).
+        buckets: per plotted column, the downsampled series of each head.
+    """
+
+    run_dir: Path
+    meta: dict
+    events: pd.DataFrame
+    problems: List[str]
+    heads: pd.DataFrame
+    steps: pd.DataFrame
+    extreme: Dict[str, np.ndarray]
+    buckets: Dict[str, _Buckets]
+
+    def series(self, column: str, index: int) -> Tuple[np.ndarray, np.ndarray]:
+        """``(steps, values)`` of ``column`` for the head in row ``index`` of :attr:`heads` (finite values only)."""
+        return self.buckets[column].series(index)
+
+
+def digest_run(run_dir: str | os.PathLike, *, points: int = PLOT_POINTS,
+               block_bytes: int = BLOCK_BYTES) -> RunDigest:
+    """Read a run directory into a :class:`RunDigest`, a block of metrics.csv at a time.
+
+    Args:
+        run_dir: the run directory.
+        points: the most points per head in a plot (an even number).
+        block_bytes: CSV bytes parsed at a time.
+
+    Raises:
+        RunDirError: as :func:`~instability_watch.export.load_run`.
+    """
+    read = stream_run(run_dir, lambda: _Digester(points), block_bytes=block_bytes)
+    return read.sink.digest(read.run_dir, read.meta, read.events, read.problems)
+
+
+def digest(run: Run, *, points: int = PLOT_POINTS) -> RunDigest:
+    """The :class:`RunDigest` of a run already loaded by :func:`~instability_watch.export.load_run`."""
+    sink = _Digester(points)
+    if len(run.metrics):
+        sink.add(run.metrics)
+    return sink.digest(run.run_dir, run.meta, run.events, getattr(run, "problems", []))
+
+
+AnyRun = Union[Run, RunDigest]
+
+
+def _as_digest(run: AnyRun) -> RunDigest:
+    return run if isinstance(run, RunDigest) else digest(run)
 
 
 # --------------------------------------------------------------------------- summary
 
 
-def _finite(values: pd.Series) -> pd.Series:
-    """The finite entries of a float column (drops NaN and +-inf)."""
-    v = values.astype("float64")
-    return v[np.isfinite(v.to_numpy())]
+def _head_index(d: RunDigest) -> pd.DataFrame:
+    """Every (layer, head) of the run's metrics and events, with its layer name and its per-head values.
 
-
-def _head_index(run: "Run") -> pd.DataFrame:
-    """Every (layer, head) the run knows of, from its metrics, events and meta, with its layer name."""
-    parts = []
-    for frame in (run.metrics, run.events):
-        if len(frame):
-            parts.append(frame[["layer", "layer_name", "head"]].astype({"layer": "int64", "head": "int64"}))
-    layers, heads = run.meta.get("layers"), run.meta.get("heads")
-    if isinstance(layers, list) and isinstance(heads, list) and len(layers) == len(heads):
-        rows = [(i, str(name), h) for i, (name, n) in enumerate(zip(layers, heads))
-                if isinstance(n, int) for h in range(n)]
-        if rows:
-            parts.append(pd.DataFrame(rows, columns=["layer", "layer_name", "head"]))
-    if not parts:
-        return pd.DataFrame({"layer": pd.Series(dtype="int64"), "layer_name": pd.Series(dtype="string"),
-                             "head": pd.Series(dtype="int64")})
-    index = pd.concat(parts, ignore_index=True)
+    Only what the files hold: meta.json's head counts never add rows.
+    """
+    index = d.heads.copy()
+    events = d.events
+    if len(events):
+        known = pd.MultiIndex.from_frame(index[["layer", "head"]])
+        pairs = events[["layer", "layer_name", "head"]].astype({"layer": "int64", "head": "int64"})
+        pairs = pairs.drop_duplicates(subset=["layer", "head"], keep="first")  # the first name seen
+        new = ~pd.MultiIndex.from_frame(pairs[["layer", "head"]]).isin(known)
+        if new.any():
+            index = pd.concat([index, pairs[new]], ignore_index=True)
     index["layer_name"] = index["layer_name"].astype("string").fillna("")
-    # the first name seen for a layer wins (metrics before events before meta)
-    index = index.drop_duplicates(subset=["layer", "head"], keep="first")
     return index.sort_values(["layer", "head"], kind="mergesort").reset_index(drop=True)
 
 
-def head_summary(run: "Run") -> pd.DataFrame:
+def head_summary(run: AnyRun) -> pd.DataFrame:
     """One row per (layer, head): what the watch saw in that head and what it did.
 
     Args:
-        run: a loaded run directory (:func:`~instability_watch.export.load_run`).
+        run: a :class:`RunDigest` (:func:`digest_run`), or a run loaded by
+            :func:`~instability_watch.export.load_run`.
 
     Returns:
         A DataFrame with the columns :data:`SUMMARY_COLUMNS`:
@@ -148,9 +381,9 @@ def head_summary(run: "Run") -> pd.DataFrame:
         first, by their earliest alert step; then by ``|final_delta_cum|``,
         largest first (heads without a delta value last); ties by layer, head.
     """
-    out = _head_index(run)
+    d = _as_digest(run)
+    out = _head_index(d)
     key = ["layer", "head"]
-    metrics = run.metrics.sort_values("step", kind="mergesort")
 
     def attach(per_head: pd.Series, name: str, dtype: str) -> None:
         """Left-join a Series indexed by (layer, head) onto ``out`` as column ``name``."""
@@ -160,35 +393,21 @@ def head_summary(run: "Run") -> pd.DataFrame:
         out = out.merge(frame, on=key, how="left")
         out[name] = out[name].astype(dtype)
 
-    def metric_per_head(column: str, how: str) -> pd.Series:
-        """``how`` ("max", "first", "last") of the observed values of ``column`` per head.
-
-        Peaks keep +-inf (a blown-up logit is worth seeing); first/last take finite values only.
-        """
-        col = metrics[column].to_numpy(dtype="float64")
-        keep = ~np.isnan(col) if how == "max" else np.isfinite(col)
-        return metrics.loc[keep, key + [column]].groupby(key)[column].agg(how)
-
     def event_steps(frame: pd.DataFrame, how: str) -> pd.Series:
         """``how`` ("min" or "size") of the event steps per head."""
         frame = frame[key + ["step"]].astype("int64")
         grouped = frame.groupby(key)["step"]
         return grouped.size() if how == "size" else grouped.min()
 
-    event = run.events["event"].astype("string")
-    alerts = run.events[(event == "alert").fillna(False).to_numpy()]
-    switches = run.events[(event == "switch").fillna(False).to_numpy()]
+    event = d.events["event"].astype("string")
+    alerts = d.events[(event == "alert").fillna(False).to_numpy()]
+    switches = d.events[(event == "switch").fillna(False).to_numpy()]
     alert_kind = alerts["kind"].astype("string")
     for kind in KINDS:
         of_kind = alerts[(alert_kind == kind).fillna(False).to_numpy()]
         attach(event_steps(of_kind, "min"), f"first_{kind}", "Int64")
     attach(event_steps(alerts, "size"), "alerts", "float64")
     out["alerts"] = out["alerts"].fillna(0).astype("int64")
-    attach(metric_per_head("multi_max_freq", "max"), "peak_multi_max_freq", "float64")
-    attach(metric_per_head("max_score", "max"), "peak_max_score", "float64")
-    attach(metric_per_head("delta_cum", "last"), "final_delta_cum", "float64")
-    attach(metric_per_head("sigma_wq", "first"), "sigma_first", "float64")
-    attach(metric_per_head("sigma_wq", "last"), "sigma_last", "float64")
     with np.errstate(divide="ignore", invalid="ignore"):
         growth = out["sigma_last"].to_numpy(dtype="float64") / out["sigma_first"].to_numpy(dtype="float64")
     out["sigma_growth"] = np.where(np.isfinite(growth), growth, np.nan)
@@ -222,29 +441,51 @@ def _fmt(value, spec: str = ".4g", *, missing: str = "-") -> str:
 
 
 def _first_finite(values: pd.Series, *, last: bool = False) -> float:
-    finite = _finite(values)
+    v = values.to_numpy(dtype="float64")
+    finite = v[np.isfinite(v)]
     if not len(finite):
         return float("nan")
-    return float(finite.iloc[-1] if last else finite.iloc[0])
+    return float(finite[-1] if last else finite[0])
+
+
+def _left_cut(text: str, width: int) -> str:
+    """``text`` in at most ``width`` cells, cut at the left (a layer name's end tells layers apart)."""
+    return text if len(text) <= width else "…" + text[len(text) - max(width - 1, 0):]
+
+
+def _short_labels(labels: List[str], names: List[str], width: int) -> List[str]:
+    """Head labels (``f"{layer_name} h{head}"``) in ``width`` cells: what tells the layers apart is kept.
+
+    A suffix all the layer names share is dropped first (``transformer.h.11.attn``
+    -> ``transformer.h.11``), then the labels are cut at the left (``…h.11 h7``).
+    """
+    if max(map(cell_len, labels)) > width and len(set(names)) > 1:
+        common = os.path.commonprefix([n[::-1] for n in names])[::-1]
+        if common and all(len(n) > len(common) for n in names):
+            labels = [label[: len(n) - len(common)] + label[len(n):] for label, n in zip(labels, names)]
+    return [_left_cut(label, width) for label in labels]
 
 
 class SummaryView:
-    """Rich renderable of a run's summary: a header and the per-head table.
+    """Rich renderable of a run's summary: a header, what the reader skipped, and the per-head table.
+
+    The table keeps each head on one line at any console width: the head's name
+    is cut at the left to fit (at 80 columns a GPT-2 name keeps ``h.11.attn``).
 
     Args:
-        run: the loaded run.
+        run: a :class:`RunDigest` or a loaded :class:`~instability_watch.export.Run`.
         summary: its :func:`head_summary` (computed if not given).
         top: show at most this many heads (the first ones of the summary's
             order); a line says how many are not shown.
     """
 
-    def __init__(self, run: "Run", summary: Optional[pd.DataFrame] = None, *, top: int = 20) -> None:
-        self.run = run
-        self.summary = head_summary(run) if summary is None else summary
+    def __init__(self, run: AnyRun, summary: Optional[pd.DataFrame] = None, *, top: int = 20) -> None:
+        self.run = _as_digest(run)
+        self.summary = head_summary(self.run) if summary is None else summary
         self.top = max(int(top), 0)
 
     def header(self) -> Text:
-        """The lines above the table: run dir, steps, loss, alerts, switches, resumes."""
+        """The lines above the table: run dir, steps, loss, alerts, switches, resumes, reader notes."""
         run, summary = self.run, self.summary
         text = Text()
         text.append("instability_watch report: ", style="bold")
@@ -267,37 +508,56 @@ class SummaryView:
         resumed = run.meta.get("resumed_at") or []
         if resumed:
             text.append("\nresumed at step " + ", ".join(str(s) for s in resumed))
+        for problem in run.problems:
+            text.append(f"\nnote: {problem}", style="yellow")
         return text
 
-    def table(self) -> Table:
-        """The per-head table (at most ``top`` rows)."""
-        table = Table(box=box.SIMPLE_HEAD, pad_edge=False, collapse_padding=True)
-        table.add_column("layer", overflow="fold")
-        table.add_column("head", justify="right", no_wrap=True)
-        table.add_column("first alert\nstep kind", overflow="fold")
-        table.add_column("alerts", justify="right", no_wrap=True)
-        table.add_column("switch\nstep", justify="right", no_wrap=True)
-        table.add_column("multi\nmax", justify="right", no_wrap=True)
-        table.add_column("max\nlogit", justify="right", no_wrap=True)
-        table.add_column("Σδlp−δhp\nfinal", justify="right", no_wrap=True)
-        table.add_column("σ(W_Q)\ngrowth", justify="right", no_wrap=True)
+    _COLUMNS = (  # header, justify
+        ("head", "left"), ("first alert\nstep kind", "left"), ("alerts", "right"), ("switch\nstep", "right"),
+        ("multi\nmax", "right"), ("max\nlogit", "right"), ("Σδlp−δhp\nfinal", "right"),
+        ("σ(W_Q)\ngrowth", "right"),
+    )
+
+    def _cells(self) -> List[List[Text]]:
+        rows = []
         for row in self.summary.head(self.top).itertuples(index=False):
             firsts = sorted((int(getattr(row, f"first_{k}")), k) for k in KINDS
                             if not pd.isna(getattr(row, f"first_{k}")))
-            alert_text = Text("\n".join(f"{s} {k}" for s, k in firsts) or "-",
-                              style="bold red" if firsts else "")
+            alert = "-"
+            if firsts:  # the earliest; "+n": alerts of n other kinds came later
+                alert = f"{firsts[0][0]} {firsts[0][1]}" + (f" +{len(firsts) - 1}" if len(firsts) > 1 else "")
             switch = "-" if pd.isna(row.switched_at) else str(int(row.switched_at))
-            table.add_row(
-                Text(str(row.layer_name)),
-                str(row.head),
-                alert_text,
-                str(row.alerts) if row.alerts else "-",
+            rows.append([
+                Text(f"{row.layer_name} h{row.head}"),
+                Text(alert, style="bold red" if firsts else ""),
+                Text(str(row.alerts) if row.alerts else "-"),
                 Text(switch, style="green" if switch != "-" else ""),
-                _fmt(row.peak_multi_max_freq, ".0%"),
-                _fmt(row.peak_max_score, ".4g"),
-                _fmt(row.final_delta_cum, "+.3g"),
-                "-" if pd.isna(row.sigma_growth) else f"×{row.sigma_growth:.3g}",
-            )
+                Text(_fmt(row.peak_multi_max_freq, ".0%")),
+                Text(_fmt(row.peak_max_score, ".3g")),
+                Text(_fmt(row.final_delta_cum, "+.2g")),
+                Text("-" if pd.isna(row.sigma_growth) else f"×{row.sigma_growth:.3g}"),
+            ])
+        return rows
+
+    def table(self, width: Optional[int] = None) -> Table:
+        """The per-head table (at most ``top`` rows), each row one line within ``width`` cells if given."""
+        rows = self._cells()
+        names = [str(name) for name in self.summary["layer_name"].head(self.top)]
+        head_width = None
+        if width is not None and rows:  # the head column gets what the others leave (one space between columns)
+            others = sum(max(max(cell_len(line) for line in header.split("\n")), max(r[i].cell_len for r in rows))
+                         for i, (header, _) in enumerate(self._COLUMNS) if i)
+            room = max(width - others - (len(self._COLUMNS) - 1), len("head") + 1)
+            head_width = min(room, max(r[0].cell_len for r in rows) + 1)  # + 1: two spaces before the alert
+            labels = _short_labels([r[0].plain for r in rows], names, head_width - 1)
+            for r, label in zip(rows, labels):
+                r[0] = Text(label)
+        table = Table(box=box.SIMPLE_HEAD, show_edge=False, pad_edge=False, collapse_padding=True, padding=(0, 0))
+        for i, (header, justify) in enumerate(self._COLUMNS):
+            table.add_column(header, justify=justify, no_wrap=True, overflow="ellipsis",
+                             width=head_width if i == 0 else None)
+        for r in rows:
+            table.add_row(*r)
         return table
 
     def __rich_console__(self, console: Console, options: ConsoleOptions) -> RenderResult:
@@ -305,7 +565,7 @@ class SummaryView:
         if not len(self.summary):
             yield Text("no heads recorded")
             return
-        yield self.table()
+        yield self.table(options.max_width)
         hidden = len(self.summary) - min(self.top, len(self.summary))
         if hidden:
             yield Text(f"{hidden} more head{'s' if hidden != 1 else ''} not shown (use --top to show more)",
@@ -336,7 +596,39 @@ def _head_label(layer_name: str, head: int) -> str:
     return f"{layer_name} h{head}"
 
 
-def _mark_events(axes: Sequence["Axes"], run: "Run", *, legend: bool) -> None:
+def highlighted_heads(run: AnyRun, column: str, top: int,
+                      summary: Optional[pd.DataFrame] = None) -> List[Tuple[int, str]]:
+    """The heads a plot of ``column`` colours, in legend order: ``(row of RunDigest.heads, label)``.
+
+    The ``top`` heads most extreme in that metric (the largest value; for the
+    running sum ``delta_cum`` the largest |value|), then up to ``top`` heads
+    that alerted or were switched (earliest first), labelled so.
+    """
+    d = _as_digest(run)
+    extreme = d.extreme[column]
+    heads = d.heads
+    seen = np.flatnonzero(~np.isnan(extreme))
+    # most extreme first; ties by layer, head
+    order = seen[np.lexsort((heads["head"].to_numpy()[seen], heads["layer"].to_numpy()[seen], -extreme[seen]))]
+    chosen = [(int(i), _head_label(heads["layer_name"].iat[i], int(heads["head"].iat[i]))) for i in order[:top]]
+    summary = head_summary(d) if summary is None else summary
+    flagged = summary[(summary["alerts"] > 0) | summary["switched_at"].notna()]
+    if len(flagged) and len(heads):
+        row_of = {(int(l), int(h)): i for i, (l, h) in enumerate(zip(heads["layer"], heads["head"]))}
+        taken = {i for i, _ in chosen}
+        extra = 0
+        for r in flagged.itertuples(index=False):
+            i = row_of.get((int(r.layer), int(r.head)))
+            if i is None or i in taken or extra >= top or np.isnan(extreme[i]):
+                continue
+            what = "alert" if r.alerts else "switched"
+            chosen.append((i, f"{_head_label(r.layer_name, int(r.head))} ({what})"))
+            taken.add(i)
+            extra += 1
+    return chosen
+
+
+def _mark_events(axes: Sequence["Axes"], run: RunDigest, *, legend: bool) -> None:
     """Draw a vertical line per (step, kind) of alert and per switch step on every axis.
 
     Only the first axis gets legend labels (when ``legend``), one per kind.
@@ -346,8 +638,8 @@ def _mark_events(axes: Sequence["Axes"], run: "Run", *, legend: bool) -> None:
         return
     kinds = events["kind"].astype("string").fillna("")
     steps = events["step"].astype("int64")
-    is_alert = (events["event"].astype("string") == "alert").to_numpy()
-    is_switch = (events["event"].astype("string") == "switch").to_numpy()
+    is_alert = (events["event"].astype("string") == "alert").fillna(False).to_numpy()
+    is_switch = (events["event"].astype("string") == "switch").fillna(False).to_numpy()
     alert_marks = sorted({(int(s), str(k)) for s, k in zip(steps[is_alert], kinds[is_alert])})
     switch_marks = sorted({int(s) for s in steps[is_switch]})
     for i, ax in enumerate(axes):
@@ -362,7 +654,7 @@ def _mark_events(axes: Sequence["Axes"], run: "Run", *, legend: bool) -> None:
             ax.axvline(step, color=SWITCH_COLOR, linestyle="--", linewidth=1.2, label=label)
 
 
-def _plot_loss(ax: "Axes", run: "Run") -> None:
+def _plot_loss(ax: "Axes", run: RunDigest) -> None:
     steps = run.steps
     loss = steps["loss"].to_numpy(dtype="float64")
     ok = np.isfinite(loss)
@@ -376,58 +668,57 @@ def _plot_loss(ax: "Axes", run: "Run") -> None:
     ax.grid(True, alpha=0.3)
 
 
-def _metric_figure(run: "Run", summary: pd.DataFrame, column: str, title: str, ylabel: str,
+def _metric_figure(run: AnyRun, summary: Optional[pd.DataFrame], column: str, title: str, ylabel: str,
                    top: int) -> "Figure":
     """The figure of one metric: the metric per head above the loss, events marked.
 
     Args:
-        run: the run.
-        summary: its :func:`head_summary` (gives the order of the worst heads).
+        run: the run (a :class:`RunDigest` or a loaded run).
+        summary: its :func:`head_summary` (gives the heads that alerted or switched).
         column: the metrics column to plot.
         title, ylabel: the figure's title and the top panel's y label.
-        top: how many heads (the first of ``summary``) get a colour and a label.
+        top: how many of the heads most extreme in ``column`` get a colour and a
+            label (and at most as many more that alerted or switched).
 
     Returns:
         An unsaved ``matplotlib.figure.Figure``.
     """
     Figure, FigureCanvasAgg = _require_matplotlib()
+    d = _as_digest(run)
     fig = Figure(figsize=(11, 6.5), layout="constrained")
     FigureCanvasAgg(fig)
     ax, ax_loss = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
-    fig.suptitle(f"{title}\n{run.run_dir}", fontsize="medium")
+    fig.suptitle(f"{title}\n{d.run_dir}", fontsize="medium")
 
-    values = run.metrics[["step", "layer", "head", column]]
-    col = values[column].to_numpy(dtype="float64")
-    values = values[np.isfinite(col)].sort_values("step", kind="mergesort")
-    series: Dict[Tuple[int, int], pd.DataFrame] = {
-        (int(layer), int(head)): g for (layer, head), g in values.groupby(["layer", "head"])
-    }
-    worst = [(int(r.layer), int(r.head), str(r.layer_name)) for r in summary.head(top).itertuples(index=False)]
-    worst_keys = {(layer, head) for layer, head, _ in worst}
-    if series:
-        for key, g in series.items():
-            if key not in worst_keys:
-                ax.plot(g["step"].to_numpy(), g[column].to_numpy(), color="0.7", linewidth=0.6, zorder=1)
-        for i, (layer, head, name) in enumerate(worst):
-            g = series.get((layer, head))
-            if g is None:
-                continue
-            few = len(g) <= 60
-            ax.plot(g["step"].to_numpy(), g[column].to_numpy(), color=HEAD_COLORS[i % len(HEAD_COLORS)], linewidth=1.6, zorder=3,
-                    marker="o" if few else None, markersize=3, label=_head_label(name, head))
-    else:
+    chosen = highlighted_heads(d, column, top, summary)
+    coloured = {i for i, _ in chosen}
+    drawn = 0
+    for i in range(len(d.heads)):
+        if i not in coloured:
+            x, y = d.series(column, i)
+            if len(x):
+                ax.plot(x, y, color=GRAY, linewidth=0.6, zorder=1)
+                drawn += 1
+    for n, (i, label) in enumerate(chosen):
+        x, y = d.series(column, i)
+        if len(x):
+            few = len(x) <= 60
+            ax.plot(x, y, color=HEAD_COLORS[n % len(HEAD_COLORS)], linewidth=1.6, zorder=3,
+                    marker="o" if few else None, markersize=3, label=label)
+            drawn += 1
+    if not drawn:
         ax.text(0.5, 0.5, f"no data: {column} was not observed in this run", transform=ax.transAxes,
                 ha="center", va="center", color="tab:gray")
     ax.set_ylabel(ylabel)
     ax.grid(True, alpha=0.3)
-    _mark_events([ax, ax_loss], run, legend=True)
-    _plot_loss(ax_loss, run)
+    _mark_events([ax, ax_loss], d, legend=True)
+    _plot_loss(ax_loss, d)
     if ax.get_legend_handles_labels()[0]:
         ax.legend(loc="upper left", bbox_to_anchor=(1.01, 1.0), fontsize="small", frameon=False)
     return fig
 
 
-def _loss_figure(run: "Run") -> "Figure":
+def _loss_figure(run: RunDigest) -> "Figure":
     """The loss against the step, with alerts and switches marked."""
     Figure, FigureCanvasAgg = _require_matplotlib()
     fig = Figure(figsize=(11, 4), layout="constrained")
@@ -441,7 +732,7 @@ def _loss_figure(run: "Run") -> "Figure":
     return fig
 
 
-def write_plots(run: "Run", out_dir: str | os.PathLike, top: int = 6, *,
+def write_plots(run: AnyRun, out_dir: str | os.PathLike, top: int = 6, *,
                 summary: Optional[pd.DataFrame] = None) -> List[Path]:
     """Write the report's PNGs into ``out_dir`` (created if missing).
 
@@ -449,10 +740,11 @@ def write_plots(run: "Run", out_dir: str | os.PathLike, top: int = 6, *,
     not imported and the user's interactive backend is left alone.
 
     Args:
-        run: a loaded run directory.
+        run: a :class:`RunDigest` (:func:`digest_run`) or a loaded run.
         out_dir: where to write the files.
-        top: how many of the worst heads (in :func:`head_summary`'s order) are
-            drawn in colour and labelled; all other heads are thin gray lines.
+        top: in each metric's plot, how many of the heads most extreme in that
+            metric are drawn in colour and labelled (plus at most as many that
+            alerted or switched); all other heads are thin gray lines.
         summary: the run's :func:`head_summary`, if already computed.
 
     Returns:
@@ -464,13 +756,14 @@ def write_plots(run: "Run", out_dir: str | os.PathLike, top: int = 6, *,
         OSError: ``out_dir`` cannot be created or written.
     """
     _require_matplotlib()
-    summary = head_summary(run) if summary is None else summary
+    d = _as_digest(run)
+    summary = head_summary(d) if summary is None else summary
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     written: List[Path] = []
-    figures = [(stem, lambda c=column, t=title, y=ylabel: _metric_figure(run, summary, c, t, y, top))
-               for stem, column, title, ylabel in METRIC_PLOTS]
-    figures.append(("loss", lambda: _loss_figure(run)))
+    figures = [(stem, lambda c=column, t=title, y=ylabel: _metric_figure(d, summary, c, t, y, top))
+               for stem, column, title, ylabel, _ in METRIC_PLOTS]
+    figures.append(("loss", lambda: _loss_figure(d)))
     for stem, build in figures:
         path = out / f"{stem}.png"
         build().savefig(path, dpi=100)
@@ -493,10 +786,13 @@ def main(run_dir: str | os.PathLike, *, out_dir: str | os.PathLike | None = None
          plots: bool = True, console: Optional[Console] = None) -> int:
     """Print a run's summary and write its plots (the ``instability-watch report`` command).
 
+    Reads the run with :func:`digest_run`: memory stays bounded however long the run.
+
     Args:
         run_dir: the run directory.
         out_dir: where the PNGs go (default ``RUN_DIR/report/``).
-        top: rows of the summary table; the plots colour the first ``min(top, 6)`` heads.
+        top: rows of the summary table; each plot colours the ``min(top, 6)``
+            heads most extreme in its metric.
         plots: write the PNGs. Without matplotlib installed they are skipped
             with a one-line note.
         console: where to print (default: a new ``rich.console.Console()``).
@@ -509,16 +805,16 @@ def main(run_dir: str | os.PathLike, *, out_dir: str | os.PathLike | None = None
         OSError: the output directory cannot be written.
     """
     console = console or Console()
-    run = load_run(run_dir)
-    summary = head_summary(run)
-    console.print(SummaryView(run, summary, top=top))
+    d = digest_run(run_dir)
+    summary = head_summary(d)
+    console.print(SummaryView(d, summary, top=top))
     if not plots:
         return 0
     if not _have_matplotlib():
         console.print(f"plots skipped: matplotlib is not installed; {INSTALL_PLOTS}", markup=False, highlight=False)
         return 0
-    out = Path(out_dir) if out_dir is not None else run.run_dir / "report"
-    written = write_plots(run, out, top=max(1, min(top, 6)), summary=summary)
+    out = Path(out_dir) if out_dir is not None else d.run_dir / "report"
+    written = write_plots(d, out, top=max(1, min(top, 6)), summary=summary)
     console.print(f"wrote {len(written)} plots:", markup=False, highlight=False)
     for path in written:
         console.print(f"  {path}", markup=False, highlight=False, soft_wrap=True)

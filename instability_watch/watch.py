@@ -268,6 +268,11 @@ class InstabilityWatch:
         self._calls: List[Dict[str, int]] = []
         self._coverage_checked = False
         self._armed: Tuple[bool, bool] = (False, False)
+        # step() once per optimizer step: a trained parameter's version counter moves with every
+        # optimizer update (a host-side integer: reading it costs no device work)
+        self._tracked = next((p for p in model.parameters() if p.requires_grad), None)
+        self._tracked_version = self._tracked._version if self._tracked is not None else 0
+        self._calls_updated = self._calls_idle = 0
         self.spectral = SpectralNorms()
         try:
             found = resolve_layers(model, layers)
@@ -369,7 +374,8 @@ class InstabilityWatch:
         # A failure is reported by the process it happened in (once), with the rank.
         log.error(
             "instability_watch (rank %d): %s failed and is turned off; training goes on. %s",
-            rank(), component, self.disabled[component], exc_info=exc,
+            rank(), component, self.disabled[component],
+            exc_info=None if isinstance(exc, OSError) else exc,  # a full disk needs no traceback; a bug does
         )
 
     def _problem(self, key: str, message: str) -> None:
@@ -411,7 +417,7 @@ class InstabilityWatch:
         rows = min(self.config.log_every, RING_ROWS_MAX)
         if self._ring is None or self._ring.device != device:
             ring = torch.full((rows, self.layout.width), float("nan"), dtype=torch.float64, device=device)
-            if self._ring is not None:
+            if self._ring is not None and not self._ring.is_meta:
                 ring.copy_(self._ring.to(device))
             self._ring = ring
         return self._ring
@@ -423,14 +429,33 @@ class InstabilityWatch:
         micro-batches of gradient accumulation add up into one step). Between
         probe steps it does nothing on the device.
 
+        Args:
+            loss: the step's loss, for the CSV and the report: ``None``, a
+                number, or a one-element tensor (read on recorded steps only,
+                without a sync). A tensor of several elements is an error; any
+                other bad loss is an error with ``strict``, else it is reported
+                once and left out (statistics go on).
+
         Returns:
             The alerts raised by this call (empty except on read-back steps).
+
+        Raises:
+            ValueError: ``loss`` has more than one element; with ``strict`` also
+                an empty or meta tensor.
+            TypeError: with ``strict``, ``loss`` is not a number or a tensor.
         """
+        loss = self._check_loss(loss)
         self.step_count += 1
         s = self.step_count
         if self.observation is None or not self.observation.attached:
             return []
-        if self.records(s):
+        self._count_updates()
+        if self.records(s) and self.observation.bank.device.type == "meta":
+            if "meta" not in self._reported_problems:
+                self._reported_problems.add("meta")
+                log_rank_zero(logging.WARNING, "instability_watch: the model is on the meta device (it holds no "
+                              "data): nothing is recorded until it is materialized (e.g. model.to_empty())")
+        elif self.records(s):
             if "statistics" not in self.disabled:
                 try:
                     self._record(s, loss)
@@ -445,6 +470,59 @@ class InstabilityWatch:
                 self._check_coverage()
             return alerts
         return []
+
+    def _check_loss(self, loss):
+        """``loss`` if it can be recorded; a bad one raises (``strict``, or several elements) or is dropped."""
+        if loss is None:
+            return None
+        if isinstance(loss, torch.Tensor):
+            if loss.numel() > 1:
+                raise ValueError(f"loss must have one element (the loss you backpropagate), got a tensor of shape "
+                                 f"{tuple(loss.shape)}; reduce it first, e.g. loss.mean()")
+            if loss.numel() == 0:
+                problem = ValueError(f"loss must have one element, got an empty tensor of shape {tuple(loss.shape)}")
+            elif loss.is_meta:
+                problem = ValueError("loss is a meta tensor (it holds no value)")
+            elif loss.is_complex() or loss.dtype == torch.bool:
+                problem = TypeError(f"loss must be a real number, got a tensor of dtype {loss.dtype}")
+            else:
+                return loss
+        elif isinstance(loss, (int, float)) and not isinstance(loss, bool):
+            return loss
+        elif isinstance(loss, np.number) and np.isrealobj(loss) and not isinstance(loss, np.bool_):
+            return float(loss)
+        else:
+            problem = TypeError(f"loss must be None, a number or a one-element tensor, got "
+                                f"{type(loss).__name__} ({loss!r:.40})")
+        if self.config.strict:
+            raise problem
+        if "loss" not in self._reported_problems:
+            self._reported_problems.add("loss")
+            log_rank_zero(logging.WARNING, "instability_watch: step(loss): %s; this loss is left out (the CSV "
+                          "shows nan) and statistics go on (reported once)", problem)
+        return None
+
+    def _count_updates(self) -> None:
+        """Warn once when step() runs more often than the optimizer updates the model."""
+        p = self._tracked
+        if p is None or self._calls_idle < 0:
+            return
+        version = p._version
+        if version == self._tracked_version:
+            self._calls_idle += 1
+        else:
+            self._calls_updated += 1
+            self._tracked_version = version
+        calls = self._calls_idle + self._calls_updated
+        # step() twice per update gives idle == updated; a skipped optimizer step now and then
+        # (a GradScaler overflow) stays far below that. No update at all (frozen weights): no claim.
+        if self._calls_updated >= 4 and 2 * self._calls_idle >= calls:
+            log_rank_zero(
+                logging.WARNING,
+                "instability_watch: step() was called %d times while the optimizer updated the model %d times: "
+                "call it once per optimizer step, after optimizer.step(); the step numbers and every cadence "
+                "count step() calls (reported once)", calls, self._calls_updated)
+            self._calls_idle = -1  # reported: stop counting
 
     def _ring_rows(self) -> int:
         return min(self.config.log_every, RING_ROWS_MAX)
@@ -465,7 +543,7 @@ class InstabilityWatch:
             except Exception as exc:  # noqa: BLE001
                 self._fail("spectral", exc)
         if isinstance(loss, torch.Tensor):
-            row[lay.loss: lay.loss + 1].copy_(loss.detach().reshape(-1)[:1])
+            row[lay.loss: lay.loss + 1].copy_(loss.detach().reshape(1))
         else:
             row[lay.loss: lay.loss + 1].fill_(float("nan") if loss is None else float(loss))
         # fill_, not ``row[i] = 1.0``: item assignment of a Python number copies a
@@ -529,9 +607,9 @@ class InstabilityWatch:
             try:
                 listener(metrics, alerts, self)
             except Exception as exc:  # noqa: BLE001
+                self.listeners.remove(listener)  # a failing listener is dropped, with strict too (it raises once)
                 if self.config.strict:
                     raise
-                self.listeners.remove(listener)
                 self._fail(f"listener {getattr(listener, '__name__', type(listener).__name__)}", exc)
         return alerts
 

@@ -244,6 +244,10 @@ def test_compiled_watched_model_on_gpu_attached_on_cpu():
         assert (mc["rows"] == me["rows"]).all() and (mc["shadow_rows"] == me["shadow_rows"]).all()
         assert mc.loss == pytest.approx(me.loss, rel=2e-2)
         np.testing.assert_allclose(mc["max_score"], me["max_score"], rtol=2e-2)
-        np.testing.assert_allclose(mc["multi_max_freq"], me["multi_max_freq"], atol=0.1)
+        # a repeated row maximum is a discontinuous statistic, and inductor rounds q and k in other places
+        # than eager does: at this size 60-70% of rows tie, and a last-bit change flips some of them
+        # (one H100 run: one head of eight at 0.5625 against 0.6875); the heads agree on average
+        np.testing.assert_allclose(mc["multi_max_freq"], me["multi_max_freq"], atol=0.2)
+        assert np.abs(mc["multi_max_freq"] - me["multi_max_freq"]).mean() <= 0.05
     watch_c.detach()
     watch_e.detach()

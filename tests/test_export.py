@@ -61,9 +61,12 @@ def test_partly_written_last_line_is_dropped(tied_run, tmp_path):
     data = (tmp_path / "metrics.csv").read_bytes()
     (tmp_path / "metrics.csv").write_bytes(data[: len(data) - 40])  # a kill in the middle of the last row
     run = load_run(tmp_path)
-    assert len(run.metrics) == 30 * 4 - 1
-    assert not ((run.metrics["step"] == 30) & (run.metrics["head"] == 3)).any()
+    # the torn line is skipped, and step 30, now with 3 of its 4 heads, is dropped as incomplete
+    assert len(run.metrics) == 29 * 4
+    assert run.metrics["step"].max() == 29
     assert run.metrics["rows"].notna().all()
+    assert run.problems == ["metrics.csv: last line has no newline (a torn write), skipped",
+                            "metrics.csv: last step 30 incomplete (3 of 4 heads), dropped"]
 
 
 def test_resume_cuts_rows_after_the_checkpoint_and_writes_each_step_once(tmp_path):
@@ -153,10 +156,15 @@ def test_loader_errors_name_the_path(tmp_path):
     (tmp_path / "metrics.csv").write_text("a,b,c\n1,2,3\n")
     with pytest.raises(RunDirError, match="unexpected header"):
         load_run(tmp_path)
-    (tmp_path / "metrics.csv").write_text(",".join(METRIC_COLUMNS) + "\nnot-a-step,0,x,0\n")
-    with pytest.raises(RunDirError, match="malformed CSV"):
+    (tmp_path / "metrics.csv").write_text("")
+    with pytest.raises(RunDirError, match="metrics.csv: empty file"):
         load_run(tmp_path)
+    (tmp_path / "metrics.csv").write_text(",".join(METRIC_COLUMNS) + "\nnot-a-step,0,x,0\n")
+    assert load_run(tmp_path).problems == ["metrics.csv: 1 malformed line skipped (first at line 2)"]
     (tmp_path / "metrics.csv").write_text(",".join(METRIC_COLUMNS) + "\n")
+    (tmp_path / "meta.json").write_text("[1, 2]")
+    with pytest.raises(RunDirError, match="meta.json: expected a JSON object, got list"):
+        load_run(tmp_path)
     (tmp_path / "meta.json").write_text("{not json")
     with pytest.raises(RunDirError, match="meta.json: not readable as JSON"):
         load_run(tmp_path)

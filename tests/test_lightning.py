@@ -219,7 +219,7 @@ class NoAttention(pl.LightningModule):
 
 def test_setup_errors_and_argument_checks(tmp_path):
     cb = InstabilityWatchCallback()
-    with pytest.raises(MisconfigurationException, match="found no attention layer in NoAttention"):
+    with pytest.raises(MisconfigurationException, match="in NoAttention: no attention layers found"):
         _trainer(tmp_path, callbacks=[cb], max_steps=2).fit(NoAttention())
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
 

@@ -2,9 +2,11 @@
 import io
 import json
 import math
+import re
 import shutil
 import subprocess
 import sys
+import tracemalloc
 from pathlib import Path
 
 import numpy as np
@@ -13,7 +15,7 @@ import pytest
 import torch
 from rich.console import Console
 
-from instability_watch import InstabilityWatch, WatchConfig, cli, report
+from instability_watch import InstabilityWatch, WatchConfig, cli, export, report
 from instability_watch.detectors import KINDS
 from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, RunWriter, load_run
 from watch_models import TiedAttention, train_tied
@@ -195,8 +197,9 @@ def test_summary_view_header_table_and_hidden_heads(real_run):
     assert "1 more head not shown" in text
     table_rows = [line.split() for line in text.splitlines() if line.strip().startswith("tied")]
     assert len(table_rows) == 3  # top=3
-    assert {r[1] for r in table_rows[:2]} == {"0", "1"}
+    assert {r[1] for r in table_rows[:2]} == {"h0", "h1"}
     assert table_rows[0][2:4] == ["27", "delta_drift"] and table_rows[2][2] == "-"  # no alert: "-"
+    assert "note:" not in text  # a clean run: the reader has nothing to say
 
 
 def test_summary_view_missing_values_and_resumes(tmp_path):
@@ -221,7 +224,7 @@ def test_cli_report_writes_plots_and_prints_the_table(run_copy, capsys):
     out = captured.out
     assert "tied" in out and "27 delta_drift" in out
     rows = [line.split() for line in out.splitlines() if line.strip().startswith("tied")]
-    assert sorted(r[1] for r in rows) == ["0", "1", "2", "3"]
+    assert sorted(r[1] for r in rows) == ["h0", "h1", "h2", "h3"]
     report_dir = run_copy / "report"
     for name in PLOT_FILES:
         path = report_dir / name
@@ -255,11 +258,17 @@ def _bad_dirs(tmp_path):
     wrong_header = tmp_path / "wrong_header"
     wrong_header.mkdir()
     (wrong_header / "metrics.csv").write_text("step,layer,something_else\n1,0,2\n")
+    empty_csv = tmp_path / "empty_csv"
+    empty_csv.mkdir()
+    (empty_csv / "metrics.csv").write_text("")
+    meta_list = write_synthetic_run(tmp_path / "meta_list", two_layer_rows(2), layers=["a", "b"], heads=[2, 3])
+    (meta_list / "meta.json").write_text("[1, 2]")
     return {"missing": (missing, missing), "file": (a_file, a_file), "empty": (empty, empty),
-            "wrong_header": (wrong_header, wrong_header / "metrics.csv")}
+            "wrong_header": (wrong_header, wrong_header / "metrics.csv"),
+            "empty_csv": (empty_csv, empty_csv / "metrics.csv"), "meta_list": (meta_list, meta_list / "meta.json")}
 
 
-@pytest.mark.parametrize("case", ["missing", "file", "empty", "wrong_header"])
+@pytest.mark.parametrize("case", ["missing", "file", "empty", "wrong_header", "empty_csv", "meta_list"])
 def test_cli_report_bad_run_dir(case, tmp_path, capsys):
     run_dir, named = _bad_dirs(tmp_path)[case]
     assert cli.main(["report", str(run_dir)]) == 2
@@ -289,7 +298,7 @@ def test_cli_report_rejects_bad_top(real_run, capsys):
 
 
 def test_report_of_a_killed_run(run_copy, capsys):
-    """A killed process leaves a partly written last line: it is dropped, the rest is reported."""
+    """A killed process leaves a torn last line and an incomplete last step: both dropped, and said once."""
     metrics = run_copy / "metrics.csv"
     data = metrics.read_bytes()
     last_start = data.rstrip(b"\n").rfind(b"\n") + 1
@@ -298,34 +307,37 @@ def test_report_of_a_killed_run(run_copy, capsys):
     metrics.write_bytes(data[: last_start + len(last) // 2])  # cut in the middle of the last line
 
     run = load_run(run_copy)
-    assert len(run.metrics) == 30 * 4 - 1
-    assert run.metrics[(run.metrics["step"] == 30) & (run.metrics["head"] == 3)].empty
-    assert len(run.metrics[run.metrics["step"] == 30]) == 3
+    assert len(run.metrics) == 29 * 4 and run.metrics["step"].max() == 29
     summary = report.head_summary(run).set_index("head")
     head3 = run.metrics[run.metrics["head"] == 3].sort_values("step")
-    assert head3["step"].max() == 29
     assert summary.loc[3, "final_delta_cum"] == head3["delta_cum"].iloc[-1]
 
     assert cli.main(["report", str(run_copy)]) == 0
-    assert "27 delta_drift" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "27 delta_drift" in out and "steps 1..29 (29 recorded)" in out
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: metrics.csv: last line has no newline (a torn write), skipped",
+                     "note: metrics.csv: last step 30 incomplete (3 of 4 heads), dropped"]
     assert all((run_copy / "report" / name).exists() for name in PLOT_FILES)
 
 
 # --------------------------------------------------------------------------- plots
 
 
-def test_plots_mark_events_and_label_the_worst_heads(real_run):
+def test_plots_mark_events_and_label_the_most_extreme_heads(real_run):
     run = load_run(real_run)
-    summary = report.head_summary(run)
-    fig = report._metric_figure(run, summary, "delta_cum", "t", "y", top=2)
+    fig = report._metric_figure(run, None, "delta_cum", "t", "y", top=1)
     ax, ax_loss = fig.axes[:2]
     labels = ax.get_legend_handles_labels()[1]
-    worst = [f"tied h{h}" for h in summary["head"].iloc[:2]]
-    assert labels == worst + ["alert: delta_drift", "switch to stabilized"]
+    # the head with the largest |delta_cum| first, then the other head that alerted (and switched)
+    extreme = run.metrics.assign(a=run.metrics["delta_cum"].abs()).groupby("head")["a"].max()
+    first = int(extreme.idxmax())
+    assert first in (0, 1)
+    assert labels == [f"tied h{first}", f"tied h{1 - first} (alert)", "alert: delta_drift", "switch to stabilized"]
     # 2 coloured + 2 gray head lines + one alert line and one switch line at step 27
     lines = ax.get_lines()
     assert len(lines) == 6
-    gray = [ln for ln in lines if ln.get_color() == "0.7"]
+    gray = [ln for ln in lines if ln.get_color() == report.GRAY]
     assert len(gray) == 2
     marks = [ln for ln in lines if ln.get_label() in ("alert: delta_drift", "switch to stabilized")]
     assert [ln.get_xdata()[0] for ln in marks] == [27, 27]
@@ -335,12 +347,67 @@ def test_plots_mark_events_and_label_the_worst_heads(real_run):
     assert ax.get_shared_x_axes().joined(ax, ax_loss)
 
 
+def _extreme_run(tmp_path) -> Path:
+    """Head (a,0) alerts first but is tame; (b,1) has the largest logit and sigma(W_Q); (a,1) the largest |delta|."""
+    rows = []
+    for step in range(1, 41):
+        for layer, name in enumerate("ab"):
+            for head in range(3):
+                wild = (layer, head) == (1, 1)
+                rows.append({"step": step, "layer": layer, "layer_name": name, "head": head, "loss": 5.0,
+                             "multi_max_freq": 0.01 * head + (0.5 if (layer, head) == (1, 2) else 0.0),
+                             "max_score": 5.0 + head + (step * 3.0 if wild else 0.0),
+                             "delta_cum": (-0.5 if (layer, head) == (0, 1) else 0.01 * head) * step,
+                             "sigma_wq": (1.0 + (0.2 * step if wild else 0.01 * head)) if step % 5 == 1 else
+                             float("nan")})
+    return write_synthetic_run(tmp_path / "run", rows, [alert(3, 0, "a", 0, "spectral_growth")],
+                               layers=["a", "b"], heads=[3, 3])
+
+
+def test_each_plot_colours_the_heads_most_extreme_in_its_metric(tmp_path):
+    """Not the first heads to alert: the head with the highest logit and sigma(W_Q) is coloured and labelled."""
+    run = report.digest_run(_extreme_run(tmp_path))
+    expect = {"max_score": "b h1", "sigma_wq": "b h1", "delta_cum": "a h1", "multi_max_freq": "b h2"}
+    for column, head in expect.items():
+        fig = report._metric_figure(run, None, column, "t", "y", top=1)
+        ax = fig.axes[0]
+        heads = [ln for ln in ax.get_lines() if not ln.get_label().startswith(("alert:", "switch"))]
+        coloured = [ln for ln in heads if ln.get_color() != report.GRAY]
+        assert [ln.get_label() for ln in coloured] == [head, "a h0 (alert)"], column
+        gray = [ln for ln in heads if ln.get_color() == report.GRAY]
+        assert len(gray) == 6 - 2 and all(ln.get_label().startswith("_") for ln in gray), column
+    assert [label for _, label in report.highlighted_heads(run, "max_score", 3)] == [
+        "b h1", "a h2", "b h2", "a h0 (alert)"]  # ties by layer, head
+
+
+def test_plot_series_are_bucketed_keeping_peaks_and_last_values(tmp_path):
+    """A run longer than the plot's points: one point per bucket, its peak (or, for delta_cum, its last value)."""
+    rows = [{"step": s, "layer": 0, "layer_name": "x", "head": 0, "loss": 1.0, "multi_max_freq": 0.0,
+             "max_score": 100.0 if s == 37 else float(s % 7), "delta_cum": float(s), "sigma_wq": float("nan")}
+            for s in range(1, 101)]
+    run_dir = write_synthetic_run(tmp_path / "run", rows, layers=["x"], heads=[1])
+    d = report.digest_run(run_dir, points=10)
+    x, y = d.series("max_score", 0)
+    assert len(x) <= 10 and list(x) == sorted(x)
+    assert 37 in list(x) and y[list(x).index(37)] == 100.0  # the spike survives
+    x, y = d.series("delta_cum", 0)
+    assert len(x) <= 10 and x[-1] == 100 and y[-1] == 100.0  # the running sum ends where the run ends
+    assert list(y) == [float(s) for s in x]  # each point is a real (step, value)
+    # the same whatever order the steps come in (the buckets widen both ways)
+    frame = load_run(run_dir).metrics
+    sink = report._Digester(10)
+    sink.add(frame[frame["step"] > 50])
+    sink.add(frame[frame["step"] <= 50])
+    x2, y2 = sink.digest(run_dir, {}, load_run(run_dir).events, []).series("max_score", 0)
+    assert 37 in list(x2) and max(y2) == 100.0 and len(x2) <= 10 and list(x2) == sorted(x2)
+
+
 def test_plots_skip_unobserved_steps(real_run):
     run = load_run(real_run)
-    summary = report.head_summary(run)
-    fig = report._metric_figure(run, summary, "sigma_wq", "t", "y", top=1)
-    head = int(summary["head"].iloc[0])
-    line = next(ln for ln in fig.axes[0].get_lines() if ln.get_label() == f"tied h{head}")
+    fig = report._metric_figure(run, None, "sigma_wq", "t", "y", top=1)
+    index, label = report.highlighted_heads(run, "sigma_wq", 1)[0]
+    head = int(report.digest(run).heads["head"].iat[index])
+    line = next(ln for ln in fig.axes[0].get_lines() if ln.get_label() == label)
     observed = run.metrics[(run.metrics["head"] == head) & run.metrics["sigma_wq"].notna()]
     assert list(line.get_xdata()) == sorted(observed["step"])
     assert np.isfinite(line.get_ydata()).all()
@@ -386,3 +453,77 @@ def test_plots_leave_pyplot_alone(real_run, tmp_path):
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=ROOT)
     assert out.returncode == 0, out.stderr
     assert len(list((tmp_path / "out").glob("*.png"))) == 5
+
+
+# --------------------------------------------------------------------------- reading in bounded memory
+
+
+def test_report_streams_the_metrics_and_never_loads_them_whole(run_copy, monkeypatch, capsys):
+    """The report reads metrics.csv a block at a time: load_run is not used, and any block size gives one answer."""
+    whole = report.head_summary(load_run(run_copy))
+    for block_bytes in (2000, 7000):
+        d = report.digest_run(run_copy, block_bytes=block_bytes)
+        pd.testing.assert_frame_equal(report.head_summary(d), whole)
+        pd.testing.assert_frame_equal(d.steps, load_run(run_copy).steps)
+
+    def no(*args, **kwargs):
+        raise AssertionError("the report loaded the whole run")
+
+    monkeypatch.setattr(export, "load_run", no)
+    monkeypatch.setattr(report, "digest", no)
+    assert cli.main(["report", str(run_copy)]) == 0
+    assert "27 delta_drift" in capsys.readouterr().out
+
+
+def test_meta_claiming_a_billion_heads_is_ignored_without_allocating(tmp_path):
+    run_dir = write_synthetic_run(tmp_path / "run", two_layer_rows(4), layers=["a", "b"], heads=[2, 3])
+    meta = json.loads((run_dir / "meta.json").read_text())
+    (run_dir / "meta.json").write_text(json.dumps({**meta, "heads": [10**9, 3], "resumed_at": 5}))
+    tracemalloc.start()
+    try:
+        out = render(run_dir, plots=False)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < 64 << 20  # a table sized from meta.json would take gigabytes
+    notes = [line for line in out.splitlines() if line.startswith("note: ")]
+    assert notes == ["note: meta.json: layers and heads ignored (they declare 1000000003 heads, metrics.csv has 5)",
+                     "note: meta.json: resumed_at ignored (expected a list of steps, got 5)"]
+    assert "alerts: 0 on 0 of 5 heads" in out
+
+
+# --------------------------------------------------------------------------- the table at 80 columns
+
+
+def test_summary_table_is_one_line_per_head_at_80_columns(tmp_path):
+    """GPT-2-small names, six-digit steps, several alert kinds, big numbers: no row wraps, no line over 80."""
+    rows = []
+    for step in (123454, 123455, 123456):
+        for layer in range(12):
+            for head in range(12):
+                rows.append({"step": step, "layer": layer, "layer_name": f"transformer.h.{layer}.attn",
+                             "head": head, "loss": 3.25, "multi_max_freq": 0.5 + 0.01 * head,
+                             "max_score": 35000.0 + 100 * layer + head, "delta_cum": -1.234e-5 * (layer + 1),
+                             "sigma_wq": 1.0 + step - 123454 + 0.1 * head})
+    events = []
+    for layer in range(12):
+        name = f"transformer.h.{layer}.attn"
+        events.append(alert(100000 + layer, layer, name, 11, "spectral_growth"))
+        events.append(alert(100500 + layer, layer, name, 11, "logit_growth"))
+        events.append({**alert(101000 + layer, layer, name, 11, "delta_drift"), "event": "switch", "value": "",
+                       "threshold": "", "action": "", "message": f"{name} head 11 moved"})
+    run_dir = write_synthetic_run(tmp_path / "run", rows, events, layers=[f"transformer.h.{i}.attn" for i in range(12)],
+                                  heads=[12] * 12)
+    console = Console(file=io.StringIO(), width=80, record=True)
+    assert report.main(run_dir, console=console, top=20, plots=False) == 0
+    lines = console.export_text().splitlines()
+    assert max(len(line) for line in lines) <= 80
+    rule = next(i for i, line in enumerate(lines) if line.startswith("──"))
+    table = lines[rule + 1: rule + 21]
+    assert len(table) == 20 and lines[rule + 21].startswith("124 more heads not shown")
+    for line in table:  # every cell of a head on its line: its name ... its sigma growth
+        assert re.match(r"^\S+ h\d+ .* ×[\d.]+$", line), line
+    first = table[0]  # the earliest alert: layer 0 head 11, spectral growth, one kind more, switched
+    assert "h.0 h11" in first and "100000 spectral_growth +1" in first and "101000" in first
+    assert "3.5e+04" in first and "-1.2e-05" in first
+    assert any(".11 h11" in line for line in table)  # the layer's index stays visible

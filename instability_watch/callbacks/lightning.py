@@ -185,13 +185,10 @@ class InstabilityWatchCallback(Callback):
 
         if not self._deferred and is_overridden("configure_model", pl_module, pl.LightningModule):
             return None
+        from ..locate import not_found_message
+
         raise MisconfigurationException(
-            f"InstabilityWatchCallback found no attention layer in {type(pl_module).__name__}. The built-in "
-            "locators know nanoGPT-style blocks (c_attn + scaled_dot_product_attention), Hugging Face GPT-2, "
-            "Llama-style (q_proj/k_proj) and BERT-style (query/key/value) attention built with "
-            "attn_implementation='sdpa', and nn.MultiheadAttention; "
-            "describe other layers with layers=[AttentionLayer(module, num_heads, w_q)]."
-        )
+            f"InstabilityWatchCallback, in {type(pl_module).__name__}: {not_found_message(pl_module)}")
 
     def _attach(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", layers: List[AttentionLayer]) -> None:
         listeners = []
@@ -207,6 +204,7 @@ class InstabilityWatchCallback(Callback):
         if self.log_scalars:
             listeners.append(self._log_scalars)
         self.watch = InstabilityWatch(pl_module, self.config, layers=layers, listeners=listeners)
+        self.watch._tracked = None  # the callback steps the watch once per optimizer step (global_step): no check
         if self._pending_state is not None:
             self._load_watch_state(self._pending_state)
             self._pending_state = None
@@ -368,10 +366,23 @@ class InstabilityWatchCallback(Callback):
             if watch.observation is not None and watch.observation.attached:
                 watch.observation.detach()
         finally:
-            if self.reporter is not None:
-                self.reporter.close()
-            if self.writer is not None:
-                self.writer.close()
+            try:
+                if self.reporter is not None:
+                    self.reporter.close()
+            finally:
+                self._close_writer(crashed)
+
+    def _close_writer(self, crashed: bool) -> None:
+        """Close the run directory's files. A write failure was reported when it happened: closing
+        after it never raises. A new failure in closing raises with ``strict``, never after a crash."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.close()
+        except Exception as exc:
+            if self.config.strict and not crashed:
+                raise
+            log.error("instability_watch: closing the run directory failed (%s)", exc)
 
     # ------------------------------------------------------------------ checkpoints
 

@@ -19,7 +19,7 @@ import torch
 
 from ..probe import Probe, probe_buffers
 from .ops import HIGH_PRECISION_DELTA, FlashAttention
-from .reference import DEFAULT_BETA, DEFAULT_EPS, attention_backward, attention_forward
+from .reference import DEFAULT_BETA, DEFAULT_EPS, FLOAT32_MAX, MAX_BETA, attention_backward, attention_forward
 
 __all__ = [
     "flash_attention",
@@ -119,8 +119,9 @@ def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend) ->
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
     if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (math.isfinite(scale) and scale > 0):
-            raise ValueError(f"scale must be None or a finite number > 0, got {scale!r}")
+        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale <= FLOAT32_MAX):
+            raise ValueError(f"scale must be None or a number in (0, {FLOAT32_MAX:.4g}] (the largest float32: "
+                             f"scores are float32), got {scale!r}")
     if stabilize is not None and not isinstance(stabilize, bool):
         if not isinstance(stabilize, torch.Tensor):
             raise TypeError(f"stabilize must be None, a bool, or a bool tensor of shape ({H},), got {type(stabilize).__name__}")
@@ -130,10 +131,10 @@ def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend) ->
             raise ValueError(f"stabilize must have shape ({H},) (one flag per query head), got {tuple(stabilize.shape)}")
         if stabilize.device != q.device:
             raise ValueError(f"stabilize must be on q's device {q.device}, got {stabilize.device}")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (math.isfinite(beta) and beta > 1):
-        raise ValueError(f"beta must be a finite number > 1 (the paper uses 2 to 8), got {beta!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (math.isfinite(eps) and eps >= 0):
-        raise ValueError(f"eps must be a finite number >= 0, got {eps!r}")
+    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (1 < beta <= MAX_BETA):
+        raise ValueError(f"beta must be a number in (1, {MAX_BETA:g}] (the paper uses 2 to 8), got {beta!r}")
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps <= FLOAT32_MAX):
+        raise ValueError(f"eps must be a number in [0, {FLOAT32_MAX:.4g}] (the largest float32), got {eps!r}")
     if probe is not None:
         if not isinstance(probe, Probe):
             raise TypeError(f"probe must be None or an instability_watch.Probe, got {type(probe).__name__}")
@@ -165,7 +166,7 @@ def unsupported(q, k, v, *, attn_mask=None, dropout_p=0.0, scale=None, enable_gq
         return "key/value heads differ from query heads without enable_gqa"
     if k.shape[0] != q.shape[0] or q.shape[2] < 1 or k.shape[2] < 1:
         return "shape"
-    if scale is not None and not (isinstance(scale, (int, float)) and math.isfinite(scale) and scale > 0):
+    if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale <= FLOAT32_MAX):
         return f"scale {scale!r}"
     return None
 
@@ -193,15 +194,18 @@ def flash_attention(
             float32, or float64 (reference path only, no rounding anywhere).
             ``D`` in ``SUPPORTED_HEAD_DIMS``; any ``N >= 1``.
         causal: causal mask, top-left aligned like ``F.scaled_dot_product_attention``.
-        scale: softmax scale, a finite number > 0; default ``1/sqrt(D)``.
+        scale: softmax scale, a number in (0, 3.4e38] (scores are float32); default
+            ``1/sqrt(D)``. Rows whose scaled scores overflow float32 come out NaN, as in
+            PyTorch's float32 SDPA.
         stabilize: which heads use the stabilized softmax shift (paper Alg. 3):
             ``None``/``False`` none, ``True`` all, or a bool tensor ``(H,)`` on
             ``q``'s device, read per head inside the kernel (flipping a head
             never recompiles anything).
         probe: a :class:`~instability_watch.Probe` to accumulate per-head
             statistics into; ``None`` for none (full speed).
-        beta: the stabilized shift factor (``m = beta * rowmax`` for positive maxima).
-        eps: two scores within ``eps`` count as the same maximum.
+        beta: the stabilized shift factor (``m = beta * rowmax`` for positive maxima),
+            in (1, 1024]; the shift is capped, so a larger one would change nothing.
+        eps: two scores within ``eps`` count as the same maximum (0 to 3.4e38).
         backend: ``"auto"`` (Triton for CUDA tensors, the reference otherwise),
             ``"triton"`` or ``"reference"``.
 

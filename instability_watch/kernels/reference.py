@@ -50,6 +50,12 @@ from ..probe import Probe
 
 DEFAULT_BETA = 2.0  # the authors' choice; the paper recommends beta in [2, 8]
 DEFAULT_EPS = 1e-3  # the paper's tolerance for "the same maximum"
+# beta's upper bound. The shift beyond the row maximum is capped at _MAX_SHIFT bits (below), so a
+# beta above ~2^10 changes nothing but rows whose maximum is within 0.03 nats of zero; bounding it
+# keeps (beta - 1) * rowmax finite in float32 for every finite score.
+MAX_BETA = 1024.0
+# scores, scale, eps and the shift are float32 in every kernel: a larger number cannot be represented
+FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 DEFAULT_BLOCK_N = 64  # KV block of the emulation; results do not depend on it beyond rounding
 
 # Cap on the extra softmax shift of the stabilized variant, in bits (log2 units), per

@@ -1,0 +1,192 @@
+"""Bad input to the watch and the kernels: a clear error, or a correct result (issue 21, items 4 and 6)."""
+import logging
+
+import numpy as np
+import pytest
+import torch
+
+from instability_watch import InstabilityWatch, WatchConfig
+from instability_watch.kernels import flash_attention
+from instability_watch.nanogpt import GPT, GPTConfig
+
+EVERY = dict(probe_every=1, shadow_every=1, spectral_every=1, log_every=2, warmup_steps=0)
+
+
+def _model(device=None):
+    torch.manual_seed(0)
+    with torch.device(device or "cpu"):
+        return GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+
+
+def _watched(strict=False, **config):
+    model = _model()
+    watch = InstabilityWatch(model, WatchConfig(**{**EVERY, **config}, strict=strict))
+    metrics = []
+    watch.listeners.append(lambda ms, alerts, w: metrics.extend(ms))
+    return model, watch, metrics
+
+
+def _forward(model):
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    loss = model(x, x)[1]
+    loss.backward()
+    return loss
+
+
+@pytest.mark.parametrize("bad, kind", [
+    ("abc", TypeError),
+    (torch.tensor([]), ValueError),
+    (torch.tensor(1.0, device="meta"), ValueError),
+    (torch.tensor(True), TypeError),
+    ([1.0], TypeError),
+])
+def test_a_bad_loss_is_reported_once_and_statistics_go_on(bad, kind, caplog):
+    model, watch, metrics = _watched()
+    with caplog.at_level(logging.WARNING, logger="instability_watch"):
+        for _ in range(2):
+            _forward(model)
+            watch.step(bad)
+        loss = _forward(model)
+        watch.step(loss)
+        _forward(model)
+        watch.step(2.5)
+    assert watch.disabled == {}
+    assert [m.step for m in metrics] == [1, 2, 3, 4]
+    assert np.isnan(metrics[0].loss) and np.isnan(metrics[1].loss)
+    assert metrics[2].loss == pytest.approx(loss.item()) and metrics[3].loss == 2.5
+    assert all((m["rows"] > 0).all() for m in metrics)  # statistics were never turned off
+    said = [r.getMessage() for r in caplog.records if "step(loss)" in r.getMessage()]
+    assert len(said) == 1 and "left out" in said[0]
+
+
+@pytest.mark.parametrize("bad, kind", [
+    ("abc", TypeError),
+    (torch.zeros(0), ValueError),
+    (torch.tensor(1.0, device="meta"), ValueError),
+])
+def test_a_bad_loss_raises_at_the_call_with_strict(bad, kind):
+    model, watch, _ = _watched(strict=True)
+    _forward(model)
+    with pytest.raises(kind, match="loss"):
+        watch.step(bad)
+    assert watch.step_count == 0  # nothing was counted
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_loss_of_several_elements_always_raises(strict):
+    model, watch, _ = _watched(strict=strict)
+    _forward(model)
+    with pytest.raises(ValueError, match=r"one element.*shape \(4,\).*loss.mean\(\)"):
+        watch.step(torch.ones(4))
+    assert watch.step_count == 0
+
+
+def test_numpy_and_integer_losses_are_recorded():
+    model, watch, metrics = _watched()
+    for loss in (np.float32(1.5), 3):
+        _forward(model)
+        watch.step(loss)
+    assert [m.loss for m in metrics] == [1.5, 3.0]
+
+
+def _train(model, watch, steps, *, calls_per_step=1, micro_batches=1, skip=()):
+    opt = torch.optim.SGD(model.parameters(), lr=1e-3)
+    for s in range(steps):
+        for _ in range(micro_batches):
+            _forward(model)
+        if s not in skip:  # a skipped update (a GradScaler overflow) leaves the weights alone
+            opt.step()
+        opt.zero_grad()
+        for _ in range(calls_per_step):
+            watch.step()
+
+
+def _step_warnings(caplog):
+    return [r.getMessage() for r in caplog.records if "once per optimizer step" in r.getMessage()]
+
+
+def test_step_twice_per_optimizer_step_warns_once(caplog):
+    model, watch, _ = _watched(log_every=50)
+    with caplog.at_level(logging.WARNING, logger="instability_watch"):
+        _train(model, watch, 20, calls_per_step=2)
+    said = _step_warnings(caplog)
+    assert len(said) == 1 and "step() was called 8 times while the optimizer updated the model 4 times" in said[0]
+
+
+@pytest.mark.parametrize("how", [dict(), dict(micro_batches=3), dict(skip=(3, 11))])
+def test_step_once_per_optimizer_step_does_not_warn(how, caplog):
+    model, watch, _ = _watched(log_every=50)
+    with caplog.at_level(logging.WARNING, logger="instability_watch"):
+        _train(model, watch, 20, **how)
+    assert _step_warnings(caplog) == []
+
+
+def test_frozen_weights_make_no_claim(caplog):
+    model, watch, _ = _watched(log_every=50)
+    with caplog.at_level(logging.WARNING, logger="instability_watch"):
+        for _ in range(10):  # no optimizer at all: the check has nothing to compare with
+            _forward(model)
+            watch.step()
+            watch.step()
+    assert _step_warnings(caplog) == []
+
+
+def test_a_model_built_on_meta_is_watched_once_materialized(caplog):
+    """Deferred initialisation: attach on meta, materialize, train; nothing fails or is turned off."""
+    model = _model("meta")
+    watch = InstabilityWatch(model, WatchConfig(**EVERY))
+    metrics = []
+    watch.listeners.append(lambda ms, alerts, w: metrics.extend(ms))
+    with caplog.at_level(logging.WARNING, logger="instability_watch"):
+        x = torch.zeros(2, 16, dtype=torch.long, device="meta")
+        model(x, x)[1]
+        watch.step()
+        watch.step()
+    assert watch.disabled == {}
+    assert any("meta device" in r.getMessage() for r in caplog.records)
+    model.to_empty(device="cpu")
+    torch.manual_seed(0)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=0.02)
+    for _ in range(2):
+        loss = _forward(model)
+        watch.step(loss)
+    watch.detach()
+    assert watch.disabled == {}
+    assert [m.step for m in metrics] == [3, 4]
+    assert all((m["rows"] == 2 * 16).all() for m in metrics)
+    assert np.isfinite(metrics[0]["max_score"]).all()
+
+
+def _qkv():
+    g = torch.Generator().manual_seed(0)
+    return [torch.randn(1, 2, 16, 16, generator=g) for _ in range(3)]
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(scale=1e300), r"scale must be None or a number in \(0, 3.403e\+38\].*got 1e\+300"),
+    (dict(scale=float("nan")), "scale must be"),
+    (dict(beta=1e308), r"beta must be a number in \(1, 1024\].*got 1e\+308"),
+    (dict(beta=float("inf")), "beta must be"),
+    (dict(eps=1e308), r"eps must be a number in \[0, 3.403e\+38\]"),
+])
+def test_numbers_beyond_float32_are_clear_errors(kw, match):
+    q, k, v = _qkv()
+    with pytest.raises(ValueError, match=match):
+        flash_attention(q, k, v, stabilize=True, **kw)
+
+
+def test_the_largest_allowed_beta_and_eps_give_finite_output():
+    q, k, v = _qkv()
+    for kw in (dict(beta=1024.0), dict(eps=3e38), dict(scale=1e-30)):
+        out = flash_attention(q * 30, k, v, stabilize=True, **kw)
+        assert torch.isfinite(out).all(), kw
+
+
+@pytest.mark.parametrize("kw, match", [
+    (dict(beta=1e308), r"WatchConfig.beta must be in \(1, 1024\]"),
+    (dict(eps=1e300), "WatchConfig.eps must be at most"),
+])
+def test_config_numbers_beyond_float32_are_clear_errors(kw, match):
+    with pytest.raises(ValueError, match=match):
+        WatchConfig(**kw)
