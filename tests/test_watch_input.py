@@ -190,3 +190,44 @@ def test_the_largest_allowed_beta_and_eps_give_finite_output():
 def test_config_numbers_beyond_float32_are_clear_errors(kw, match):
     with pytest.raises(ValueError, match=match):
         WatchConfig(**kw)
+
+
+def test_loading_a_bad_state_changes_nothing_and_names_the_key():
+    """All or nothing: a state that fails a check leaves the watch exactly as it was (issue 21, item 3)."""
+    model, watch, _ = _watched()
+    for _ in range(3):
+        _forward(model)
+        watch.step()
+    watch.switch(0, 1)
+    good = watch.state_dict()
+    before = (watch.step_count, dict(watch.switched), watch.observation.stabilized(), watch.flushed_through)
+
+    missing = {k: v for k, v in good.items() if k != "flushed_through"}
+    with pytest.raises(ValueError, match="missing key 'flushed_through'"):
+        watch.load_state_dict(missing)
+    bad = {**good, "step": 99, "switched": [[0, 0, 2], [0, 7, 2]]}  # a valid step, then a head that does not exist
+    with pytest.raises(ValueError, match="'switched'"):
+        watch.load_state_dict(bad)
+    assert (watch.step_count, dict(watch.switched), watch.observation.stabilized(), watch.flushed_through) == before
+
+    fresh_model, fresh, _ = _watched()
+    fresh.load_state_dict(good)
+    assert fresh.step_count == 3 and set(fresh.switched) == {(0, 1)}
+    assert fresh.observation.stabilized() == watch.observation.stabilized()
+
+
+def test_device_memory_is_bounded_whatever_log_every():
+    """log_every=10**6 preallocates no 10**6-row ring: the ring holds RING_ROWS_MAX rows and reads back when full."""
+    from instability_watch.watch import RING_ROWS_MAX
+
+    model, watch, metrics = _watched(log_every=10**6)
+    _forward(model)  # the first probe step observes a call (the coverage check passes)
+    for _ in range(RING_ROWS_MAX + 3):
+        watch.step(1.0)  # then no forward is needed: the rows fill (zero statistics), the ring must not overflow
+    assert watch._ring.shape[0] == RING_ROWS_MAX
+    # step 1 is read back at once (the coverage check), then a full ring: steps 2 .. RING_ROWS_MAX + 1
+    assert [m.step for m in metrics] == list(range(1, RING_ROWS_MAX + 2))
+    watch.flush()
+    assert [m.step for m in metrics] == list(range(1, RING_ROWS_MAX + 4))  # nothing lost, nothing twice
+    with pytest.raises(Exception):  # frozen: a changed setting cannot reach step()
+        watch.config.log_every = 0
