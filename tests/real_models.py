@@ -99,3 +99,31 @@ MODELS: Dict[str, RealModel] = {
     "hf-mistral-sliding-window": RealModel(hf_mistral_sliding_window, _tokens, _lm_loss, 2, 4),
     "hf-bert-padding": RealModel(hf_bert_padding, _padded, _cls_loss, 2, 4),
 }
+
+
+def train(spec, steps: int, config=None):
+    """``steps`` AdamW steps of ``spec`` (a RealModel or a Family) under CPU bf16 autocast from seed 0,
+    watched with ``config`` if given; returns ``(model, losses, watch, metrics read back)``."""
+    from instability_watch import InstabilityWatch
+
+    torch.manual_seed(0)
+    model = spec.build()
+    model.train()
+    metrics = []
+    watch = None
+    if config is not None:
+        watch = InstabilityWatch(model, config, listeners=[lambda ms, al, w: metrics.extend(ms)])
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
+    g = torch.Generator().manual_seed(1)
+    losses = []
+    for _ in range(steps):
+        batch = spec.batch(g)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = spec.loss(model, batch)
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.detach())
+        if watch is not None:
+            watch.step(loss)
+    return model, losses, watch, metrics

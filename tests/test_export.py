@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from instability_watch import AttentionLayer, InstabilityWatch, WatchConfig
 from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, RunDirError, RunWriter, load_run
 from instability_watch.watch import METRICS
-from watch_models import TiedAttention, train_tied
+from watch_models import TiedAttention, train_tied, write_tied_run
 
 CFG = WatchConfig(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
 
@@ -20,15 +20,8 @@ CFG = WatchConfig(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, 
 @pytest.fixture(scope="module")
 def tied_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("run")
-    torch.manual_seed(0)
-    model = TiedAttention()
-    writer = RunWriter(d)
     metrics = []
-    watch = InstabilityWatch(model, CFG, layers=model.layers(), listeners=[writer, lambda m, a, w: metrics.extend(m)])
-    writer.open(watch)
-    train_tied(model, watch, 0, 30)
-    watch.detach()
-    writer.close()
+    watch, _ = write_tied_run(d, CFG, 30, listeners=[lambda m, a, w: metrics.extend(m)])
     return d, watch, metrics
 
 

@@ -18,6 +18,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from family_models import FAMILIES, need
+from real_models import train
 from instability_watch import InstabilityWatch, WatchConfig
 from instability_watch.locate import AttentionLayer, find_attention_layers
 
@@ -97,21 +98,7 @@ def test_every_layer_found_and_w_q_is_the_modules_own_query_projection(name):
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_trains_under_bf16_autocast_with_every_call_observed(name):
     spec = FAMILIES[name]
-    torch.manual_seed(0)
-    model = spec.build()
-    model.train()
-    metrics = []
-    watch = InstabilityWatch(model, WatchConfig(**CFG), listeners=[lambda ms, al, w: metrics.extend(ms)])
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(1)
-    for _ in range(STEPS):
-        batch = spec.batch(g)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = spec.loss(model, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        watch.step(loss)
+    _, _, watch, metrics = train(spec, STEPS, WatchConfig(**CFG))
     watch.flush()
 
     assert watch.head_counts == [spec.heads] * spec.layers

@@ -25,7 +25,7 @@ from instability_watch import InstabilityWatch, InstabilityWatchCallback, WatchC
 from instability_watch import export
 from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, RunWriteError, RunWriter, _keep_through
 from lightning_models import TiedModule
-from watch_models import TiedAttention, train_tied
+from watch_models import TiedAttention, train_tied, write_tied_run
 
 TESTS = Path(__file__).resolve().parent
 CFG = dict(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
@@ -88,19 +88,11 @@ class _DiskFile:
             raise OSError(errno.EIO, os.strerror(errno.EIO))
 
 
-def _plain_run(run_dir, steps, *, disk=None, monkeypatch=None, strict=False):
+def _plain_run(run_dir, steps, *, disk=None, monkeypatch=None, strict=False, close=True):
     """The plain loop of the README: returns (watch, writer); the disk (if any) is in place throughout."""
     if disk is not None:
         monkeypatch.setattr(export, "open", disk.open, raising=False)
-    torch.manual_seed(0)
-    model = TiedAttention()
-    writer = RunWriter(run_dir)
-    watch = InstabilityWatch(model, WatchConfig(**CFG, strict=strict), layers=model.layers(), listeners=[writer])
-    writer.open(watch)
-    train_tied(model, watch, 0, steps)
-    watch.detach()
-    writer.close()
-    return watch, writer
+    return write_tied_run(run_dir, WatchConfig(**CFG, strict=strict), steps, close=close)
 
 
 def _lines_through(data: bytes, last_step: int):
@@ -178,14 +170,7 @@ def test_strict_raises_the_write_failure_once_and_closing_does_not_raise_again(r
 @pytest.mark.parametrize("strict", [False, True])
 def test_a_failing_close_closes_both_files_and_is_reported_once(tmp_path, monkeypatch, caplog, strict):
     disk = Disk(close_error="metrics.csv")
-    monkeypatch.setattr(export, "open", disk.open, raising=False)
-    torch.manual_seed(0)
-    model = TiedAttention()
-    writer = RunWriter(tmp_path)
-    watch = InstabilityWatch(model, WatchConfig(**CFG, strict=strict), layers=model.layers(), listeners=[writer])
-    writer.open(watch)
-    train_tied(model, watch, 0, 5)
-    watch.detach()
+    _, writer = _plain_run(tmp_path, 5, disk=disk, monkeypatch=monkeypatch, strict=strict, close=False)
     if strict:
         with pytest.raises(RunWriteError, match="closing metrics.csv failed"):
             writer.close()

@@ -13,35 +13,14 @@ from instability_watch.kernels import stats as st
 from instability_watch.locate import AttentionLayer, find_attention_layers
 from instability_watch.nanogpt import GPT, GPTConfig
 from instability_watch.probe import Probe
-from real_models import MODELS, hf_bert_padding, hf_gpt2_default, hf_llama_gqa
+from real_models import MODELS, hf_bert_padding, hf_gpt2_default, hf_llama_gqa, train
 
 CFG = dict(probe_every=2, shadow_every=4, spectral_every=4, log_every=10, warmup_steps=100)
 
 
 def _train(name, steps, config=None):
     """``steps`` AdamW steps under CPU bf16 autocast from seed 0; the watch if ``config``."""
-    spec = MODELS[name]
-    torch.manual_seed(0)
-    model = spec.build()
-    model.train()
-    metrics = []
-    watch = None
-    if config is not None:
-        watch = InstabilityWatch(model, config, listeners=[lambda ms, al, w: metrics.extend(ms)])
-    opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
-    g = torch.Generator().manual_seed(1)
-    losses = []
-    for _ in range(steps):
-        batch = spec.batch(g)
-        with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = spec.loss(model, batch)
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.detach())
-        if watch is not None:
-            watch.step(loss)
-    return model, losses, watch, metrics
+    return train(MODELS[name], steps, config)
 
 
 @pytest.mark.parametrize("name", list(MODELS))

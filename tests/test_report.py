@@ -12,13 +12,12 @@ from pathlib import Path
 import numpy as np
 import pandas as pd
 import pytest
-import torch
 from rich.console import Console
 
-from instability_watch import InstabilityWatch, WatchConfig, cli, export, report
+from instability_watch import WatchConfig, cli, export, report
 from instability_watch.detectors import KINDS
-from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, RunWriter, load_run
-from watch_models import TiedAttention, train_tied
+from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, load_run
+from watch_models import write_tied_run
 
 ROOT = Path(__file__).resolve().parents[1]
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
@@ -32,15 +31,8 @@ PLOT_FILES = ("sigma_wq.png", "multi_max.png", "delta_cum.png", "max_score.png",
 def real_run(tmp_path_factory) -> Path:
     """A real 30-step run of TiedAttention: heads 0 and 1 alert (delta_drift) and switch at step 27."""
     run_dir = tmp_path_factory.mktemp("report") / "run"
-    torch.manual_seed(0)
-    model = TiedAttention()
     cfg = WatchConfig(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
-    writer = RunWriter(run_dir)
-    watch = InstabilityWatch(model, cfg, layers=model.layers(), listeners=[writer])
-    writer.open(watch)
-    train_tied(model, watch, 0, 30)
-    watch.detach()
-    writer.close()
+    write_tied_run(run_dir, cfg, 30)
     return run_dir
 
 

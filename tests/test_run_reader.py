@@ -7,12 +7,10 @@ from pathlib import Path
 
 import pandas as pd
 import pytest
-import torch
 
-from instability_watch import InstabilityWatch, WatchConfig
-from instability_watch.export import (EVENT_COLUMNS, METRIC_COLUMNS, RunDirError, RunWriter, load_run,
-                                      stream_run)
-from watch_models import TiedAttention, train_tied
+from instability_watch import WatchConfig
+from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, RunDirError, load_run, stream_run
+from watch_models import write_tied_run
 
 STEPS, HEADS = 12, 4
 CFG = WatchConfig(probe_every=1, log_every=4, shadow_every=1, spectral_every=4, warmup_steps=4, sustain=3)
@@ -22,14 +20,7 @@ CFG = WatchConfig(probe_every=1, log_every=4, shadow_every=1, spectral_every=4, 
 def real_run(tmp_path_factory) -> Path:
     """A real 12-step run of TiedAttention (4 heads), written by RunWriter."""
     run_dir = tmp_path_factory.mktemp("reader") / "run"
-    torch.manual_seed(0)
-    model = TiedAttention()
-    writer = RunWriter(run_dir)
-    watch = InstabilityWatch(model, CFG, layers=model.layers(), listeners=[writer])
-    writer.open(watch)
-    train_tied(model, watch, 0, STEPS)
-    watch.detach()
-    writer.close()
+    write_tied_run(run_dir, CFG, STEPS)
     return run_dir
 
 

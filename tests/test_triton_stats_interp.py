@@ -239,7 +239,6 @@ def test_ties_near_ties_and_special_scores_count_exactly():
     ties at eps/4 and 4*eps; NaN and +inf scores (through an additive mask)."""
     n_rows, n_kv, eps = 16, 40, 2.0 ** -6
     S = (torch.arange(n_kv) / 16.0 - 3.0).repeat(n_rows, 1)  # -3 .. -0.5625, exact in bf16
-    nan_at = torch.zeros(n_rows, n_kv, dtype=torch.bool)
     multi = {  # row: (planted scores, repeated maximum?)
         0: ({2: 1.0, 9: 1.0}, True),  # tie in one block
         1: ({2: 1.0, 18: 1.0}, True),  # across blocks, same lane

@@ -60,3 +60,21 @@ def train_tied(model: TiedAttention, watch, start: int, stop: int, opt=None):
         opt.zero_grad()
         watch.step(loss)
     return opt
+
+
+def write_tied_run(run_dir, config, steps: int, *, listeners=(), close: bool = True):
+    """A real run directory: ``steps`` of :func:`train_tied` from seed 0, written by ``RunWriter`` (the
+    README's plain loop); returns ``(watch, writer)``, the watch detached."""
+    from instability_watch import InstabilityWatch
+    from instability_watch.export import RunWriter
+
+    torch.manual_seed(0)
+    model = TiedAttention()
+    writer = RunWriter(run_dir)
+    watch = InstabilityWatch(model, config, layers=model.layers(), listeners=[writer, *listeners])
+    writer.open(watch)
+    train_tied(model, watch, 0, steps)
+    watch.detach()
+    if close:
+        writer.close()
+    return watch, writer
