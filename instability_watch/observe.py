@@ -20,8 +20,10 @@ watch only looks, and only on the steps it was asked to:
 * **Switched layers** (a head moved to the stabilized kernel) run every call on
   :func:`~instability_watch.flash_attention`, standard for the other heads and
   stabilized for the switched ones, with autocast's rule applied to the
-  inputs. A call the kernels cannot serve (a mask, dropout, a head dim) stays
-  on PyTorch; the layer's switch is then reported as not applied, with the reason.
+  inputs, the call's mask and its dropout (seeded from the device's default
+  generator, as the SDPA call it replaces). A call the kernels cannot serve
+  (e.g. a head dim above 256, float64 under autocast) stays on PyTorch; the
+  layer's switch is then reported as not applied, with the reason.
 
 Only calls made while the module is in training mode are observed.
 
@@ -301,18 +303,18 @@ class _Observer(TorchFunctionMode):
 
     def _routed(self, call: _Call, q, k, v, mask) -> Optional[torch.Tensor]:
         """The call on our kernels (inputs in the autocast dtype), or ``None``: it stays on PyTorch, reason counted."""
-        reason = unsupported(q, k, v, attn_mask=mask, dropout_p=call.dropout_p, scale=call.scale,
-                             enable_gqa=call.enable_gqa)
+        reason = unsupported(q, k, v, attn_mask=mask, dropout_p=call.dropout_p, is_causal=bool(call.is_causal),
+                             scale=call.scale, enable_gqa=call.enable_gqa)
         if reason is not None:
             self._count(NOT_APPLIED, reason)
             return None
         if torch.compiler.is_compiling():  # traced: no error handling around the op
-            o = self._kernel(call, q, k, v)
+            o = self._kernel(call, q, k, v, mask)
         else:
             # where a failure in this call's backward is reported (it then falls back to PyTorch's)
             token = ERROR_HANDLER.set(None if self.on_error is None else self._routing_failed)
             try:
-                o = self._kernel(call, q, k, v)
+                o = self._kernel(call, q, k, v, mask)
             except Exception as exc:  # noqa: BLE001 - fail open: this call goes to PyTorch
                 if self.on_error is None:
                     raise
@@ -324,9 +326,11 @@ class _Observer(TorchFunctionMode):
             self.counts[_ROW["kernel_calls"]] += 1
         return o
 
-    def _kernel(self, call: _Call, q, k, v) -> torch.Tensor:
+    def _kernel(self, call: _Call, q, k, v, mask) -> torch.Tensor:
+        # dropout draws its seed from the device's default generator, as the SDPA call it replaces
         with _no_autocast(q.device.type):
-            return flash_attention(q, k, v, causal=bool(call.is_causal), scale=call.scale, stabilize=self.stabilize,
+            return flash_attention(q, k, v, attn_mask=mask, dropout_p=float(call.dropout_p),
+                                   causal=bool(call.is_causal), scale=call.scale, stabilize=self.stabilize,
                                    beta=self.beta, eps=self.eps)
 
 

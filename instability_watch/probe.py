@@ -22,8 +22,8 @@ Statistics (each of shape ``(H,)``, one entry per *query* head):
                             ``multi_max_rows / tie_rows``
 ``max_score``      float32  largest attention logit ``scale * q.k`` seen
 ``nonfinite_rows`` int64    rows whose output or log-sum-exp is not finite
-``masked_rows``    int64    rows whose every key is masked (statistics pass only;
-                            see ``kernels/stats.py``); counted in nothing else
+``masked_rows``    int64    rows whose every key is masked (the statistics pass, see
+                            ``kernels/stats.py``, and our kernels); counted in nothing else
 ``shadow_rows``    int64    rows that went through a shadow backward
 ``delta_err_sum``  float32  sum over rows of ``delta_lp - delta_hp`` (shadow only)
 ``delta_err_abs``  float32  sum over rows of ``|delta_lp - delta_hp|`` (shadow only)

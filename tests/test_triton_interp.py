@@ -237,3 +237,132 @@ def test_high_precision_delta_matches_reference():
     assert not torch.equal(grads["triton", False], grads["triton", True])
     for hp in (False, True):
         assert max_err(grads["triton", hp], grads["reference", hp]) <= 2 ** -6 * grads["reference", hp].abs().max()
+
+
+# ----------------------------------------------------------------------------- masks, dropout, head dims
+
+
+def _sdpa_masked(mask):
+    return lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+        a, b, c, attn_mask=None if mask is None else (mask if mask.dtype == torch.bool else mask.to(a.dtype)),
+        enable_gqa=a.shape[1] != b.shape[1])
+
+
+def _masks(N, n_kv, H):
+    g = seeded("masks", N, n_kv)
+    rows = torch.rand(2, 1, N, n_kv, generator=g) > 0.4
+    rows[0, 0, 5] = False  # a row that sees no key
+    rows[:, :, :, 20:36] = False  # whole key blocks masked for every row: skipped
+    pad = (torch.arange(n_kv) < n_kv - 13).view(1, 1, 1, n_kv).expand(2, 1, N, n_kv)  # stride-0 rows
+    window = torch.ones(N, n_kv, dtype=torch.bool).tril().triu(-7)  # causal sliding window of 8
+    bias = torch.randn(1, H, N, n_kv, generator=g)
+    bias[..., 3] = float("-inf")
+    return {"bool": rows, "padding": pad, "window": window, "additive": bias}
+
+
+@pytest.mark.parametrize("kind", ["bool", "padding", "window", "additive"])
+@pytest.mark.parametrize("heads", [(4, 2), (2, 2)])
+def test_masked_calls_match_the_reference_and_sdpa(kind, heads):
+    H, h_kv = heads
+    N = n_kv = 37 if kind == "window" else 37
+    n_kv = N if kind == "window" else 45
+    q, k, v, do = _inputs(("mask", kind, heads), 2, H, h_kv, N, 24, n_kv=n_kv)
+    mask = _masks(N, n_kv, H)[kind]
+    f64 = run_fwd_bwd(_sdpa_masked(mask), q, k, v, do, torch.float64)
+    pt = run_fwd_bwd(_sdpa_masked(mask), q, k, v, do, torch.bfloat16)
+    for stabilize in (False, True):
+        outs = {}
+        for backend in ("triton", "reference"):
+            probe = Probe(H)
+            probe.shadow = True
+            outs[backend] = run_fwd_bwd(
+                lambda a, b, c: flash_attention(a, b, c, attn_mask=mask, stabilize=stabilize, probe=probe,
+                                                backend=backend), q, k, v, do, torch.bfloat16)
+            outs[backend + " probe"] = probe
+        for name, t, r, p, x in zip(["o", "dq", "dk", "dv"], outs["triton"], outs["reference"], pt, f64):
+            assert torch.isfinite(t).all(), name
+            assert max_err(t, x) <= 2 * max_err(p, x) + 1e-6, (name, max_err(t, x), max_err(p, x))
+            assert max_err(t, r) <= 2 * max_err(r, x) + 1e-6, (name, max_err(t, r), max_err(r, x))
+        tp, rp = outs["triton probe"], outs["reference probe"]
+        for name in ("rows", "masked_rows", "nonfinite_rows", "shadow_rows"):
+            assert getattr(tp, name).tolist() == getattr(rp, name).tolist(), name
+    if kind == "bool":  # the row that sees no key: 0 and zero gradients, as SDPA
+        assert (outs["triton"][0][0, :, 5] == 0).all() and (outs["triton"][1][0, :, 5] == 0).all()
+        assert outs["triton probe"].masked_rows.tolist() == [1] * H
+
+
+def test_additive_mask_gets_its_gradient():
+    H = 2
+    q, k, v, do = _inputs(("bias grad",), 2, H, 1, 21, 16, dtype=torch.float32, n_kv=29)
+    bias = _masks(21, 29, H)["additive"]
+    grads = {}
+    for name, fn in (("triton", lambda a, b, c, m: flash_attention(a, b, c, attn_mask=m, backend="triton")),
+                     ("sdpa", lambda a, b, c, m: torch.nn.functional.scaled_dot_product_attention(
+                         a, b, c, attn_mask=m, enable_gqa=True))):
+        m = bias.clone().requires_grad_(True)
+        qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+        fn(qq, kk, vv, m).backward(do)
+        grads[name] = (m.grad, qq.grad, kk.grad, vv.grad)
+    for t, s in zip(grads["triton"], grads["sdpa"]):
+        assert t.shape == s.shape and torch.allclose(t, s, atol=2e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("causal, masked, heads", [(True, False, (4, 2)), (False, True, (2, 2)), (False, False, (2, 1))])
+def test_dropout_is_the_references_bit_for_bit(causal, masked, heads):
+    """The Triton kernels draw the reference's random numbers, whatever their block sizes."""
+    H, h_kv = heads
+    q, k, v, do = _inputs(("dropout", causal, masked, heads), 2, H, h_kv, 37, 32, dtype=torch.float32)
+    mask = _masks(37, 37, H)["bool"] if masked else None
+    outs = []
+    for backend in ("triton", "reference"):
+        g = torch.Generator().manual_seed(11)
+        outs.append(run_fwd_bwd(lambda a, b, c: flash_attention(
+            a, b, c, attn_mask=mask, causal=causal, dropout_p=0.3, generator=g, backend=backend),
+            q, k, v, do, torch.float32))
+    for t, r in zip(*outs):
+        assert max_err(t, r) <= 2e-6
+    # the same call without dropout differs: something was dropped
+    plain = flash_attention(q, k, v, attn_mask=mask, causal=causal, backend="triton")
+    assert max_err(outs[0][0], plain) > 1e-2
+
+
+@pytest.mark.parametrize("D", [8, 80, 256])
+def test_head_dims_up_to_256(D):
+    q, k, v, do = _inputs(("head dims", D), 1, 2, 2, 21, D)
+    f64 = run_fwd_bwd(lambda a, b, c: sdpa_math(a, b, c, causal=True), q, k, v, do, torch.float64)
+    pt = run_fwd_bwd(lambda a, b, c: sdpa_math(a, b, c, causal=True), q, k, v, do, torch.bfloat16)
+    tri = run_fwd_bwd(lambda a, b, c: flash_attention(a, b, c, causal=True, backend="triton"), q, k, v, do,
+                      torch.bfloat16)
+    for t, p, x in zip(tri, pt, f64):
+        assert max_err(t, x) <= 2 * max_err(p, x) + 1e-6
+
+
+def test_rows_below_the_floor_are_as_each_devices_sdpa():
+    """A row of entries at -3e38 (HF's "masked" in float32): on the reference (CPU) path uniform, as
+    CPU SDPA's forward, with the softmax's own gradients (PyTorch's CPU SDPA backward takes P = 1 there,
+    from its LSE); on the Triton (CUDA) path a masked row, 0, as CUDA SDPA's cuDNN and efficient kernels."""
+    H = 2
+    q, k, v, do = _inputs(("floor",), 2, H, 1, 21, 16, n_kv=29)
+    bias = torch.randn(1, H, 21, 29, generator=seeded("floor bias"))
+    bias[0, 1, 2] = -3e38
+    bias[..., 3] = float("-inf")
+
+    def dense(a, b, c):
+        b, c = (t.repeat_interleave(H, 1) for t in (b, c))
+        s = (a.float() @ b.float().transpose(-1, -2)) / 4 + bias.to(a.dtype).float()
+        return (torch.softmax(s, -1).to(a.dtype).float() @ c.float()).to(a.dtype)
+
+    x = run_fwd_bwd(dense, q, k, v, do, torch.float64)
+    p = run_fwd_bwd(dense, q, k, v, do, torch.bfloat16)
+    t = run_fwd_bwd(lambda a, b, c: flash_attention(a, b, c, attn_mask=bias, backend="reference"), q, k, v, do,
+                    torch.bfloat16)
+    for name, tt, pp, xx in zip(["o", "dq", "dk", "dv"], t, p, x):
+        assert max_err(tt, xx) <= 2 * max_err(pp, xx) + 1e-6, (name, max_err(tt, xx), max_err(pp, xx))
+    assert torch.allclose(t[0][0, 1, 2].float(), v[0, 0, [j for j in range(29) if j != 3]].float().mean(0), atol=1e-2)
+    tri = run_fwd_bwd(lambda a, b, c: flash_attention(a, b, c, attn_mask=bias, backend="triton"), q, k, v, do,
+                      torch.bfloat16)
+    assert (tri[0][:, 1, 2] == 0).all() and (tri[1][:, 1, 2] == 0).all()  # the bias is the same for both batches
+    others = torch.ones(2, H, 21, dtype=torch.bool)
+    others[:, 1, 2] = False
+    assert max_err(tri[0][others], x[0][others]) <= 2 * max_err(p[0][others], x[0][others]) + 1e-6
+    assert all(torch.isfinite(g).all() for g in tri)

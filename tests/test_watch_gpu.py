@@ -123,6 +123,7 @@ def test_no_host_sync_between_read_backs():
         torch.cuda.set_sync_debug_mode("default")
     watch.flush()
     cov = watch.coverage()
-    assert [c.observed_calls for c in cov] == [4, 4] and cov[1].kernel_calls == 0
-    assert cov[1].not_applied == {"dropout": 4}
+    # the switched layer's dropout calls run on our kernels (dropout seeded on the device: no sync)
+    assert [c.observed_calls for c in cov] == [4, 4] and cov[1].kernel_calls == 4
+    assert cov[1].not_applied == {}
     watch.detach()

@@ -19,22 +19,34 @@ import torch
 
 from ..probe import Probe, probe_buffers
 from .ops import HIGH_PRECISION_DELTA, FlashAttention
-from .reference import DEFAULT_BETA, DEFAULT_EPS, FLOAT32_MAX, MAX_BETA, attention_backward, attention_forward
+from .reference import (
+    DEFAULT_BETA,
+    DEFAULT_EPS,
+    FLOAT32_MAX,
+    MAX_BETA,
+    attention_backward,
+    attention_forward,
+    dropout_mask,
+    dropout_seed,
+)
 
 __all__ = [
     "flash_attention",
     "attention_forward",
     "attention_backward",
     "SUPPORTED_DTYPES",
-    "SUPPORTED_HEAD_DIMS",
+    "MAX_HEAD_DIM",
+    "dropout_mask",
+    "dropout_seed",
     "BACKENDS",
     "high_precision_delta",
     "unsupported",
 ]
 
 SUPPORTED_DTYPES = (torch.bfloat16, torch.float16, torch.float32, torch.float64)
-# Head dims the kernels are built for (the Triton kernels pad 96 to a 128 tile).
-SUPPORTED_HEAD_DIMS = (16, 32, 64, 96, 128)
+# The largest head dim D the kernels take (any D from 1 up; the Triton kernels pad D to a
+# power-of-two tile of at least 16).
+MAX_HEAD_DIM = 256
 BACKENDS = ("auto", "triton", "reference")
 _TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 
@@ -89,7 +101,21 @@ def _check_tensor(name: str, t) -> None:
         raise ValueError(f"{name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
 
 
-def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend) -> None:
+def _check_mask(attn_mask, q, k) -> None:
+    if not isinstance(attn_mask, torch.Tensor):
+        raise TypeError(f"attn_mask must be None or a torch.Tensor, got {type(attn_mask).__name__}")
+    if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
+        raise TypeError(f"attn_mask must be boolean (True = attend) or floating point (added to the scores), "
+                        f"got {attn_mask.dtype}")
+    if attn_mask.device != q.device:
+        raise ValueError(f"attn_mask must be on q's device {q.device}, got {attn_mask.device}")
+    full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
+    if attn_mask.dim() > 4 or any(a not in (1, b) for a, b in zip(attn_mask.shape[::-1], full[::-1])):
+        raise ValueError(f"attn_mask must broadcast to (B, H, N, N_kv) = {full}, got shape {tuple(attn_mask.shape)}")
+
+
+def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend, attn_mask=None, dropout_p=0.0,
+                generator=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     for name, t in (("k", k), ("v", v)):
@@ -101,8 +127,8 @@ def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend) ->
         allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
         raise TypeError(f"q, k, v dtype must be one of {allowed}; got {q.dtype}")
     B, H, N, D = q.shape
-    if D not in SUPPORTED_HEAD_DIMS:
-        raise ValueError(f"head dim D (q.shape[-1]) must be one of {SUPPORTED_HEAD_DIMS}, got {D}")
+    if not 1 <= D <= MAX_HEAD_DIM:
+        raise ValueError(f"head dim D (q.shape[-1]) must be in [1, {MAX_HEAD_DIM}], got {D}")
     if k.shape != v.shape:
         raise ValueError(f"k and v must have the same shape (B, H_kv, N_kv, D), got {tuple(k.shape)} and {tuple(v.shape)}")
     if k.shape[0] != B:
@@ -144,30 +170,44 @@ def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend) ->
             raise ValueError(f"probe must be on q's device {q.device}, got {probe.device}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
+    if attn_mask is not None:
+        _check_mask(attn_mask, q, k)
+        if causal:
+            raise ValueError("attn_mask and causal=True cannot be combined (as in SDPA): put the causal mask into attn_mask")
+    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0 <= dropout_p < 1):
+        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    if generator is not None and not isinstance(generator, torch.Generator):
+        raise TypeError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
 
 
-def unsupported(q, k, v, *, attn_mask=None, dropout_p=0.0, scale=None, enable_gqa=False) -> Optional[str]:
+def unsupported(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False) -> Optional[str]:
     """Why :func:`flash_attention` cannot serve this ``F.scaled_dot_product_attention`` call (``None`` if it can).
 
     The arguments are SDPA's, after autocast's cast. The watch keeps such calls
     on PyTorch's SDPA and says why.
     """
-    if attn_mask is not None:
-        return "attn_mask"
-    if dropout_p:
-        return "dropout"
     if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
         return "not 4-D (B, H, N, D)"
     if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
         return f"dtype {q.dtype}"
-    if q.shape[-1] not in SUPPORTED_HEAD_DIMS or k.shape[-1] != q.shape[-1] or v.shape != k.shape:
-        return f"head dims q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]} (supported: {SUPPORTED_HEAD_DIMS})"
+    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM or k.shape[-1] != q.shape[-1] or v.shape != k.shape:
+        return f"head dims q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]} (supported: equal, at most {MAX_HEAD_DIM})"
     if k.shape[1] != q.shape[1] and (not enable_gqa or q.shape[1] % k.shape[1]):
         return "key/value heads differ from query heads without enable_gqa"
     if k.shape[0] != q.shape[0] or q.shape[2] < 1 or k.shape[2] < 1:
         return "shape"
     if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale <= FLOAT32_MAX):
         return f"scale {scale!r}"
+    if not (isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1):
+        return f"dropout_p {dropout_p!r}"
+    if attn_mask is not None:
+        try:
+            _check_mask(attn_mask, q, k)
+        except (TypeError, ValueError) as exc:
+            return str(exc)
+        if is_causal:
+            return "attn_mask together with is_causal"
     return None
 
 
@@ -176,6 +216,8 @@ def flash_attention(
     k: torch.Tensor,
     v: torch.Tensor,
     *,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
     causal: bool = False,
     scale: Optional[float] = None,
     stabilize: Union[None, bool, torch.Tensor] = None,
@@ -183,6 +225,7 @@ def flash_attention(
     beta: float = DEFAULT_BETA,
     eps: float = DEFAULT_EPS,
     backend: str = "auto",
+    generator: Optional[torch.Generator] = None,
 ) -> torch.Tensor:
     """Attention with FA2's BF16 precision model, per-head stabilization and diagnostics.
 
@@ -192,7 +235,20 @@ def flash_attention(
             attention: query head ``h`` reads KV head ``h // (H // H_kv)``).
             Same dtype and device as ``q``: bfloat16 (the target), float16,
             float32, or float64 (reference path only, no rounding anywhere).
-            ``D`` in ``SUPPORTED_HEAD_DIMS``; any ``N >= 1``.
+            Any ``D`` up to ``MAX_HEAD_DIM`` (256); any ``N >= 1``.
+        attn_mask: as ``F.scaled_dot_product_attention``'s: boolean (True = attend)
+            or floating point (added to the scaled scores; it may require grad, and
+            then gets its gradient), broadcastable to ``(B, H, N, N_kv)``, on ``q``'s
+            device. Not together with ``causal``. Finite entries below -1e30 count
+            as -1e30 (the result is SDPA's). A row whose every key is masked comes
+            out 0, with zero gradients.
+        dropout_p: attention dropout as SDPA's: entries of the softmax are dropped
+            after it with probability ``p`` (rounded to a multiple of 2^-16) and the
+            rest scaled by ``1/(1 - p)``; the backward regenerates the same mask
+            from the call's seed (Philox; see ``kernels.reference.dropout_bits``).
+        generator: where a call with dropout draws its seed (two 32-bit words,
+            :func:`dropout_seed`); ``None``: ``q``'s device's default generator,
+            as SDPA and ``F.dropout``.
         causal: causal mask, top-left aligned like ``F.scaled_dot_product_attention``.
         scale: softmax scale, a number in (0, 3.4e38] (scores are float32); default
             ``1/sqrt(D)``. Rows whose scaled scores overflow float32 come out NaN, as in
@@ -221,15 +277,17 @@ def flash_attention(
 
         o = flash_attention(q, k, v, causal=True, stabilize=torch.tensor([False, True], device=q.device))
     """
-    _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend)
+    _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend, attn_mask, dropout_p, generator)
     backend = resolve_backend(q, backend)
     if isinstance(stabilize, bool):
         stabilize = torch.full((q.shape[1],), True, dtype=torch.bool, device=q.device) if stabilize else None
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     counts, values = probe_buffers(probe)
     shadow = probe is not None and probe.shadow
+    seed = dropout_seed(generator, q.device) if dropout_p else None
     return FlashAttention.apply(
-        q, k, v, stabilize, counts, values, shadow, causal, scale, float(beta), float(eps), backend
+        q, k, v, attn_mask, seed, stabilize, counts, values, shadow, causal, scale, float(beta), float(eps),
+        float(dropout_p), backend,
     )
 
 

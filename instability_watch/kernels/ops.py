@@ -47,24 +47,63 @@ HIGH_PRECISION_DELTA: contextvars.ContextVar = contextvars.ContextVar(
 )
 
 
-def _high_precision_delta(q: Tensor, k: Tensor, v: Tensor, do: Tensor, causal: bool, scale: float) -> Tensor:
+def _dense_attention(q, k, v, attn_mask, keep, inv_keep: float, causal: bool, scale: float, cdt) -> Tensor:
+    """``(softmax(S) * Z) V`` with PyTorch ops in ``cdt`` (differentiable), ``Z`` the scaled dropout keep
+    mask (``keep=None``: none); a row whose every key is masked gives 0, as SDPA."""
+    B, H, N, _ = q.shape
+    group = H // k.shape[1]
+    qf = q.to(cdt)
+    kf = reference._expand_kv(k, group).to(cdt)
+    vf = reference._expand_kv(v, group).to(cdt)
+    s = (qf @ kf.transpose(-1, -2)) * scale
+    if causal:
+        s = s.masked_fill(reference._causal_mask(0, N, 0, k.shape[2], q.device), float("-inf"))
+    if attn_mask is not None:
+        s = s + reference.mask_bias(reference.mask4(attn_mask, B, H, N, k.shape[2]), cdt)
+    p = torch.softmax(s, dim=-1)
+    p = torch.where(torch.isneginf(s).all(dim=-1, keepdim=True), 0.0, p)
+    if keep is not None:
+        p = torch.where(keep, p * inv_keep, 0.0)
+    return p @ vf
+
+
+def _high_precision_delta(q, k, v, do, attn_mask, seed, causal: bool, scale: float, dropout_p: float) -> Tensor:
     """``rowsum(dO * O_hp)`` (B, H, N), ``O_hp`` recomputed by PyTorch in float32 (float64 for float64 inputs)."""
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.autocast(q.device.type, enabled=False), torch.no_grad():
-        o_hp = torch.nn.functional.scaled_dot_product_attention(
-            q.to(cdt), k.to(cdt), v.to(cdt), is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
-        )
+        if attn_mask is None and not dropout_p:
+            o_hp = torch.nn.functional.scaled_dot_product_attention(
+                q.to(cdt), k.to(cdt), v.to(cdt), is_causal=causal, scale=scale, enable_gqa=q.shape[1] != k.shape[1]
+            )
+        else:
+            B, H, N, _ = q.shape
+            keep = (reference.dropout_mask(seed, B, H, N, k.shape[2], dropout_p, device=q.device)
+                    if dropout_p else None)
+            o_hp = _dense_attention(q, k, v, attn_mask, keep, reference.dropout_scale(dropout_p) if dropout_p else 1.0,
+                                    causal, scale, cdt)
         return (do.to(cdt) * o_hp).sum(dim=-1)
 
 
-def _pytorch_backward(q, k, v, do, causal: bool, scale: float):
-    """Gradients from PyTorch's SDPA, recomputed from the saved inputs (the fail-open path)."""
-    with torch.enable_grad():
+def _pytorch_backward(q, k, v, do, attn_mask, seed, causal: bool, scale: float, dropout_p: float, mask_grad: bool):
+    """Gradients from PyTorch, recomputed from the saved inputs (the fail-open path): SDPA's own
+    backward without a mask or dropout, else the same attention (mask, dropout mask) in float32."""
+    with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
-        o = torch.nn.functional.scaled_dot_product_attention(
-            qq, kk, vv, is_causal=causal, scale=scale, enable_gqa=qq.shape[1] != kk.shape[1]
-        )
-        return torch.autograd.grad(o, (qq, kk, vv), do)
+        if attn_mask is None and not dropout_p:
+            o = torch.nn.functional.scaled_dot_product_attention(
+                qq, kk, vv, is_causal=causal, scale=scale, enable_gqa=qq.shape[1] != kk.shape[1]
+            )
+            return (*torch.autograd.grad(o, (qq, kk, vv), do), None)
+        B, H, N, _ = q.shape
+        keep = reference.dropout_mask(seed, B, H, N, k.shape[2], dropout_p, device=q.device) if dropout_p else None
+        cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+        mm = attn_mask.detach().requires_grad_(True) if mask_grad else attn_mask
+        o = _dense_attention(qq, kk, vv, mm, keep, reference.dropout_scale(dropout_p) if dropout_p else 1.0,
+                             causal, scale, cdt)
+        inputs = (qq, kk, vv, mm) if mask_grad else (qq, kk, vv)
+        grads = torch.autograd.grad(o, inputs, do.to(cdt))
+        grads = [g.to(t.dtype) for g, t in zip(grads, inputs)]
+        return (*grads[:3], grads[3] if mask_grad else None)
 
 
 _TRITON_MODULE = None
@@ -80,18 +119,19 @@ def _triton():
 
 
 def _forward(
-    q: Tensor, k: Tensor, v: Tensor, stabilize: Optional[Tensor],
+    q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor], stabilize: Optional[Tensor],
     counts: Optional[Tensor], values: Optional[Tensor],
-    causal: bool, scale: float, beta: float, eps: float, backend: str,
+    causal: bool, scale: float, beta: float, eps: float, dropout_p: float, backend: str,
 ) -> Tuple[Tensor, Tensor]:
     if backend == "triton":
         return _triton().attention_forward(
             q, k, v, causal=causal, scale=scale, stabilize=stabilize, beta=beta, eps=eps,
-            counts=counts, values=values,
+            counts=counts, values=values, attn_mask=attn_mask, dropout_p=dropout_p, seed=seed,
         )
     probe = None if counts is None else Probe.from_buffers(counts, values)
     o, lse = reference.attention_forward(
-        q, k, v, causal=causal, scale=scale, stabilize=stabilize, beta=beta, eps=eps, probe=probe
+        q, k, v, causal=causal, scale=scale, stabilize=stabilize, beta=beta, eps=eps, probe=probe,
+        attn_mask=attn_mask, dropout_p=dropout_p, seed=seed,
     )
     return _into(q, o), lse
 
@@ -100,63 +140,72 @@ attention_fwd = torch.library.custom_op("instability_watch::attention_fwd", _for
 
 
 @attention_fwd.register_fake
-def _(q, k, v, stabilize, counts, values, causal, scale, beta, eps, backend):
+def _(q, k, v, attn_mask, seed, stabilize, counts, values, causal, scale, beta, eps, dropout_p, backend):
     B, H, N, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
-    return empty_like_layout(q), q.new_empty((B, H, N), dtype=lse_dtype)
+    lse_shape = (2, B, H, N) if attn_mask is not None and attn_mask.is_floating_point() else (B, H, N)
+    return empty_like_layout(q), q.new_empty(lse_shape, dtype=lse_dtype)
 
 
 def _backward_impl(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
-    counts: Optional[Tensor], values: Optional[Tensor],
-    causal: bool, scale: float, shadow: bool, backend: str, delta: Optional[Tensor] = None,
-) -> Tuple[Tensor, Tensor, Tensor]:
+    attn_mask: Optional[Tensor], seed: Optional[Tensor], counts: Optional[Tensor], values: Optional[Tensor],
+    causal: bool, scale: float, dropout_p: float, shadow: bool, mask_grad: bool, backend: str,
+    delta: Optional[Tensor] = None,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(dq, dk, dv, dmask)``; ``dmask`` is an empty tensor unless ``mask_grad``."""
     shadow = shadow and counts is not None
     if backend == "triton":
-        return _triton().attention_backward(
+        dq, dk, dv, dmask = _triton().attention_backward(
             q, k, v, o, lse, do, causal=causal, scale=scale, counts=counts, values=values, shadow=shadow,
-            delta=delta,
+            delta=delta, attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, mask_grad=mask_grad,
         )
-    probe = Probe.from_buffers(counts, values) if shadow else None
-    dq, dk, dv = reference.attention_backward(
-        q, k, v, o, lse, do, causal=causal, scale=scale, shadow_probe=probe, delta=delta
-    )
-    return _into(q, dq), _into(k, dk), _into(v, dv)
+    else:
+        probe = Probe.from_buffers(counts, values) if shadow else None
+        dq, dk, dv, dmask = reference.attention_backward(
+            q, k, v, o, lse, do, causal=causal, scale=scale, shadow_probe=probe, delta=delta,
+            attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, mask_grad=mask_grad,
+        )
+        dq, dk, dv = _into(q, dq), _into(k, dk), _into(v, dv)
+    return dq, dk, dv, (dmask if dmask is not None else q.new_empty(0))
 
 
 def _backward(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
-    counts: Optional[Tensor], values: Optional[Tensor],
-    causal: bool, scale: float, shadow: bool, backend: str,
-) -> Tuple[Tensor, Tensor, Tensor]:
-    return _backward_impl(q, k, v, o, lse, do, counts, values, causal, scale, shadow, backend)
+    attn_mask: Optional[Tensor], seed: Optional[Tensor], counts: Optional[Tensor], values: Optional[Tensor],
+    causal: bool, scale: float, dropout_p: float, shadow: bool, mask_grad: bool, backend: str,
+) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    return _backward_impl(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow,
+                          mask_grad, backend)
 
 
 attention_bwd = torch.library.custom_op("instability_watch::attention_bwd", _backward, mutates_args=("counts", "values"))
 
 
 @attention_bwd.register_fake
-def _(q, k, v, o, lse, do, counts, values, causal, scale, shadow, backend):
-    return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
+def _(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow, mask_grad, backend):
+    dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
+    return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v), dmask
 
 
 class FlashAttention(torch.autograd.Function):
     """Forward and backward through the two ops; the backward is FA2's, whatever the shift."""
 
     @staticmethod
-    def forward(ctx, q, k, v, stabilize, counts, values, shadow, causal, scale, beta, eps, backend):
+    def forward(ctx, q, k, v, attn_mask, seed, stabilize, counts, values, shadow, causal, scale, beta, eps,
+                dropout_p, backend):
         # Eager calls skip the op dispatcher (tens of microseconds of host time per
         # call); under torch.compile the op is what gets traced.
         fwd = attention_fwd if torch.compiler.is_compiling() else _forward
-        o, lse = fwd(q, k, v, stabilize, counts, values, causal, scale, beta, eps, backend)
-        ctx.save_for_backward(q, k, v, o, lse)
+        o, lse = fwd(q, k, v, attn_mask, seed, stabilize, counts, values, causal, scale, beta, eps, dropout_p, backend)
+        ctx.save_for_backward(q, k, v, o, lse, attn_mask, seed)
         # The step that ran the forward is the step whose backward is shadowed.
         # The probe buffers are held as attributes, not saved tensors: other
         # forwards may add to them before this backward runs (gradient
         # accumulation, pipelining) and that must not trip autograd's version check.
         ctx.shadow = bool(shadow and counts is not None)
         ctx.probe_buffers = (counts, values) if ctx.shadow else (None, None)
-        ctx.causal, ctx.scale, ctx.backend = causal, scale, backend
+        ctx.causal, ctx.scale, ctx.dropout_p, ctx.backend = causal, scale, dropout_p, backend
         compiling = torch.compiler.is_compiling()
         ctx.on_error = None if compiling else ERROR_HANDLER.get()
         ctx.hp_delta = False if compiling else HIGH_PRECISION_DELTA.get()
@@ -164,22 +213,26 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
-        q, k, v, o, lse = ctx.saved_tensors
+        q, k, v, o, lse, attn_mask, seed = ctx.saved_tensors
         counts, values = ctx.probe_buffers
+        mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
         bwd = attention_bwd if torch.compiler.is_compiling() else _backward
         try:
             if ctx.hp_delta:
-                delta = _high_precision_delta(q, k, v, do, ctx.causal, ctx.scale)
-                dq, dk, dv = _backward_impl(
-                    q, k, v, o, lse, do, counts, values, ctx.causal, ctx.scale, ctx.shadow, ctx.backend, delta
+                delta = _high_precision_delta(q, k, v, do, attn_mask, seed, ctx.causal, ctx.scale, ctx.dropout_p)
+                dq, dk, dv, dmask = _backward_impl(
+                    q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
+                    ctx.shadow, mask_grad, ctx.backend, delta,
                 )
             else:
-                dq, dk, dv = bwd(
-                    q, k, v, o, lse, do, counts, values, ctx.causal, ctx.scale, ctx.shadow, ctx.backend
+                dq, dk, dv, dmask = bwd(
+                    q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
+                    ctx.shadow, mask_grad, ctx.backend,
                 )
         except Exception as exc:
             if ctx.on_error is None:
                 raise
             ctx.on_error(exc)  # reported once by the watch, which turns routing off
-            dq, dk, dv = _pytorch_backward(q, k, v, do, ctx.causal, ctx.scale)
-        return dq, dk, dv, None, None, None, None, None, None, None, None, None
+            dq, dk, dv, dmask = _pytorch_backward(q, k, v, do, attn_mask, seed, ctx.causal, ctx.scale, ctx.dropout_p,
+                                                  mask_grad)
+        return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None, None, None, None, None

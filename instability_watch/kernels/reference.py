@@ -64,6 +64,19 @@ DEFAULT_BLOCK_N = 64  # KV block of the emulation; results do not depend on it b
 # shift would flush the whole row's P to zero there; 3 bits keep P's maximum >= 1/8.
 _MAX_SHIFT = {torch.bfloat16: 46.0, torch.float16: 3.0, torch.float32: 46.0, torch.float64: 46.0}
 LOG2E = 1.4426950408889634
+# An additive mask's finite entries below this are raised to it (``-inf`` stays ``-inf``): a
+# score near -3.4e38 would overflow to -inf in the kernels' log2 units. The result is SDPA's:
+# such an entry's weight is 0 beside any other entry, and a row made only of them is uniform.
+MASK_FLOOR = -1e30
+# Dropout: 16 random bits per entry; an entry is dropped where its bits are below
+# round(p * DROPOUT_LEVELS), so the probability used is p rounded to a multiple of 2^-16.
+DROPOUT_LEVELS = 1 << 16
+# Philox4x32 (Salmon et al., SC'11: "Parallel random numbers: as easy as 1, 2, 3"): the
+# multipliers, the key increments (Weyl sequence) and the rounds.
+PHILOX_M0, PHILOX_M1 = 0xD2511F53, 0xCD9E8D57
+PHILOX_W0, PHILOX_W1 = 0x9E3779B9, 0xBB67AE85
+PHILOX_ROUNDS = 10
+_U32 = 0xFFFFFFFF
 
 
 def max_shift_for(dtype: torch.dtype) -> float:
@@ -94,6 +107,130 @@ def _causal_mask(row_start: int, n_rows: int, col_start: int, n_cols: int, devic
     return cols > rows  # (n_rows, n_cols)
 
 
+# ----------------------------------------------------------------------------- masks
+
+
+def mask4(attn_mask: Optional[torch.Tensor], B: int, H: int, N: int, N_kv: int) -> Optional[torch.Tensor]:
+    """``attn_mask`` as a ``(B, H, N, N_kv)`` view (broadcast dims get stride 0; no copy)."""
+    if attn_mask is None:
+        return None
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    return m.expand(B, H, N, N_kv)
+
+
+def mask_bias(block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """What a block of ``attn_mask`` adds to the scaled scores, in ``dtype``.
+
+    Boolean: 0 where True (attend), ``-inf`` where False. Floating: the entries,
+    with finite ones below :data:`MASK_FLOOR` raised to it (``-inf`` and NaN kept).
+    """
+    if block.dtype == torch.bool:
+        return torch.zeros(block.shape, dtype=dtype, device=block.device).masked_fill_(~block, float("-inf"))
+    b = block.to(dtype)
+    return torch.where((b < MASK_FLOOR) & ~torch.isneginf(b), MASK_FLOOR, b)
+
+
+def reduce_to(grad: torch.Tensor, shape) -> torch.Tensor:
+    """Sum a ``(B, H, N, N_kv)`` gradient over the dimensions a mask of ``shape`` was broadcast along."""
+    lead = 4 - len(shape)
+    full = (1,) * lead + tuple(shape)
+    dims = tuple(i for i in range(4) if full[i] == 1 and grad.shape[i] != 1)
+    if dims:
+        grad = grad.sum(dim=dims, keepdim=True)
+    return grad.reshape(shape)
+
+
+# ----------------------------------------------------------------------------- dropout
+
+
+def dropout_threshold(p: float) -> int:
+    """Entries whose 16 random bits are below this are dropped: ``round(p * 2^16)``, at most ``2^16 - 1``."""
+    return min(int(round(p * DROPOUT_LEVELS)), DROPOUT_LEVELS - 1)
+
+
+def dropout_scale(p: float) -> float:
+    """The factor kept entries are scaled by: ``1 / (1 - p_eff)``, ``p_eff`` the probability actually used."""
+    return DROPOUT_LEVELS / (DROPOUT_LEVELS - dropout_threshold(p))
+
+
+def dropout_seed(generator: Optional[torch.Generator], device) -> torch.Tensor:
+    """The seed a call with dropout draws: two 32-bit words (int64 tensor of shape (2,) on ``device``).
+
+    From ``generator`` (``None``: the default generator of ``device``, as
+    ``torch.nn.functional.dropout`` and SDPA draw), on the generator's device, with
+    no host sync on CUDA.
+    """
+    device = torch.device(device)
+    if generator is None:
+        return torch.randint(0, 1 << 32, (2,), dtype=torch.int64, device=device)
+    seed = torch.randint(0, 1 << 32, (2,), dtype=torch.int64, device=generator.device, generator=generator)
+    return seed.to(device)
+
+
+def _mulhilo(a: torch.Tensor, m: int):
+    """``(hi, lo)`` 32-bit words of ``a * m`` for ``a`` (int64 tensor of values in [0, 2^32)) and a 32-bit ``m``."""
+    al, ah = a & 0xFFFF, a >> 16
+    ml, mh = m & 0xFFFF, m >> 16
+    mid = al * mh + ah * ml  # < 2^33
+    low = al * ml + ((mid & 0xFFFF) << 16)  # < 2^33
+    return (ah * mh + (mid >> 16) + (low >> 32)) & _U32, low & _U32
+
+
+def philox(key0, key1, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3: torch.Tensor):
+    """Philox4x32-10 of the counters ``(c0, c1, c2, c3)`` under the key ``(key0, key1)``: four 32-bit words.
+
+    All values are int64 tensors (or ints) holding 32-bit unsigned numbers; the
+    counters broadcast. The Triton kernels compute the same words with 32-bit
+    integer arithmetic.
+    """
+    k0, k1 = key0, key1
+    for r in range(PHILOX_ROUNDS):
+        if r:
+            k0, k1 = (k0 + PHILOX_W0) & _U32, (k1 + PHILOX_W1) & _U32
+        hi0, lo0 = _mulhilo(c0, PHILOX_M0)
+        hi1, lo1 = _mulhilo(c2, PHILOX_M1)
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+def dropout_bits(seed: torch.Tensor, B: int, H: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
+    """The 16 random bits of the entries ``(b, h, rows, cols)``: int64 ``(B, H, len(rows), len(cols))``.
+
+    Entry ``(b, h, i, j)`` takes Philox4x32-10 with key ``seed`` and counter
+    ``(j // 8, i, b * H + h, 0)``; of the four words, word ``(j % 8) // 2``, and of
+    that word the low 16 bits for even ``j``, the high 16 bits for odd ``j``. The
+    numbers do not depend on any block size.
+    """
+    dev = rows.device
+    key0, key1 = (int(x) & _U32 for x in seed.tolist()) if seed.device.type == "cpu" else (seed[0], seed[1])
+    bh = torch.arange(B * H, dtype=torch.int64, device=dev).view(B, H, 1, 1)
+    c1 = rows.to(torch.int64).view(1, 1, -1, 1)
+    group = torch.unique_consecutive(cols.to(torch.int64) // 8)
+    c0 = group.view(1, 1, 1, -1)
+    words = philox(key0, key1, c0, c1, bh, torch.zeros((), dtype=torch.int64, device=dev))
+    w = torch.stack(torch.broadcast_tensors(*words), dim=-1)  # (B, H, n, groups, 4)
+    cols = cols.to(torch.int64)
+    where = torch.searchsorted(group, cols // 8)
+    word = w[:, :, :, where, (cols % 8) // 2]  # (B, H, n, len(cols))
+    return (word >> (16 * (cols % 2))) & 0xFFFF
+
+
+def dropout_mask(seed: torch.Tensor, B: int, H: int, N: int, N_kv: int, p: float, device=None) -> torch.Tensor:
+    """The keep mask (True = kept) that a call with dropout probability ``p`` and this ``seed`` applies to ``P``.
+
+    ``(B, H, N, N_kv)`` bool on ``device`` (default: the seed's); see
+    :func:`dropout_bits` for the numbers, :func:`dropout_threshold` for the rule.
+    """
+    device = seed.device if device is None else torch.device(device)
+    seed = seed.to(device)
+    rows = torch.arange(N, device=device)
+    cols = torch.arange(N_kv, device=device)
+    return dropout_bits(seed, B, H, rows, cols) >= dropout_threshold(p)
+
+
+
 def stabilized_shift(r: torch.Tensor, beta: float, max_shift: float) -> torch.Tensor:
     """The stabilized variant's extra shift ``d >= 0`` (nats) for a row maximum ``r`` (nats).
 
@@ -106,6 +243,11 @@ def stabilized_shift(r: torch.Tensor, beta: float, max_shift: float) -> torch.Te
     d2 = torch.where(r > 0, beta - 1.0, -1.0) * (r * LOG2E)
     d2 = torch.minimum(d2, (max_shift - 1.0) + torch.frac(d2))
     return torch.clamp_min(d2, 0.0) / LOG2E
+
+
+def _safe_shift(m: torch.Tensor) -> torch.Tensor:
+    """A shift that is finite where a row has seen no score yet (``-inf``): its P is then exp(-inf) = 0."""
+    return torch.where(torch.isneginf(m), 0.0, m)
 
 
 @torch.no_grad()
@@ -121,6 +263,9 @@ def attention_forward(
     eps: float = DEFAULT_EPS,
     block_n: int = DEFAULT_BLOCK_N,
     probe: Optional[Probe] = None,
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    seed: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """FA2-precision attention forward. Inputs are assumed validated.
 
@@ -132,10 +277,16 @@ def attention_forward(
         beta, eps: the stabilized variant's parameters.
         block_n: KV block size of the online softmax.
         probe: statistics to accumulate into, or None.
+        attn_mask: boolean (True = attend) or additive mask broadcastable to
+            (B, H, N, N_kv), as SDPA's; added to the scaled scores (see :func:`mask_bias`).
+        dropout_p, seed: dropout after the softmax (see :func:`dropout_mask`); ``l``
+            is summed before it, kept entries are scaled by :func:`dropout_scale` at the end.
 
     Returns:
         ``(o, lse)``: o (B, H, N, D) in q's dtype; lse (B, H, N) in float32
-        (float64 for float64 inputs), natural log.
+        (float64 for float64 inputs), natural log; with an additive mask (2, B, H, N):
+        the shift ``m`` and ``log(l)`` apart. A row that sees no key (every key
+        masked) has o = 0 and lse = +inf (its backward is 0), as SDPA.
     """
     B, H, N, D = q.shape
     n_kv = k.shape[2]
@@ -144,6 +295,8 @@ def attention_forward(
     cdt = _compute_dtype(q.dtype)
     max_shift = max_shift_for(q.dtype)
     dev = q.device
+    mask = mask4(attn_mask, B, H, N, n_kv)
+    keep = dropout_mask(seed, B, H, N, n_kv, dropout_p, device=dev) if dropout_p else None
 
     qf = q.to(cdt)  # (B, H, N, D)
     kf = _expand_kv(k, group).to(cdt)  # (B, H, N_kv, D)
@@ -173,6 +326,8 @@ def attention_forward(
         s = (qf[:, :, i0:] @ kf[:, :, j0:j1].transpose(-1, -2)) * scale  # (B, H, n, bn)
         if causal:
             s = s.masked_fill(_causal_mask(i0, N - i0, j0, j1 - j0, dev), float("-inf"))
+        if mask is not None:
+            s = s + mask_bias(mask[:, :, i0:, j0:j1], cdt)
         rm = s.amax(dim=-1)  # (B, H, n)
         s_max = torch.maximum(s_max, rm.amax(dim=-1))
 
@@ -189,25 +344,41 @@ def attention_forward(
         d = torch.where(tie & stab, stabilized_shift(r_new, beta, max_shift), 0.0)
         m_new = torch.maximum(m_old, r_new + d)
 
-        # -- update l and acc (online softmax)
-        alpha = torch.exp(m_old - m_new)  # 0 on the first block (m_old = -inf)
-        p = torch.exp(s - m_new[..., None])  # float32 P
+        # -- update l and acc (online softmax); rows that have seen nothing keep l = acc = 0
+        alpha = torch.exp(m_old - _safe_shift(m_new))  # 0 on the first block (m_old = -inf)
+        p = torch.exp(s - _safe_shift(m_new)[..., None])  # float32 P
         l[:, :, i0:] = alpha * l[:, :, i0:] + p.sum(dim=-1)
+        if keep is not None:  # dropout after the softmax: l is the softmax's own normaliser
+            p = p * keep[:, :, i0:, j0:j1]
         pv = _round_p(p, q.dtype) @ vf[:, :, j0:j1]  # P rounded, float32 accumulator
         acc[:, :, i0:] = alpha[..., None] * acc[:, :, i0:] + pv
         m[:, :, i0:] = m_new
         r[:, :, i0:] = r_new
         c[:, :, i0:] = c_new
 
-    o = (acc / l[..., None]).to(q.dtype)  # the one rounding of O
-    lse = m + torch.log(l)
+    seen = l > 0  # False: every key of the row masked
+    o = acc / torch.where(seen, l, 1.0)[..., None]
+    if keep is not None:
+        o = o * dropout_scale(dropout_p)
+    o = o.to(q.dtype)  # the one rounding of O
+    if mask is not None and not mask.is_floating_point():
+        lse = torch.where(seen, m + torch.log(l), float("inf"))
+    elif mask is not None:
+        # an additive mask: the shift and log(l) apart, (2, B, H, N), so that the backward's
+        # P = exp(s - m - log(l)) stays exact where m is huge (a row of MASK_FLOOR entries)
+        lse = torch.stack([torch.where(seen, m, 0.0), torch.where(seen, torch.log(l), float("inf"))])
+    else:
+        lse = m + torch.log(l)
 
     if probe is not None:
-        probe.rows.add_(B * N)
-        probe.multi_max_rows.add_((c > 1).sum(dim=(0, 2)))
-        probe.tie_rows.add_(B * N)
+        live = ~torch.isneginf(r)  # rows that see a key
+        n_live = live.sum(dim=(0, 2))
+        probe.rows.add_(n_live)
+        probe.multi_max_rows.add_((live & (c > 1)).sum(dim=(0, 2)))
+        probe.tie_rows.add_(n_live)
+        probe.masked_rows.add_(B * N - n_live)
         torch.maximum(probe.max_score, s_max.amax(dim=0).to(torch.float32), out=probe.max_score)
-        bad = ~torch.isfinite(o).all(dim=-1) | ~torch.isfinite(lse)  # (B, H, N)
+        bad = live & (~torch.isfinite(o).all(dim=-1) | ~torch.isfinite(m + torch.log(l)))  # (B, H, N)
         probe.nonfinite_rows.add_(bad.sum(dim=(0, 2)))
     return o, lse
 
@@ -226,15 +397,22 @@ def attention_backward(
     block_n: int = DEFAULT_BLOCK_N,
     shadow_probe: Optional[Probe] = None,
     delta: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    attn_mask: Optional[torch.Tensor] = None,
+    dropout_p: float = 0.0,
+    seed: Optional[torch.Tensor] = None,
+    mask_grad: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """FA2's backward with its precision model. Unchanged by stabilization: it uses the LSE.
 
-    ``delta = rowsum(dO * O)``, ``P = exp(S - lse)`` (float32), ``dV += bf16(P)^T dO``,
-    ``dP = dO V^T``, ``dS = P * (dP - delta)``, ``dQ += bf16(dS) K * scale``,
-    ``dK += bf16(dS)^T Q * scale``; gradients rounded to the input dtype once.
+    ``delta = rowsum(dO * O)``, ``P = exp(S - lse)`` (float32), ``Z`` the dropout
+    keep mask scaled by ``1/(1 - p)`` (all ones without dropout),
+    ``dV += bf16(P * Z)^T dO``, ``dP = (dO V^T) * Z``, ``dS = P * (dP - delta)``,
+    ``dQ += bf16(dS) K * scale``, ``dK += bf16(dS)^T Q * scale``; gradients rounded
+    to the input dtype once. An additive ``attn_mask``'s gradient is ``dS`` (float32,
+    summed over its broadcast dimensions), returned if ``mask_grad``.
 
     With ``shadow_probe``, also ``delta_hp = rowsum(P * dP)``, which equals
-    ``rowsum(dO * O_hp)`` with ``O_hp = P V`` the output without any rounding of
+    ``rowsum(dO * O_hp)`` with ``O_hp = (P * Z) V`` the output without any rounding of
     P (never materialised), and the statistics of ``delta - delta_hp`` go into
     the probe.
 
@@ -243,7 +421,8 @@ def attention_backward(
     :func:`~instability_watch.kernels.high_precision_delta`).
 
     Returns:
-        ``(dq, dk, dv)`` in the dtypes and shapes of ``q, k, v`` (GQA heads summed).
+        ``(dq, dk, dv, dmask)`` in the dtypes and shapes of ``q, k, v`` (GQA heads
+        summed) and of ``attn_mask`` (``None`` unless ``mask_grad``).
     """
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
@@ -251,12 +430,18 @@ def attention_backward(
     scale = 1.0 / math.sqrt(D) if scale is None else float(scale)
     cdt = _compute_dtype(q.dtype)
     dev = q.device
+    mask = mask4(attn_mask, B, H, N, n_kv)
+    keep = dropout_mask(seed, B, H, N, n_kv, dropout_p, device=dev) if dropout_p else None
+    inv_keep = dropout_scale(dropout_p) if dropout_p else 1.0
 
     qf = q.to(cdt)
     kf = _expand_kv(k, group).to(cdt)
     vf = _expand_kv(v, group).to(cdt)
     dof = do.to(cdt)
     lse = lse.to(cdt)
+    additive = mask is not None and mask.is_floating_point()
+    if additive:
+        shift, log_l = lse[0], lse[1]
     if delta is None:
         delta = (dof * o.to(cdt)).sum(dim=-1)  # (B, H, N): delta_lp, what the backward uses
     else:
@@ -266,6 +451,7 @@ def attention_backward(
     dq = torch.zeros((B, H, N, D), dtype=cdt, device=dev)
     dk = torch.zeros((B, H, n_kv, D), dtype=cdt, device=dev)
     dv = torch.zeros((B, H, n_kv, D), dtype=cdt, device=dev)
+    dmask = torch.zeros((B, H, N, n_kv), dtype=cdt, device=dev) if mask_grad else None
 
     for j0 in range(0, n_kv, block_n):
         j1 = min(j0 + block_n, n_kv)
@@ -277,23 +463,41 @@ def attention_backward(
         s = (q_i @ k_j.transpose(-1, -2)) * scale  # (B, H, n, bn)
         if causal:
             s = s.masked_fill(_causal_mask(i0, N - i0, j0, j1 - j0, dev), float("-inf"))
-        p = torch.exp(s - lse[:, :, i0:, None])  # normalised probabilities, float32
-        dv[:, :, j0:j1] += _round_p(p, q.dtype).transpose(-1, -2) @ do_i
+        if mask is not None:
+            s = s + mask_bias(mask[:, :, i0:, j0:j1], cdt)
+        if additive:
+            p = torch.exp((s - shift[:, :, i0:, None]) - log_l[:, :, i0:, None])
+        else:
+            p = torch.exp(s - lse[:, :, i0:, None])  # normalised probabilities, float32; 0 in masked rows
         dp = do_i @ v_j.transpose(-1, -2)  # (B, H, n, bn)
+        if keep is not None:
+            z = keep[:, :, i0:, j0:j1]
+            dv[:, :, j0:j1] += _round_p(p * z, q.dtype).transpose(-1, -2) @ do_i
+            dp = torch.where(z, dp * inv_keep, 0.0)
+        else:
+            dv[:, :, j0:j1] += _round_p(p, q.dtype).transpose(-1, -2) @ do_i
         if delta_hp is not None:
             delta_hp[:, :, i0:] += (p * dp).sum(dim=-1)
-        ds = _round_p(p * (dp - delta[:, :, i0:, None]), q.dtype)
+        ds_full = p * (dp - delta[:, :, i0:, None])
+        if dmask is not None:
+            dmask[:, :, i0:, j0:j1] = ds_full
+        ds = _round_p(ds_full, q.dtype)
         dq[:, :, i0:] += (ds @ k_j) * scale
         dk[:, :, j0:j1] += (ds.transpose(-1, -2) @ q_i) * scale
 
+    if keep is not None:
+        dv = dv * inv_keep
     if group > 1:  # GQA: the KV head's gradient is the sum over the heads that read it
         dk = dk.view(B, h_kv, group, n_kv, D).sum(dim=2)
         dv = dv.view(B, h_kv, group, n_kv, D).sum(dim=2)
 
     if shadow_probe is not None:
-        err = (delta - delta_hp).to(torch.float32)  # (B, H, N)
-        shadow_probe.shadow_rows.add_(B * N)
+        live = torch.isfinite(log_l if additive else lse)  # rows that see a key
+        err = torch.where(live, delta - delta_hp, 0.0).to(torch.float32)  # (B, H, N)
+        shadow_probe.shadow_rows.add_(live.sum(dim=(0, 2)))
         shadow_probe.delta_err_sum.add_(err.sum(dim=(0, 2)))
         shadow_probe.delta_err_abs.add_(err.abs().sum(dim=(0, 2)))
         shadow_probe.delta_err_pos.add_((err > 0).sum(dim=(0, 2)))
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    if dmask is not None:
+        dmask = reduce_to(dmask, attn_mask.shape).to(attn_mask.dtype)
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype), dmask

@@ -35,7 +35,20 @@ import triton.language as tl
 from ..probe import COUNT_FIELDS, VALUE_FIELDS
 from . import interpreting as is_interpreter  # imported lazily, after the package itself
 from .layout import empty_like_layout
-from .reference import LOG2E, max_shift_for
+from .reference import (
+    LOG2E,
+    MASK_FLOOR,
+    PHILOX_M0,
+    PHILOX_M1,
+    PHILOX_ROUNDS,
+    PHILOX_W0,
+    PHILOX_W1,
+    dropout_scale,
+    dropout_threshold,
+    mask4,
+    max_shift_for,
+    reduce_to,
+)
 
 # Triton decides at import whether @triton.jit kernels run in its interpreter, so the
 # launchers read the flag once too (an environment lookup per launch is host time).
@@ -51,6 +64,16 @@ C_DPOS = tl.constexpr(COUNT_FIELDS.index("delta_err_pos"))
 V_MAXS = tl.constexpr(VALUE_FIELDS.index("max_score"))
 V_DSUM = tl.constexpr(VALUE_FIELDS.index("delta_err_sum"))
 V_DABS = tl.constexpr(VALUE_FIELDS.index("delta_err_abs"))
+C_MASKED = tl.constexpr(COUNT_FIELDS.index("masked_rows"))
+
+# The call's attn_mask, as the kernels read it.
+MASK_NONE = 0
+MASK_BOOL = 1  # uint8 view of a bool mask: nonzero = attend
+MASK_ADD = 2  # additive float mask, added to the scaled scores
+FLOOR = tl.constexpr(MASK_FLOOR)
+P_M0, P_M1 = tl.constexpr(PHILOX_M0), tl.constexpr(PHILOX_M1)
+P_W0, P_W1 = tl.constexpr(PHILOX_W0), tl.constexpr(PHILOX_W1)
+P_ROUNDS = tl.constexpr(PHILOX_ROUNDS)
 
 
 # ---------------------------------------------------------------------------
@@ -73,6 +96,66 @@ def _at_least(x, thr, ASM: tl.constexpr):
         )
     else:
         return tl.where(x >= thr, 1.0, 0.0)
+
+
+@triton.jit
+def _masked_scores(qk, M_blk, start_n, cols, row_ok, N_KV, stride_mk, sm_scale,
+                   MASK_KIND: tl.constexpr, MASK_KV: tl.constexpr):
+    """The scores as the loops use them under the call's mask: (rows, BLOCK_N) float32.
+
+    Boolean mask: the raw ``q.k``, ``-inf`` where the mask is False (the scale stays in
+    the exponent). Additive: ``(scale * q.k + bias) * log2(e)``, the scores in log2 units
+    (the loops then take ``qk_scale = 1``), rounded once before the row maximum is taken;
+    entries at or below FLOOR are masked (``-inf``), so a row of them (HF's
+    ``finfo.min``) is a masked row, 0, as CUDA SDPA's cuDNN and efficient kernels give
+    it. Keys past ``N_KV`` read as masked.
+    """
+    ok = row_ok[:, None]
+    if MASK_KV:
+        ok = ok & (cols[None, :] < N_KV)
+    if MASK_KIND == 1:
+        keep = tl.load(M_blk + start_n * stride_mk, mask=ok, other=0)
+        return tl.where(keep != 0, qk, float("-inf"))
+    else:
+        bias = tl.load(M_blk + start_n * stride_mk, mask=ok, other=float("-inf")).to(tl.float32)
+        bias = tl.where(bias <= FLOOR, float("-inf"), bias)
+        return (qk * sm_scale + bias) * 1.4426950408889634
+
+
+@triton.jit
+def _philox(k0, k1, c0, c1, c2, c3):
+    """Philox4x32 (reference.philox) on uint32 counters (tensors) and key (scalars)."""
+    for r in tl.static_range(P_ROUNDS):
+        if r > 0:
+            k0 = k0 + P_W0
+            k1 = k1 + P_W1
+        hi0 = tl.umulhi(c0, P_M0)
+        lo0 = c0 * P_M0
+        hi1 = tl.umulhi(c2, P_M1)
+        lo1 = c2 * P_M1
+        c0, c1, c2, c3 = hi1 ^ c1 ^ k0, lo1, hi0 ^ c3 ^ k1, lo0
+    return c0, c1, c2, c3
+
+
+@triton.jit
+def _dropout_keep(k0, k1, thr, bh, offs_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Which entries dropout keeps in rows ``offs_m``, keys ``start_n + [0, BLOCK_N)``: (BLOCK_M, BLOCK_N) bool.
+
+    reference.dropout_bits: entry (i, j) takes 16 bits of Philox at counter
+    (j // 8, i, bh, 0), word (j % 8) // 2, low half for even j. One Philox per 8
+    entries; the words are interleaved into columns with joins (a join adds a last
+    axis): (.., s, t, half) -> column 4s + 2t + half = 2 * word + half.
+    """
+    shape: tl.constexpr = (BLOCK_M, BLOCK_N // 8)
+    c0 = tl.broadcast_to((start_n // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)[None, :], shape)
+    c1 = tl.broadcast_to(offs_m.to(tl.uint32)[:, None], shape)
+    c2 = tl.zeros(shape, dtype=tl.uint32) + bh.to(tl.uint32)
+    c3 = tl.zeros(shape, dtype=tl.uint32)
+    x0, x1, x2, x3 = _philox(k0, k1, c0, c1, c2, c3)
+    lo = tl.join(tl.join(x0 & 0xFFFF, x2 & 0xFFFF), tl.join(x1 & 0xFFFF, x3 & 0xFFFF))
+    hi = tl.join(tl.join(x0 >> 16, x2 >> 16), tl.join(x1 >> 16, x3 >> 16))
+    bits = tl.reshape(tl.join(lo, hi), (BLOCK_M, BLOCK_N))
+    return bits >= thr
 
 
 # Per-row statistics go to per-head counters in global memory. A tile-wide reduction in
@@ -197,12 +280,15 @@ def _max_rows(ptr, x, floor, WARP: tl.constexpr):
 @triton.jit
 def _fwd_inner(
     acc, l_i, r_i, m_i, c_i,
-    q, K_ptrs, V_ptrs, stride_kn, stride_vn,
-    offs_m, offs_n, offs_d, D, N_KV,
-    qk_scale, eps_raw, beta, max_shift2, stab_h, track,
+    q, K_ptrs, V_ptrs, M_ptrs, stride_kn, stride_vn, stride_mk,
+    offs_m, offs_n, offs_d, row_ok, D, N_KV,
+    qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
+    k0, k1, drop_thr, off_bh,
     lo, hi,
-    MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, TRACK_TIES: tl.constexpr, HAS_STAB: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr, ASM: tl.constexpr,
+    MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    TRACK_TIES: tl.constexpr, HAS_STAB: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    ASM: tl.constexpr,
 ):
     # State per row: r the running maximum of the raw scores q.k (exact comparisons at any
     # magnitude), m the softmax shift in log2 units, c the near-maximum count. A standard
@@ -229,6 +315,8 @@ def _fwd_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASK_CAUSAL:
             qk = tl.where(offs_m[:, None] >= cols[None, :], qk, float("-inf"))
+        if MASK_KIND != 0:  # the call's mask (an additive one turns qk into scaled scores, in nats)
+            qk = _masked_scores(qk, M_ptrs, start_n, cols, row_ok, N_KV, stride_mk, sm_scale, MASK_KIND, MASK_KV)
         if MASK_KV:
             qk = tl.where(cols[None, :] < N_KV, qk, float("-inf"))
         r_new = tl.maximum(r_i, tl.max(qk, 1))
@@ -262,6 +350,8 @@ def _fwd_inner(
         p = tl.math.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
         l_i = l_i * alpha + tl.sum(p, 1)
         acc = acc * alpha[:, None]
+        if DROPOUT:  # after the softmax: l is the softmax's own normaliser; 1/(1-p) at the end
+            p = tl.where(_dropout_keep(k0, k1, drop_thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N), p, 0.0)
         # -- P rounded to the input dtype for P V, float32 accumulator
         if MASK_KV or not EVEN_D:
             v = tl.load(V_ptrs + start_n * stride_vn, mask=kv_mask, other=0.0)
@@ -275,14 +365,17 @@ def _fwd_inner(
 
 @triton.jit
 def _attn_fwd(
-    Q, K, V, O, LSE2, Stab, Counts, Values,
+    Q, K, V, O, LSE2, Stab, Counts, Values, Mask, RangeLo, RangeHi, Seed,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
-    H, GROUP, N_Q, N_KV, D,
-    qk_scale, sm_scale, eps_raw, beta, max_shift2, tie_stride,
+    stride_mb, stride_mh, stride_mn, stride_mk,
+    stride_rb, stride_rh, stride_rm,
+    H, GROUP, N_Q, N_KV, D, lse_plane,
+    qk_scale, sm_scale, stat_scale, eps_raw, beta, max_shift2, tie_stride, drop_thr, drop_scale,
     CAUSAL: tl.constexpr, HAS_STAB: tl.constexpr, HAS_PROBE: tl.constexpr,
+    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ASM: tl.constexpr, WARP_STATS: tl.constexpr,
@@ -328,9 +421,27 @@ def _attn_fwd(
         sampled = False
     track = stab_h | sampled
 
+    if MASK_KIND != 0:
+        m_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + offs_m[:, None] * stride_mn + offs_n[None, :] * stride_mk
+    else:
+        m_ptrs = Mask
+    if DROPOUT:
+        k0 = tl.load(Seed).to(tl.uint32)
+        k1 = tl.load(Seed + 1).to(tl.uint32)
+        thr = drop_thr.to(tl.uint32)
+    else:
+        k0 = 0
+        k1 = 0
+        thr = 0
+
     # -- KV range: causal (top-left) rows see keys <= row; split the blocks that
-    #    need no causal mask from the ones on the diagonal.
-    if CAUSAL:
+    #    need no causal mask from the ones on the diagonal. With a mask: the blocks
+    #    between the first and the last key any row of this tile may see (a pre-pass).
+    if MASK_KIND != 0:
+        r_off = off_b * stride_rb + off_h * stride_rh + start_m * stride_rm
+        n_full = tl.load(RangeLo + r_off) // BLOCK_N * BLOCK_N
+        hi = tl.load(RangeHi + r_off)
+    elif CAUSAL:
         hi = tl.minimum((start_m + 1) * BLOCK_M, N_KV)
         n_full = tl.minimum(start_m * BLOCK_M, N_KV) // BLOCK_N * BLOCK_N
     elif EVEN_N:
@@ -342,30 +453,49 @@ def _attn_fwd(
     # One loop body for both (a branch around two loops would give each its own
     # software pipeline and double the shared memory).
     TRACK_TIES: tl.constexpr = HAS_STAB or HAS_PROBE
+    if MASK_KIND == 0:
+        acc, l_i, r_i, m_i, c_i = _fwd_inner(
+            acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
+            offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
+            k0, k1, thr, off_bh,
+            0, n_full,
+            MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=0, DROPOUT=DROPOUT, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
+        )
+    # with a mask: one loop over the tile's range (n_full is where it starts)
     acc, l_i, r_i, m_i, c_i = _fwd_inner(
-        acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, D, N_KV, qk_scale, eps_raw, beta, max_shift2, stab_h, track,
-        0, n_full,
-        MASK_CAUSAL=False, MASK_KV=False, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
-        BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
-    )
-    acc, l_i, r_i, m_i, c_i = _fwd_inner(
-        acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, stride_kn, stride_vn,
-        offs_m, offs_n, offs_d, D, N_KV, qk_scale, eps_raw, beta, max_shift2, stab_h, track,
+        acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
+        offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
+        k0, k1, thr, off_bh,
         n_full, hi,
-        MASK_CAUSAL=CAUSAL, MASK_KV=True, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
-        BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
+        MASK_CAUSAL=CAUSAL, MASK_KV=(MASK_KIND == 0) or not EVEN_N, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+        TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
     )
 
-    # -- epilogue: O rounded once, LSE in log2 units
-    o = acc / l_i[:, None]
-    lse2 = m_i + tl.math.log2(l_i)
+    # -- epilogue: O rounded once, LSE in log2 units. With a mask a row may see no key at
+    #    all: O = 0 and LSE = +inf (its backward is 0), as SDPA.
+    if MASK_KIND != 0:
+        seen = l_i > 0
+        o = acc / tl.where(seen, l_i, 1.0)[:, None]
+        lse2 = tl.where(seen, m_i + tl.math.log2(l_i), float("inf"))
+    else:
+        o = acc / l_i[:, None]
+        lse2 = m_i + tl.math.log2(l_i)
+    if DROPOUT:
+        o = o * drop_scale
     o_ptrs = O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :]
     if EVEN_M and EVEN_D:
         tl.store(o_ptrs, o.to(O.dtype.element_ty))
     else:
         tl.store(o_ptrs, o.to(O.dtype.element_ty), mask=q_mask)
-    tl.store(LSE2 + off_bh * N_Q + offs_m, lse2, mask=row_ok)
+    if MASK_KIND == 2:
+        # additive mask: the shift and log2(l) apart, so the backward's P = exp2(s - m - log2(l))
+        # stays exact where m is huge (a row of FLOOR entries)
+        tl.store(LSE2 + off_bh * N_Q + offs_m, m_i, mask=row_ok)
+        tl.store(LSE2 + lse_plane + off_bh * N_Q + offs_m, tl.where(seen, tl.math.log2(l_i), float("inf")), mask=row_ok)
+    else:
+        tl.store(LSE2 + off_bh * N_Q + offs_m, lse2, mask=row_ok)
 
     if HAS_PROBE:
         # -- per-head statistics of this tile, relaxed atomics (no fences: the counters are
@@ -373,18 +503,25 @@ def _attn_fwd(
         #    with WARP_STATS each warp reduces its own rows (_add_rows, _max_rows), else
         #    masked per-row atomics.
         n_rows = tl.minimum(N_Q - start_m * BLOCK_M, BLOCK_M).to(tl.int64)
+        live = row_ok
+        if MASK_KIND != 0:  # rows that see no key count as masked rows, and in nothing else
+            masked = row_ok & (r_i == float("-inf"))
+            n_masked = tl.sum(masked.to(tl.int64), 0)
+            tl.atomic_add(Counts + C_MASKED * H + off_h, n_masked, sem="relaxed")
+            n_rows -= n_masked
+            live = row_ok & ~masked
         tl.atomic_add(Counts + C_ROWS * H + off_h, n_rows, sem="relaxed")
         # a row sum is NaN/Inf iff some entry is (short of an overflow of the sum itself)
         row_sum = tl.sum(o, 1) + lse2
         row_finite = (row_sum == row_sum) & (tl.abs(row_sum) < float("inf"))
-        _add_rows(Counts + C_NONFINITE * H + off_h, row_ok & ~row_finite, offs_m, WARP_STATS)
+        _add_rows(Counts + C_NONFINITE * H + off_h, live & ~row_finite, offs_m, WARP_STATS)
         # the maximum score, skipped where it cannot beat the head's maximum as read at the
         # start of this program (the buffer only grows)
-        score = tl.where(row_ok, r_i * sm_scale, float("-inf"))
+        score = tl.where(live, r_i * stat_scale, float("-inf"))
         _max_rows(Values + V_MAXS * H + off_h, score, seen_max, WARP_STATS)
         if track:  # only tracked programs counted near-maximum ties
             tl.atomic_add(Counts + C_TIE_ROWS * H + off_h, n_rows, sem="relaxed")
-            _add_rows(Counts + C_MULTI * H + off_h, row_ok & (c_i > 1), offs_m, WARP_STATS)
+            _add_rows(Counts + C_MULTI * H + off_h, live & (c_i > 1), offs_m, WARP_STATS)
 
 
 # ---------------------------------------------------------------------------
@@ -393,16 +530,19 @@ def _attn_fwd(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE2, Delta, DK, DV,
+    Q, K, V, DO, LSE2, Delta, DK, DV, Mask, RangeLo, RangeHi, Seed,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don,
     stride_dkb, stride_dkh, stride_dkn,
     stride_dvb, stride_dvh, stride_dvn,
-    H, H_KV, N_Q, N_KV, D,
-    qk_scale, scale,
-    CAUSAL: tl.constexpr, HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_mb, stride_mh, stride_mn, stride_mk,
+    stride_rb, stride_rh, stride_rm,
+    H, H_KV, N_Q, N_KV, D, lse_plane,
+    qk_scale, scale, drop_thr, drop_scale,
+    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     """One KV block of one KV head: dK, dV summed over the query heads that read it (GQA)."""
@@ -422,51 +562,88 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
+    if DROPOUT:
+        k0 = tl.load(Seed).to(tl.uint32)
+        k1 = tl.load(Seed + 1).to(tl.uint32)
+        thr = drop_thr.to(tl.uint32)
     # Causal (top-left): only rows >= start_n see this block; rows from
     # start_n + BLOCK_N on see all of it and need no mask.
     lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    hi = N_Q
     for g in range(0, group):
         off_h = off_hk * group + g
         off_bh = off_b * H + off_h
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
-        for start_m in range(lo, N_Q, BLOCK_M):
+        if MASK_KIND != 0:  # the query rows that may see any key of this block (a pre-pass), per query head
+            r_off = off_b * stride_rb + off_h * stride_rh + tl.program_id(0) * stride_rm
+            lo = tl.load(RangeLo + r_off) // BLOCK_M * BLOCK_M
+            hi = tl.load(RangeHi + r_off)
+        if MASK_KIND != 0:
+            m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_n[:, None] * stride_mk
+        for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
             m_ok = offs_m < N_Q
             q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
             do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
             # Padded rows get lse = +inf, hence P = 0.
             lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+            if MASK_KIND == 2:
+                logl = tl.load(LSE2 + lse_plane + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
             delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
             # -- P^T for this (KV block, query block), float32, normalised by the LSE
             s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M), raw
-            p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse2[None, :]))  # one FMA per score, as the forward
+            if MASK_KIND != 0:  # the mask read transposed: rows of the tile are keys
+                ok = (offs_n[:, None] < N_KV) & m_ok[None, :]
+                if MASK_KIND == 1:
+                    keep_t = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=0)
+                    s_t = tl.where(keep_t != 0, s_t, float("-inf"))
+                else:
+                    bias = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=float("-inf")).to(tl.float32)
+                    bias = tl.where(bias <= FLOOR, float("-inf"), bias)
+                    s_t = (s_t * scale + bias) * 1.4426950408889634
+            if MASK_KIND == 2:
+                p_t = tl.math.exp2((s_t - lse2[None, :]) - logl[None, :])
+            else:
+                p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse2[None, :]))  # one FMA per score, as the forward
             if CAUSAL:
                 p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-            # -- dV += bf16(P)^T dO
-            dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            # -- dS^T = P^T * (dP^T - delta), dK += bf16(dS)^T Q
             dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            if DROPOUT:
+                # -- Z^T, from the (query, key) orientation of the forward's random numbers
+                keep_d = tl.trans(_dropout_keep(k0, k1, thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N))
+                # -- dV += bf16(P * Z)^T dO (1/(1-p) at the end); dP^T = (V dO^T) * Z^T
+                dv = tl.dot(tl.where(keep_d, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+                dp_t = tl.where(keep_d, dp_t * drop_scale, 0.0)
+            else:
+                # -- dV += bf16(P)^T dO
+                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            # -- dS^T = P^T * (dP^T - delta), dK += bf16(dS)^T Q
             ds_t = p_t * (dp_t - delta[None, :])
             dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
 
     dk = dk * scale
+    if DROPOUT:
+        dv = dv * drop_scale
     tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
     tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
 def _attn_bwd_dq(
-    Q, K, V, O, DO, LSE2, Delta, DQ, Counts, Values,
+    Q, K, V, O, DO, LSE2, Delta, DQ, Counts, Values, Mask, RangeLo, RangeHi, Seed, DMask,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     stride_dob, stride_doh, stride_don,
     stride_dqb, stride_dqh, stride_dqn,
-    H, GROUP, N_Q, N_KV, D,
-    qk_scale, scale,
-    CAUSAL: tl.constexpr, SHADOW: tl.constexpr, DELTA_FROM_O: tl.constexpr, HEAD_DIM: tl.constexpr,
+    stride_mb, stride_mh, stride_mn, stride_mk,
+    stride_rb, stride_rh, stride_rm,
+    H, GROUP, N_Q, N_KV, D, lse_plane,
+    qk_scale, scale, drop_thr, drop_scale,
+    CAUSAL: tl.constexpr, SHADOW: tl.constexpr, DELTA_FROM_O: tl.constexpr,
+    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One query block: delta = rowsum(dO * O) (stored for the dK/dV kernel, launched after this
@@ -488,6 +665,8 @@ def _attn_bwd_dq(
     q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
     lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+    if MASK_KIND == 2:
+        logl = tl.load(LSE2 + lse_plane + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
     if DELTA_FROM_O:
         # delta from the stored low-precision O, as FA2's preprocessing; the dK/dV kernel
         # reads it from here (same stream, launched next), so it needs no launch of its own.
@@ -503,33 +682,62 @@ def _attn_bwd_dq(
 
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
-    hi = tl.minimum(start_m + BLOCK_M, N_KV) if CAUSAL else N_KV
-    for start_n in range(0, hi, BLOCK_N):
+    if MASK_KIND != 0:
+        m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_m[:, None] * stride_mn
+    if DROPOUT:
+        k0 = tl.load(Seed).to(tl.uint32)
+        k1 = tl.load(Seed + 1).to(tl.uint32)
+        thr = drop_thr.to(tl.uint32)
+    lo = 0
+    if MASK_KIND != 0:  # the keys any row of this tile may see (a pre-pass)
+        r_off = off_b * stride_rb + off_h * stride_rh + (start_m // BLOCK_M) * stride_rm
+        lo = tl.load(RangeLo + r_off) // BLOCK_N * BLOCK_N
+        hi = tl.load(RangeHi + r_off)
+    elif CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, N_KV)
+    else:
+        hi = N_KV
+    for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         kv_mask = (offs_n[:, None] < N_KV) & d_ok
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        p = tl.math.exp2(tl.fma(s, qk_scale, -lse2[:, None]))
+        if MASK_KIND != 0:  # as the forward: qk_scale is log2(e) for an additive mask
+            s = _masked_scores(s, m_base + offs_n0[None, :] * stride_mk, start_n, offs_n, m_ok, N_KV, stride_mk,
+                               scale, MASK_KIND, True)
+        if MASK_KIND == 2:
+            p = tl.math.exp2((s - lse2[:, None]) - logl[:, None])
+        else:
+            p = tl.math.exp2(tl.fma(s, qk_scale, -lse2[:, None]))
         keep = offs_n[None, :] < N_KV
         if CAUSAL:
             keep = keep & (offs_m[:, None] >= offs_n[None, :])
         p = tl.where(keep, p, 0.0)
-        # -- dP = dO V^T, dS = P * (dP - delta), dQ += bf16(dS) K
+        # -- dP = (dO V^T) * Z (Z: dropout's keep mask over 1 - p), dS = P * (dP - delta), dQ += bf16(dS) K
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            dp = tl.where(_dropout_keep(k0, k1, thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N), dp * drop_scale, 0.0)
         if SHADOW:
-            delta_hp += tl.sum(p * dp, 1)  # rowsum(dO * O_hp), O_hp = P V never formed
+            delta_hp += tl.sum(p * dp, 1)  # rowsum(dO * O_hp), O_hp = (P * Z) V never formed
         ds = p * (dp - delta[:, None])
+        if MASK_GRAD:  # an additive mask's gradient is dS (float32, the whole (B, H, N, N_kv))
+            tl.store(DMask + off_bh * N_Q * N_KV + offs_m[:, None] * N_KV + offs_n[None, :], ds,
+                     mask=m_ok[:, None] & (offs_n[None, :] < N_KV))
         dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
     dq = dq * scale
     tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok)
     if SHADOW:
-        err = tl.where(m_ok, delta - delta_hp, 0.0)
+        if MASK_KIND == 2:
+            live = m_ok & (logl < float("inf"))  # rows that see a key
+        else:
+            live = m_ok & (lse2 < float("inf"))
+        err = tl.where(live, delta - delta_hp, 0.0)
         tl.atomic_add(Values + V_DSUM * H + off_h, tl.sum(err, 0), sem="relaxed")
         tl.atomic_add(Values + V_DABS * H + off_h, tl.sum(tl.abs(err), 0), sem="relaxed")
         tl.atomic_add(Counts + C_DPOS * H + off_h, tl.sum((err > 0).to(tl.int64), 0), sem="relaxed")
-        tl.atomic_add(Counts + C_SHADOW * H + off_h, tl.sum(m_ok.to(tl.int64), 0), sem="relaxed")
+        tl.atomic_add(Counts + C_SHADOW * H + off_h, tl.sum(live.to(tl.int64), 0), sem="relaxed")
 
 
 # ---------------------------------------------------------------------------
@@ -559,10 +767,11 @@ def _dot_precision(dtype: torch.dtype) -> str:
 # tie-tracking loop ~150, which would drop an SM from 4 resident programs to 3. The forward
 # with a stabilize mask or a probe (what the watch runs) has its own table: at D = 128 it
 # is fastest with larger tiles than the plain forward.
-FWD_CONFIGS = {16: (64, 64, 4, 3, 128), 32: (64, 64, 4, 3, 128), 64: (64, 64, 4, 3, 128), 128: (128, 64, 8, 3)}
+FWD_CONFIGS = {16: (64, 64, 4, 3, 128), 32: (64, 64, 4, 3, 128), 64: (64, 64, 4, 3, 128), 128: (128, 64, 8, 3),
+               256: (64, 32, 4, 2)}
 FWD_CONFIGS_WATCHED = {**FWD_CONFIGS, 128: (128, 128, 8, 2)}
-DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 128, 8, 3)}
-DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3)}
+DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 32, 4, 2)}
+DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 1)}
 TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
 _INTERPRETER_CONFIG = (16, 16, 4, 1)  # one program at a time on CPU: small tiles, odd sizes covered
 
@@ -686,17 +895,104 @@ def _config(table, head_dim: int, override=None, dtype=None, kind="fwd"):
     return table[head_dim]
 
 
+class _MaskArgs:
+    """The call's mask as the kernels read it: kind, pointer and strides, and the key range pre-passes."""
+
+    def __init__(self, attn_mask: Optional[torch.Tensor], B: int, H: int, N: int, n_kv: int):
+        self.kind = MASK_NONE
+        self.tensor = None
+        self.strides = (0, 0, 0, 0)
+        self._vis = None
+        self._shape = (B, H, N, n_kv)
+        self._ranges = {}
+        if attn_mask is None:
+            return
+        m4 = mask4(attn_mask, B, H, N, n_kv)
+        self.kind = MASK_BOOL if m4.dtype == torch.bool else MASK_ADD
+        self.tensor = m4.view(torch.uint8) if self.kind == MASK_BOOL else m4
+        self.strides = m4.stride()
+        # what the pre-passes read: the mask's own extent (a dim broadcast, or of stride 0, is size 1)
+        m = attn_mask
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+        for d in range(3):
+            if m.shape[d] > 1 and m.stride(d) == 0:
+                m = m.narrow(d, 0, 1)
+        m = m.expand(*m.shape[:3], n_kv)
+        self._vis = m if m.dtype == torch.bool else ~(m <= MASK_FLOOR)  # NaN: seen (it makes the row NaN)
+
+    def rows(self, block_m: int):
+        """``(lo, hi, strides)``: per (batch, head, query block), the first and past-the-last key any row may see."""
+        key = ("rows", block_m)
+        if key not in self._ranges:
+            B, H, N, n_kv = self._shape
+            vis = self._vis
+            if vis.shape[2] > 1:
+                n_blocks = _cdiv(N, block_m)
+                if n_blocks * block_m != N:
+                    pad = vis.new_zeros((*vis.shape[:2], n_blocks * block_m - N, n_kv))
+                    vis = torch.cat([vis, pad], dim=2)
+                vis = vis.reshape(*vis.shape[:2], n_blocks, block_m, n_kv).any(dim=3)
+            else:
+                n_blocks = _cdiv(N, block_m)
+            lo, hi = _first_last(vis, dim=-1, size=n_kv)
+            self._ranges[key] = _expanded(lo, hi, (B, H, n_blocks))
+        return self._ranges[key]
+
+    def cols(self, block_n: int):
+        """``(lo, hi, strides)``: per (batch, head, key block), the first and past-the-last query row that may see it."""
+        key = ("cols", block_n)
+        if key not in self._ranges:
+            B, H, N, n_kv = self._shape
+            vis = self._vis
+            n_blocks = _cdiv(n_kv, block_n)
+            if n_blocks * block_n != n_kv:
+                vis = torch.cat([vis, vis.new_zeros((*vis.shape[:3], n_blocks * block_n - n_kv))], dim=3)
+            vis = vis.reshape(*vis.shape[:3], n_blocks, block_n).any(dim=4)  # (Bm, Hm, Nm, blocks)
+            if vis.shape[2] > 1:
+                lo, hi = _first_last(vis, dim=2, size=N)
+            else:  # every row sees the same keys
+                seen = vis[:, :, 0]
+                lo = torch.zeros_like(seen, dtype=torch.int32)
+                hi = torch.where(seen, N, 0).to(torch.int32)
+            self._ranges[key] = _expanded(lo, hi, (B, H, n_blocks))
+        return self._ranges[key]
+
+
+def _first_last(vis: torch.Tensor, dim: int, size: int):
+    """First index and past-the-last index of True along ``dim`` (both 0 where there is none), int32."""
+    seen = vis.any(dim=dim)
+    first = vis.to(torch.uint8).argmax(dim=dim)
+    last = size - vis.flip(dims=(dim,)).to(torch.uint8).argmax(dim=dim)
+    return torch.where(seen, first, 0).to(torch.int32), torch.where(seen, last, 0).to(torch.int32)
+
+
+def _expanded(lo: torch.Tensor, hi: torch.Tensor, shape):
+    lo, hi = lo.expand(shape), hi.expand(shape)
+    return lo, hi, lo.stride()
+
+
+def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor]):
+    if not dropout_p:
+        return None, 0, 1.0
+    return seed, dropout_threshold(dropout_p), dropout_scale(dropout_p)
+
+
 def attention_forward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     causal: bool, scale: float, stabilize: Optional[torch.Tensor], beta: float, eps: float,
     counts: Optional[torch.Tensor], values: Optional[torch.Tensor], config=None,
+    attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward (``config`` overrides the launch configuration). Returns ``(o, lse2)``: o (B, H, N, D) in q's layout, lse2 (B, H, N) float32 in log2 units."""
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     o = empty_like_layout(q)  # PyTorch's layout: the model's transpose back is free
-    lse2 = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    mask = _MaskArgs(attn_mask, B, H, N, n_kv)
+    # an additive mask: (2, B, H, N), the shift and log2(l) (see the kernel's epilogue)
+    lse_shape = (2, B, H, N) if mask.kind == MASK_ADD else (B, H, N)
+    lse2 = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
     head_dim = _head_dim_tile(D)
     watched = stabilize is not None or counts is not None
     block_m, block_n, warps, stages, *extra = _config(
@@ -710,13 +1006,20 @@ def attention_forward(
     tie_stride = max(1, min(TIE_SAMPLE_MAX, tiles // 4))
     stab = stabilize.view(torch.uint8) if stabilize is not None else None
     has_probe = counts is not None
+    lo, hi, r_strides = mask.rows(block_m) if mask.kind else (None, None, (0, 0, 0))
+    seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)
+    # an additive mask is added to the scaled scores, which the loop then takes in log2 units
+    raw_scale = 1.0 / LOG2E if mask.kind == MASK_ADD else scale
     _launch_fwd(
         (_cdiv(N, block_m), B * H),
-        (q, k, v, o, lse2, stab, counts, values),
-        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], H, H // h_kv, N, n_kv, D,
-         scale * LOG2E, scale, eps / scale, beta, max_shift_for(q.dtype), tie_stride),
+        (q, k, v, o, lse2, stab, counts, values, mask.tensor, lo, hi, seed),
+        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *mask.strides, *r_strides,
+         H, H // h_kv, N, n_kv, D, B * H * N,
+         1.0 if mask.kind == MASK_ADD else scale * LOG2E, scale, raw_scale, eps / raw_scale, beta, max_shift_for(q.dtype), tie_stride,
+         drop_thr, drop_scale),
         dict(
             CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe,
+            MASK_KIND=mask.kind, DROPOUT=seed is not None,
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
             # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
             EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
@@ -734,10 +1037,14 @@ def attention_backward(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor, do: torch.Tensor, *,
     causal: bool, scale: float, counts: Optional[torch.Tensor], values: Optional[torch.Tensor], shadow: bool,
     config_dkdv=None, config_dq=None, delta: Optional[torch.Tensor] = None,
-) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
+    mask_grad: bool = False,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the backward: dQ (which computes delta, with the shadow statistics if ``shadow``), then dK/dV.
 
-    ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``.
+    ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``. Returns
+    ``(dq, dk, dv, dmask)``; ``dmask`` (an additive mask's gradient, in its shape and
+    dtype) only if ``mask_grad``, else None.
     """
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
@@ -750,24 +1057,35 @@ def attention_backward(
     else:
         delta = delta.to(torch.float32).contiguous()
     dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
+    mask = _MaskArgs(attn_mask, B, H, N, n_kv)
+    mask_grad = mask_grad and mask.kind == MASK_ADD
+    dmask = torch.zeros((B, H, N, n_kv), dtype=torch.float32, device=q.device) if mask_grad else None
+    seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)
     # dQ first: its programs write delta, which every dK/dV program reads
     shadow = shadow and counts is not None
     block_m, block_n, warps, stages = _config(DQ_CONFIGS, head_dim, config_dq, q.dtype, "dq")
+    lo, hi, r_strides = mask.rows(block_m) if mask.kind else (None, None, (0, 0, 0))
     _launch_dq(
         (_cdiv(N, block_m), B * H),
-        (q, k, v, o, do, lse2, delta, dq, counts, values),
+        (q, k, v, o, do, lse2, delta, dq, counts, values, mask.tensor, lo, hi, seed, dmask),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-         H, H // h_kv, N, n_kv, D, scale * LOG2E, scale),
-        dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, HEAD_DIM=head_dim, BLOCK_M=block_m,
+         *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, 1.0 if mask.kind == MASK_ADD else scale * LOG2E, scale, drop_thr,
+         drop_scale),
+        dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, MASK_KIND=mask.kind, DROPOUT=seed is not None,
+             MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
              BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages),
     )
     block_m, block_n, warps, stages = _config(DKDV_CONFIGS, head_dim, config_dkdv, q.dtype, "dkdv")
+    lo, hi, r_strides = mask.cols(block_n) if mask.kind else (None, None, (0, 0, 0))
     _launch_dkdv(
         (_cdiv(n_kv, block_n), B * h_kv),
-        (q, k, v, do, lse2, delta, dk, dv),
+        (q, k, v, do, lse2, delta, dk, dv, mask.tensor, lo, hi, seed),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-         H, h_kv, N, n_kv, D, scale * LOG2E, scale),
-        dict(CAUSAL=causal, HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision,
-             num_warps=warps, num_stages=stages),
+         *mask.strides, *r_strides, H, h_kv, N, n_kv, D, B * H * N, 1.0 if mask.kind == MASK_ADD else scale * LOG2E, scale, drop_thr,
+         drop_scale),
+        dict(CAUSAL=causal, MASK_KIND=mask.kind, DROPOUT=seed is not None, HEAD_DIM=head_dim, BLOCK_M=block_m,
+             BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages),
     )
-    return dq, dk, dv
+    if dmask is not None:
+        dmask = reduce_to(dmask, attn_mask.shape).to(attn_mask.dtype)
+    return dq, dk, dv, dmask
