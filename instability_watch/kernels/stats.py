@@ -55,8 +55,9 @@ import torch
 from torch import Tensor
 
 from ..probe import COUNT_FIELDS, VALUE_FIELDS
+from .reference import MASK_FLOOR  # an additive mask at or below this counts as masked
+from .reference import mask4 as _mask4
 
-MASK_FLOOR = -1e30  # an additive mask at or below this counts as masked
 CHUNK_ELEMENTS = 1 << 22  # scores per chunk on the PyTorch path (16 MiB of float32)
 
 _C = {name: i for i, name in enumerate(COUNT_FIELDS)}
@@ -65,16 +66,6 @@ _TRITON_AVAILABLE = importlib.util.find_spec("triton") is not None
 # dtypes and head dims the Triton kernels take; anything else runs the PyTorch path
 TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TRITON_MAX_HEAD_DIM = 256
-
-
-def _mask4(attn_mask: Optional[Tensor], B: int, H: int, N: int, N_kv: int) -> Optional[Tensor]:
-    """``attn_mask`` as a ``(B, H, N, N_kv)`` view (broadcast dims get stride 0; no copy)."""
-    if attn_mask is None:
-        return None
-    m = attn_mask
-    while m.dim() < 4:
-        m = m.unsqueeze(0)
-    return m.expand(B, H, N, N_kv)
 
 
 def _scores(q_rows: Tensor, k: Tensor, mask_rows: Optional[Tensor], i0: int, *, causal: bool, scale: float):
