@@ -2,6 +2,7 @@
 
     python benchmarks/attention.py                 # the table of benchmarks/RESULTS.md
     python benchmarks/attention.py --sweep fwd     # try the launch-config grid of one kernel
+    python benchmarks/attention.py --sweep dkdv --shapes gpt2 --dropout 0.1   # ... of calls with dropout
     python benchmarks/attention.py --shapes gpt2 --json out.json
 
 For each shape (GPT-2: B16 H12 N1024 D64 causal; Llama: B4 H32 N4096 D128
@@ -32,6 +33,7 @@ from instability_watch.kernels import triton_attention as ta  # noqa: E402
 SHAPES = {
     "gpt2": dict(B=16, H=12, N=1024, D=64, causal=True),
     "llama": dict(B=4, H=32, N=4096, D=128, causal=True),
+    "d256": dict(B=4, H=8, N=4096, D=256, causal=True),  # Gemma's head dim (the sweeps; not in the table)
 }
 
 
@@ -198,11 +200,19 @@ BWD_GRID = [
     for bm, bn in [(32, 64), (32, 128), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
     for w, st in [(4, 2), (4, 3), (8, 2), (8, 3)]
 ]
+# D = 256: the tiles above mostly exceed registers or shared memory; narrower ones, fewer stages
+WIDE_GRID = [
+    (bm, bn, w, st)
+    for bm, bn in [(16, 32), (16, 64), (32, 32), (32, 64), (64, 32), (64, 64), (128, 32)]
+    for w, st in [(4, 1), (4, 2), (8, 1), (8, 2)]
+]
 
 
 def keep(cfg, head_dim):
     """Drop configurations that cannot fit or that the H100 never favours."""
     bm, bn, w, st = cfg[:4]
+    if head_dim >= 256:
+        return len(cfg) == 4 or not cfg[4]
     if len(cfg) > 4 and cfg[4] and (head_dim > 64 or w == 8):
         return False  # the register cap only matters where 4 programs of 4 warps can share an SM
     if head_dim >= 128 and bm * bn >= 128 * 128 and st > 2:
@@ -212,7 +222,7 @@ def keep(cfg, head_dim):
     return True
 
 
-def sweep(kind, shape_names, variant="standard"):
+def sweep(kind, shape_names, variant="standard", dropout_p=0.0):
     out = {}
     for name in shape_names:
         shape = SHAPES[name]
@@ -222,21 +232,26 @@ def sweep(kind, shape_names, variant="standard"):
         stab = torch.ones(shape["H"], dtype=torch.bool, device="cuda") if variant != "standard" else None
         probe = Probe(shape["H"], "cuda") if variant == "probe" else None
         counts, values = (probe.counts, probe.values) if probe is not None else (None, None)
-        o, lse2 = ta.attention_forward(q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3, counts=counts, values=values)
-        grid = FWD_GRID if kind == "fwd" else BWD_GRID
+        drop = dict(dropout_p=dropout_p, seed=torch.tensor([1, 2], dtype=torch.int64, device="cuda")) if dropout_p else {}
+        o, lse2 = ta.attention_forward(q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3,
+                                       counts=counts, values=values, **drop)
+        if head_dim >= 256:
+            grid = [c + (None,) for c in WIDE_GRID] if kind == "fwd" else WIDE_GRID
+        else:
+            grid = FWD_GRID if kind == "fwd" else BWD_GRID
         timings = []
         for cfg in (c for c in grid if keep(c, head_dim)):
             if kind == "fwd":
                 fn = lambda: ta.attention_forward(  # noqa: E731
                     q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3,
-                    counts=counts, values=values, config=cfg,
+                    counts=counts, values=values, config=cfg, **drop,
                 )
                 fl = flops(shape)
             else:
                 key = "config_dkdv" if kind == "dkdv" else "config_dq"
                 fn = lambda: ta.attention_backward(  # noqa: E731
                     q, k, v, o, lse2, do, causal=shape["causal"], scale=scale, counts=None, values=None,
-                    shadow=False, **{key: cfg},
+                    shadow=False, **{key: cfg}, **drop,
                 )
                 fl = flops(shape, True)
             try:
@@ -311,6 +326,7 @@ def main(argv=None):
     ap.add_argument("--shapes", default="gpt2,llama", help="comma-separated: " + ",".join(SHAPES))
     ap.add_argument("--sweep", choices=["fwd", "dkdv", "dq"], action="append", help="sweep one kernel's launch configs")
     ap.add_argument("--sweep-variant", default="standard", choices=["standard", "stabilized", "probe"])
+    ap.add_argument("--dropout", type=float, default=0.0, help="sweep calls with this attention dropout")
     ap.add_argument("--eager", action="store_true", help="time eager calls (host overhead included) instead of CUDA graphs")
     ap.add_argument("--host", action="store_true", help="measure host (CPU) time per call")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved rounds per variant (median shown)")
@@ -337,7 +353,7 @@ def main(argv=None):
         if args.host:
             result["host_us"] = host_overhead()
         if args.sweep:
-            result["sweeps"] = {kind: sweep(kind, names, args.sweep_variant) for kind in args.sweep}
+            result["sweeps"] = {kind: sweep(kind, names, args.sweep_variant, args.dropout) for kind in args.sweep}
     else:
         result["timing"] = "eager do_bench" if args.eager else "CUDA graph replay (do_bench_cudagraph)"
         print(f"timing: {result['timing']}")

@@ -149,7 +149,9 @@ def _hf_gpt2(module: nn.Module) -> Located:
     if getattr(module, "is_cross_attention", False):
         q_attn = module.q_attn
         return n_head, lambda: _heads_view(q_attn.weight.t(), n_head)
-    e = c_attn.weight.shape[0]  # Conv1D stores (in, out)
+    # Conv1D stores (in, out); its out size from the attribute, not the weight's shape, which is a
+    # piece of a flat shard under FSDP1 outside the forward
+    e = c_attn.nf // 3 if isinstance(getattr(c_attn, "nf", None), int) else c_attn.weight.shape[1] // 3
     return n_head, lambda: _heads_view(c_attn.weight[:, :e].t(), n_head)
 
 

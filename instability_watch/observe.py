@@ -15,8 +15,11 @@ watch only looks, and only on the steps it was asked to:
   per-head counts into the layer's probe.
 * **On shadow steps** (a subset of probe steps) the output also goes through
   :class:`_ShadowTap`, an autograd node whose backward hands the gradient back
-  unchanged and runs the shadow pass on ``dO``. Calls with dropout get no
-  shadow (the output they return is not ``P V``); they are counted.
+  unchanged and runs the shadow pass on ``dO``. The user's calls with dropout
+  get no shadow (their keep mask is PyTorch's, which the pass cannot
+  regenerate); they are counted. Calls with dropout on our kernels (a switched
+  layer) are shadowed with their own keep mask (the seed is drawn here and
+  handed to the kernel).
 * **Switched layers** (a head moved to the stabilized kernel) run every call on
   :func:`~instability_watch.flash_attention`, standard for the other heads and
   stabilized for the switched ones, with autocast's rule applied to the
@@ -50,11 +53,13 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from ._dist import log_rank_zero
-from .kernels import flash_attention, unsupported
+from ._sharding import fsdp1_units, full_params, innermost_unit
+from .kernels import dropout_seed, flash_attention, unsupported
 from .kernels.ops import ERROR_HANDLER
 from .kernels.stats import attention_shadow, attention_stats
 from .locate import AttentionLayer, without_sdpa
 from .probe import COUNT_FIELDS, ProbeBank
+from .spectral import gram
 
 _SDPA = F.scaled_dot_product_attention
 _MHA_FORWARD = F.multi_head_attention_forward
@@ -169,27 +174,28 @@ class _ShadowTap(torch.autograd.Function):
     """Identity on ``o``; its backward runs the shadow pass on ``dO`` and returns ``dO`` unchanged."""
 
     @staticmethod
-    def forward(ctx, o, q, k, v, attn_mask, counts, values, causal, scale, on_error):
-        ctx.save_for_backward(o, q, k, v, attn_mask)
+    def forward(ctx, o, q, k, v, attn_mask, counts, values, causal, scale, on_error, dropout_p=0.0, seed=None):
+        ctx.save_for_backward(o, q, k, v, attn_mask, seed)
         # the probe buffers as attributes, not saved tensors: other forwards add to them
         # before this backward runs, which must not trip autograd's version check
         ctx.buffers = (counts, values)
-        ctx.causal, ctx.scale, ctx.on_error = causal, scale, on_error
+        ctx.causal, ctx.scale, ctx.on_error, ctx.dropout_p = causal, scale, on_error, dropout_p
         return o.view_as(o)
 
     @staticmethod
     def backward(ctx, do):
-        o, q, k, v, attn_mask = ctx.saved_tensors
+        o, q, k, v, attn_mask, seed = ctx.saved_tensors
         counts, values = ctx.buffers
         try:
             with torch.no_grad(), _no_autocast(q.device.type):
-                attention_shadow(q, k, v, o, do, attn_mask, counts, values, causal=ctx.causal, scale=ctx.scale)
+                attention_shadow(q, k, v, o, do, attn_mask, counts, values, causal=ctx.causal, scale=ctx.scale,
+                                 dropout_p=ctx.dropout_p, seed=seed)
                 counts[_ROW["shadow_calls"]] += 1
         except Exception as exc:  # noqa: BLE001 - monitoring never breaks the backward
             if ctx.on_error is None or torch.compiler.is_compiling():
                 raise
             ctx.on_error(exc)
-        return do, None, None, None, None, None, None, None, None, None
+        return do, None, None, None, None, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- the mode
@@ -268,8 +274,11 @@ class _Observer(TorchFunctionMode):
         else:
             with torch.no_grad():
                 q, k, v, mask = call.computed()
-        o = self._routed(call, q, k, v, mask) if self.route else None
+        # a routed call with dropout: its seed, drawn here (as the kernel would) so the shadow can reuse it
+        seed = dropout_seed(None, q.device) if self.route and call.dropout_p else None
+        o = self._routed(call, q, k, v, mask, seed) if self.route else None
         if o is None:
+            seed = None
             o = _SDPA(*args, **kwargs)  # the user's call, exactly as without the watch
         if not watching:
             return o
@@ -281,13 +290,14 @@ class _Observer(TorchFunctionMode):
                                     scale=scale, eps=self.eps)
                     self.counts[_ROW["observed_calls"]] += 1
             if self.shadow:
-                if call.dropout_p:
-                    self._count(SHADOW_SKIPPED, "dropout")
+                if call.dropout_p and seed is None:
+                    self._count(SHADOW_SKIPPED, "dropout")  # PyTorch's keep mask cannot be regenerated
                 elif o.requires_grad:
                     o = _ShadowTap.apply(
                         o, q.detach(), k.detach(), v.detach(), None if mask is None else mask.detach(),
                         self.counts, self.values, bool(call.is_causal), scale,
                         None if compiling or self.on_error is None else self._statistics_failed,
+                        float(call.dropout_p) if seed is not None else 0.0, seed,
                     )
         except Exception as exc:  # noqa: BLE001 - fail open: the user's output stands
             if self.on_error is None or compiling:
@@ -301,7 +311,7 @@ class _Observer(TorchFunctionMode):
     def _routing_failed(self, exc: BaseException) -> None:
         self.on_error("routing", exc)
 
-    def _routed(self, call: _Call, q, k, v, mask) -> Optional[torch.Tensor]:
+    def _routed(self, call: _Call, q, k, v, mask, seed) -> Optional[torch.Tensor]:
         """The call on our kernels (inputs in the autocast dtype), or ``None``: it stays on PyTorch, reason counted."""
         reason = unsupported(q, k, v, attn_mask=mask, dropout_p=call.dropout_p, is_causal=bool(call.is_causal),
                              scale=call.scale, enable_gqa=call.enable_gqa)
@@ -309,12 +319,12 @@ class _Observer(TorchFunctionMode):
             self._count(NOT_APPLIED, reason)
             return None
         if torch.compiler.is_compiling():  # traced: no error handling around the op
-            o = self._kernel(call, q, k, v, mask)
+            o = self._kernel(call, q, k, v, mask, seed)
         else:
             # where a failure in this call's backward is reported (it then falls back to PyTorch's)
             token = ERROR_HANDLER.set(None if self.on_error is None else self._routing_failed)
             try:
-                o = self._kernel(call, q, k, v, mask)
+                o = self._kernel(call, q, k, v, mask, seed)
             except Exception as exc:  # noqa: BLE001 - fail open: this call goes to PyTorch
                 if self.on_error is None:
                     raise
@@ -326,12 +336,12 @@ class _Observer(TorchFunctionMode):
             self.counts[_ROW["kernel_calls"]] += 1
         return o
 
-    def _kernel(self, call: _Call, q, k, v, mask) -> torch.Tensor:
-        # dropout draws its seed from the device's default generator, as the SDPA call it replaces
+    def _kernel(self, call: _Call, q, k, v, mask, seed) -> torch.Tensor:
+        # dropout's seed comes from the device's default generator, as for the SDPA call it replaces
         with _no_autocast(q.device.type):
             return flash_attention(q, k, v, attn_mask=mask, dropout_p=float(call.dropout_p),
                                    causal=bool(call.is_causal), scale=call.scale, stabilize=self.stabilize,
-                                   beta=self.beta, eps=self.eps)
+                                   beta=self.beta, eps=self.eps, seed=seed)
 
 
 @torch._dynamo.assume_constant_result
@@ -438,6 +448,9 @@ class Observation:
 
     def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], *, beta: float, eps: float) -> None:
         self.model = model
+        # modules above ``model`` that may hold FSDP1 units wrapping it (e.g. Lightning's
+        # FSDPStrategy wraps the LightningModule itself): searched for units too
+        self.sharding_roots: List[nn.Module] = []
         self.beta, self.eps = float(beta), float(eps)
         self.on_error: Optional[Callable[[str, BaseException], None]] = None
         self.on_note: Optional[Callable[[Site, str, str], None]] = None
@@ -596,16 +609,32 @@ class Observation:
         return [s.stabilize.tolist() if s.routed else [False] * s.num_heads for s in self.sites]
 
     def w_q(self) -> List[torch.Tensor]:
-        """``W_Q`` per layer, each ``(H, head_dim, d_in)``, detached."""
+        """``W_Q`` per layer, each ``(H, head_dim, d_in)``, detached (FSDP2: ``DTensor`` objects; not for FSDP1, see :meth:`grams`)."""
+        return [self._w_q(site) for site in self.sites]
+
+    def _w_q(self, site: "Site") -> torch.Tensor:
+        w = site.layer.w_q()
+        if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[0] != site.num_heads:
+            got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ValueError(
+                f"w_q() of layer {site.name} must return a tensor (H={site.num_heads}, head_dim, d_in), got {got}"
+            )
+        return w.detach()
+
+    def grams(self) -> List[torch.Tensor]:
+        """``W_Q W_Q^T`` per layer and head, float32 ``(H, D, D)``, whole on every rank however ``W_Q`` is sharded.
+
+        Under FSDP2 the Grams are computed where the rows are and gathered
+        (:func:`~instability_watch.spectral.gram`); under FSDP1 each layer's unit is
+        gathered while its ``W_Q`` is read (:mod:`~instability_watch._sharding`). A
+        collective when sharded: every rank calls it at the same steps.
+        """
+        units = fsdp1_units([self.model, *self.sharding_roots])
         out = []
         for site in self.sites:
-            w = site.layer.w_q()
-            if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[0] != site.num_heads:
-                got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
-                raise ValueError(
-                    f"w_q() of layer {site.name} must return a tensor (H={site.num_heads}, head_dim, d_in), got {got}"
-                )
-            out.append(w.detach())
+            unit = innermost_unit(site.layer.module, units) if units else None
+            with full_params(unit):
+                out.append(gram(self._w_q(site)))
         return out
 
     def coverage(self, calls: Sequence[Dict[str, int]]) -> List[LayerCoverage]:

@@ -9,14 +9,43 @@ matmuls. The start vector is the previous call's top singular vector (warm
 start), and the result is the Rayleigh quotient ``v^T G v`` of the final vector,
 whose error is second order in the vector's.
 
-Everything stays on the device: one call costs a ``(L*H, D, d_in)`` Gram
-product plus ``k`` small matmuls, and no host sync.
+Everything stays on the device: one call costs a ``(H, D, d_in)`` Gram
+product per layer plus ``k`` small batched matmuls, and no host sync.
+
+Sharded weights (FSDP2: ``W_Q`` a ``DTensor``): the Gram is computed where the
+rows are, by DTensor's own rules (a rank holding whole heads computes their
+Grams; a weight sharded along ``d_in``, as GPT-2's ``Conv1D``, gives partial
+Grams that are summed), then gathered: ``H * D * D`` numbers per layer cross the
+network instead of ``H * D * d_in``. Layouts DTensor cannot split that way (a
+head cut between ranks) gather the weight itself. Either way every rank gets
+the same Grams, hence the same sigma.
 """
 from __future__ import annotations
 
 from typing import List, Optional, Sequence
 
 import torch
+
+try:  # torch >= 2.4
+    from torch.distributed.tensor import DTensor
+except ImportError:  # pragma: no cover - older torch, or built without distributed
+    DTensor = None
+
+
+def gram(w: torch.Tensor) -> torch.Tensor:
+    """``W W^T`` per head of ``w`` (``(H, D, d_in)``), float32 ``(H, D, D)``; a ``DTensor`` gives the full Gram on every rank.
+
+    A collective for a ``DTensor`` (every rank must call it, in the same order).
+    """
+    if DTensor is not None and isinstance(w, DTensor):
+        wf = w.float()
+        try:  # the Gram where the rows are: Shard(0) -> Shard(0), Shard(2) -> Partial, then gathered
+            return (wf @ wf.transpose(1, 2)).full_tensor()
+        except (RuntimeError, NotImplementedError, ValueError):  # e.g. heads split unevenly: gather W itself
+            full = wf.full_tensor()
+            return full @ full.transpose(1, 2)
+    wf = w.float()
+    return wf @ wf.transpose(1, 2)
 
 
 class SpectralNorms:
@@ -28,8 +57,8 @@ class SpectralNorms:
             weights; the warm start makes it a safety margin.
         power_steps: plain power steps after the squarings (polish the vector).
 
-    Call it with the per-layer weights; it returns one ``(H,)`` float32 tensor
-    per layer on the weights' device.
+    Call it with the per-layer weights (tensors or FSDP2 ``DTensor`` objects); it
+    returns one ``(H,)`` float32 tensor per layer on the weights' device.
     """
 
     def __init__(self, squarings: int = 10, power_steps: int = 2) -> None:
@@ -43,25 +72,30 @@ class SpectralNorms:
 
     @torch.no_grad()
     def __call__(self, weights: Sequence[torch.Tensor]) -> List[torch.Tensor]:
-        weights = list(weights)
-        if not weights:
+        return self.of_grams([gram(w) for w in weights])
+
+    @torch.no_grad()
+    def of_grams(self, grams: Sequence[torch.Tensor]) -> List[torch.Tensor]:
+        """As calling it, from the per-layer Grams ``W W^T`` (``(H, D, D)`` float32, see :func:`gram`)."""
+        grams = list(grams)
+        if not grams:
             return []
-        # One batched computation per distinct (D, d_in); uniform models have one group.
+        # One batched iteration per distinct (D, device); uniform models have one group.
         groups: dict = {}
-        for i, w in enumerate(weights):
-            groups.setdefault(tuple(w.shape[1:]) + (w.device,), []).append(i)
+        for i, g in enumerate(grams):
+            groups.setdefault((g.shape[1], g.device), []).append(i)
         keys = sorted(groups, key=lambda k: groups[k][0])
         if self.vectors is None or len(self.vectors) != len(keys):
             self.vectors = [None] * len(keys)
-        out: List[Optional[torch.Tensor]] = [None] * len(weights)
+        out: List[Optional[torch.Tensor]] = [None] * len(grams)
         for g, key in enumerate(keys):
             idx = groups[key]
-            w = torch.cat([weights[i] for i in idx]).float()  # (N, D, d_in)
-            sigma, v = top_singular_values(w, self.vectors[g], self.squarings, self.power_steps)
+            grams_g = torch.cat([grams[i] for i in idx])  # (N, D, D)
+            sigma, v = top_singular_values_of_gram(grams_g, self.vectors[g], self.squarings, self.power_steps)
             self.vectors[g] = v
             start = 0
             for i in idx:
-                h = weights[i].shape[0]
+                h = grams[i].shape[0]
                 out[i] = sigma[start:start + h]
                 start += h
         return out  # type: ignore[return-value]
@@ -82,13 +116,20 @@ def top_singular_values(
     ``v0`` (``(N, D)``) warm-starts the iteration; a fixed pseudo-random vector
     is used when it is missing or has the wrong shape.
     """
-    n, d, _ = w.shape
-    gram = w @ w.transpose(1, 2)  # (N, D, D), symmetric PSD
+    return top_singular_values_of_gram(w @ w.transpose(1, 2), v0, squarings, power_steps)
+
+
+def top_singular_values_of_gram(
+    gram: torch.Tensor, v0: Optional[torch.Tensor] = None, squarings: int = 10, power_steps: int = 2
+) -> tuple:
+    """:func:`top_singular_values` from the Grams ``W W^T`` (``(N, D, D)``, float32, symmetric PSD)."""
+    n, d, _ = gram.shape
+    dev = gram.device
     if v0 is None or tuple(v0.shape) != (n, d):
         gen = torch.Generator(device="cpu").manual_seed(0)
-        v = torch.randn(n, d, generator=gen).to(w.device)
+        v = torch.randn(n, d, generator=gen).to(dev)
     else:
-        v = v0.to(device=w.device, dtype=torch.float32)
+        v = v0.to(device=dev, dtype=torch.float32)
     # Repeated squaring, normalised by the trace each time so nothing overflows.
     m = gram / gram.diagonal(dim1=1, dim2=2).sum(-1).clamp_min(torch.finfo(torch.float32).tiny)[:, None, None]
     for _ in range(squarings):
@@ -99,7 +140,7 @@ def top_singular_values(
     weak = v.norm(dim=1) < 1e-6 * m.diagonal(dim1=1, dim2=2).sum(-1).clamp_min(1e-30)
     if squarings > 0:
         cols = m.norm(dim=1).argmax(dim=1)
-        v = torch.where(weak[:, None], m[torch.arange(n, device=w.device), :, cols], v)
+        v = torch.where(weak[:, None], m[torch.arange(n, device=dev), :, cols], v)
     v = v / v.norm(dim=1, keepdim=True).clamp_min(1e-30)
     for _ in range(power_steps):
         v = (gram @ v[:, :, None]).squeeze(-1)

@@ -538,7 +538,7 @@ class InstabilityWatch:
         sig.fill_(float("nan"))
         if _due(s, self.config.spectral_every) and "spectral" not in self.disabled:
             try:
-                sigmas = self.spectral(self.observation.w_q())
+                sigmas = self.spectral.of_grams(self.observation.grams())
                 sig.copy_(torch.cat(sigmas).to(sig.device))
             except Exception as exc:  # noqa: BLE001
                 self._fail("spectral", exc)
@@ -749,9 +749,16 @@ class InstabilityWatch:
 
         Includes switched heads, cumulative delta sums, detector state, the
         spectral warm-start vectors, coverage counts and the steps not yet
-        read back (a host sync).
+        read back (a host sync). Under ``torch.distributed`` call :meth:`flush`
+        on every rank first: pending rows are this rank's alone (the Lightning
+        and Hugging Face callbacks do this).
         """
         pending: List[List[float]] = []
+        if self._pending_steps and self._distributed():
+            # this rank's rows, not yet reduced: resumed on every rank, rank 0's would count world-size times
+            self._problem("state_dict", "state_dict() under torch.distributed with steps not yet read back: call "
+                          "watch.flush() on every rank first (the callbacks do), or those steps are counted wrongly "
+                          "after a resume")
         if self._pending_steps and self._ring is not None:
             pending = self._ring[: len(self._pending_steps)].cpu().tolist()
         return {

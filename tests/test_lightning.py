@@ -159,6 +159,34 @@ def test_ddp_two_processes_switch_the_same_heads_and_write_one_csv(tmp_path):
         == r0["switched"]
 
 
+def _mp(out, *args):
+    script = REPO / "tests" / "scripts" / "lightning_run.py"
+    proc = subprocess.run([sys.executable, str(script), "mp", str(out), *map(str, args)], env=_clean_env(out),
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return [json.loads((out / f"mp_rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_model_parallel_strategy_fsdp2_on_cpu_and_its_distributed_checkpoint(tmp_path):
+    """ModelParallelStrategy (FSDP2 over a data-parallel mesh of 2; Lightning's FSDPStrategy refuses CPU):
+    sigma of the sharded W_Q is the whole weight's, both ranks decide alike, only rank 0 writes, and a run
+    resumed from the sharded checkpoint of step 3 ends in the uninterrupted run's state."""
+    full = _mp(tmp_path / "full", 6, 3)
+    r0, r1 = full
+    assert r0["steps"] == r1["steps"] == 6 and r0["disabled"] == r1["disabled"] == []
+    assert r0["switched"] and r0["switched"] == r1["switched"] and r0["alerts"] == r1["alerts"]
+    assert r0["state"] == r1["state"]
+    assert (r0["wrote"], r1["wrote"]) == (True, False)
+    for got, ref in zip(r0["sigma"][0], r0["sigma_ref"]):
+        for g, r in zip(got, ref):
+            assert abs(g - r) <= 1e-5 * r, (g, r)
+    ckpt = tmp_path / "full" / "ckpt" / "epoch=0-step=3.ckpt"
+    assert (ckpt / "meta.pt").exists()  # a sharded (distributed) checkpoint directory
+    resumed = _mp(tmp_path / "res", 6, ckpt)
+    for r in (0, 1):
+        assert resumed[r]["state"] == full[r]["state"] and resumed[r]["switched"] == full[r]["switched"]
+
+
 def _ddp(out, *args):
     script = REPO / "tests" / "scripts" / "lightning_run.py"
     proc = subprocess.run([sys.executable, str(script), "ddp", str(out), *map(str, args)], env=_clean_env(out),
@@ -221,11 +249,17 @@ def test_setup_errors_and_argument_checks(tmp_path):
     cb = InstabilityWatchCallback()
     with pytest.raises(MisconfigurationException, match="in NoAttention: no attention layers found"):
         _trainer(tmp_path, callbacks=[cb], max_steps=2).fit(NoAttention())
-    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, SingleDeviceStrategy
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
-    assert "shards the weights" in _unsupported_strategy(FSDPStrategy())
-    assert _unsupported_strategy(DDPStrategy()) is None
-    assert _unsupported_strategy(SingleDeviceStrategy("cpu")) is None
+    for strategy in (FSDPStrategy(), ModelParallelStrategy(), DDPStrategy(), SingleDeviceStrategy("cpu")):
+        assert _unsupported_strategy(strategy) is None, strategy
+
+    class DeepSpeedStrategy:  # Lightning's needs deepspeed installed; its zero_stage_3 property, as a stand-in
+        zero_stage_3 = True
+
+    why = _unsupported_strategy(DeepSpeedStrategy())
+    assert "ZeRO stage 3 partitions every parameter" in why and "use ZeRO stage 1 or 2" in why
+    assert "not one of the supported strategies" in _unsupported_strategy(object())
     with pytest.raises(TypeError, match="config must be a WatchConfig"):
         InstabilityWatchCallback(config=3)
     with pytest.raises(ValueError, match="log_every"):

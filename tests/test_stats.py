@@ -186,6 +186,39 @@ def test_shadow_pass_equals_float64(causal, mask_kind, H_kv):
     assert (probe.delta_err_abs >= probe.delta_err_sum.abs()).all()
 
 
+@pytest.mark.parametrize("causal,mask_kind,H_kv", [(True, None, 2), (False, "bool", 4)])
+def test_shadow_pass_with_dropout_equals_float64(causal, mask_kind, H_kv):
+    """delta_hp of a call with dropout: rowsum(dO * O_hp), O_hp = (keep * softmax(S) / (1 - p)) V in float64."""
+    from instability_watch.kernels import dropout_mask, dropout_seed
+    from instability_watch.kernels.reference import dropout_scale
+
+    B, H, N, D, p = 2, 4, 33, 32, 0.25
+    g = seeded("shadow-dropout", causal, mask_kind)
+    q, k, v = (torch.randn(B, h, N, D, generator=g).to(torch.bfloat16) for h in (H, H_kv, H_kv))
+    mask = make_mask(mask_kind, B, H, N, N, g)
+    o, do = (torch.randn(B, H, N, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    seed = dropout_seed(torch.Generator().manual_seed(3), "cpu")
+    keep = dropout_mask(seed, B, H, N, N, p)
+    # the float64 oracle with the same keep mask folded into v's weights: O_hp = (keep * P / (1 - p)) V
+    s = 0.125 * (q.double() @ k.double().repeat_interleave(H // H_kv, 1).transpose(-1, -2))
+    masked = torch.zeros_like(s, dtype=torch.bool)
+    if causal:
+        masked |= torch.ones(N, N, dtype=torch.bool).triu(1)
+    if mask is not None:
+        masked |= ~mask.expand(B, H, N, N)
+    live = ~masked.all(-1)
+    prob = torch.softmax(torch.where(live[..., None], s.masked_fill(masked, -math.inf), 0.0), -1)
+    o_hp = (prob * keep * dropout_scale(p)) @ v.double().repeat_interleave(H // H_kv, 1)
+    err = torch.where(live, (do.double() * o.double()).sum(-1) - (do.double() * o_hp).sum(-1), 0.0).sum(dim=(0, 2))
+    probe = Probe(H)
+    st.attention_shadow(q, k, v, o, do, mask, probe.counts, probe.values, causal=causal, scale=0.125,
+                        dropout_p=p, seed=seed)
+    assert probe.shadow_rows.tolist() == live.sum(dim=(0, 2)).tolist()
+    torch.testing.assert_close(probe.delta_err_sum.double(), err, rtol=1e-5, atol=1e-3)
+    with pytest.raises(ValueError, match="seed"):
+        st.attention_shadow(q, k, v, o, do, mask, probe.counts, probe.values, causal=causal, scale=0.125, dropout_p=p)
+
+
 def test_shadow_of_the_true_output_is_its_rounding_only():
     """With O = softmax(S) V in float64 (no P rounded), delta_lp - delta_hp is the output's float32 rounding."""
     B, H, N, D = 1, 2, 40, 32

@@ -112,7 +112,7 @@ def _train_switched(spec, steps=STEPS):
     torch.manual_seed(0)
     model = spec.build()
     model.train()
-    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=1))
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=1, shadow_every=2))
     for layer in range(len(watch.head_counts)):
         watch.switch(layer, 0)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
@@ -148,6 +148,8 @@ def test_switched_model_trains_on_our_kernels(name, monkeypatch):
         for c in cov:
             assert c.kernel_calls > 0 and c.kernel_calls == c.observed_calls, c
             assert c.not_applied == {} and c.unobserved_calls == {}, c
+            # shadow steps (1, 3, ...): every call shadowed, dropout included (the kernel's own keep mask)
+            assert c.shadow_skipped == {} and c.shadow_calls == c.kernel_calls // STEPS * len(range(1, STEPS + 1, 2)), c
         calls = sum(c.kernel_calls for c in cov)  # probe_every=1: every step's calls are counted
         # every routed call ran our forward and our backward, with a finite, non-zero dq
         assert spy.forwards == calls and len(spy.backwards) == calls, (spy.forwards, len(spy.backwards), calls)
@@ -710,6 +712,28 @@ def test_bad_generator(gen):
     q, k, v = _small()
     with pytest.raises(TypeError, match=r"generator must be None or a torch.Generator, got"):
         flash_attention(q, k, v, dropout_p=0.1, generator=gen)
+
+
+@pytest.mark.parametrize("seed, exc, pattern", [
+    (7, TypeError, r"seed must be None or an int64 tensor of shape \(2,\) .*got int"),
+    (torch.zeros(2, dtype=torch.int32), TypeError, r"seed must be .*got torch.int32 \(2,\)"),
+    (torch.zeros(3, dtype=torch.int64), TypeError, r"seed must be .*got torch.int64 \(3,\)"),
+])
+def test_bad_seed(seed, exc, pattern):
+    q, k, v = _small()
+    with pytest.raises(exc, match=pattern):
+        flash_attention(q, k, v, dropout_p=0.1, seed=seed)
+
+
+def test_seed_or_generator_not_both_and_a_given_seed_fixes_the_mask():
+    q, k, v = _small()
+    seed = dropout_seed(torch.Generator().manual_seed(3), "cpu")
+    with pytest.raises(ValueError, match="seed and generator cannot both be given"):
+        flash_attention(q, k, v, dropout_p=0.1, seed=seed, generator=torch.Generator())
+    a = flash_attention(q, k, v, dropout_p=0.3, seed=seed)
+    b = flash_attention(q, k, v, dropout_p=0.3, generator=torch.Generator().manual_seed(3))  # draws the same seed
+    c = flash_attention(q, k, v, dropout_p=0.3, seed=seed + 1)
+    assert torch.equal(a, b) and not torch.equal(a, c)
 
 
 def test_head_dim_257_is_refused():

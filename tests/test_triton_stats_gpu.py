@@ -184,3 +184,33 @@ def test_dispatch_runs_triton_without_host_sync(monkeypatch):
     finally:
         torch.cuda.set_sync_debug_mode("default")
     assert probe.rows.sum().item() == 2 * B * H * N and probe.shadow_rows.sum().item() == 2 * B * H * N
+
+
+@pytest.mark.parametrize("B, H, h_kv, N, D, causal, mask", [
+    (2, 12, 12, 1024, 64, True, None),  # GPT-2 with attention dropout
+    (1, 8, 4, 777, 256, False, "bool"),
+    (1, 4, 2, 600, 128, False, "additive"),
+])
+def test_shadow_with_dropout_matches_reference(B, H, h_kv, N, D, causal, mask):
+    """The shadow of a call with dropout: the Triton pass regenerates the call's keep mask as the reference does."""
+    from instability_watch.kernels import dropout_seed
+
+    ts = _ts()
+    q, k, v, o, do = _inputs(("dropout", N, D, mask), B, H, h_kv, N, N, D)
+    g = seeded("gpu-dropout-mask", N, D)
+    m = None
+    if mask == "bool":
+        m = (torch.rand(B, 1, N, N, generator=g) > 0.3).to(DEV)
+    elif mask == "additive":
+        m = torch.where(torch.rand(1, H, N, N, generator=g) > 0.3, 0.25, float("-inf")).to(DEV)
+    seed = dropout_seed(torch.Generator(DEV).manual_seed(9), DEV)
+    tri, ref, plain = Probe(H, DEV), Probe(H, DEV), Probe(H, DEV)
+    kw = dict(causal=causal, scale=D ** -0.5, dropout_p=0.1, seed=seed)
+    ts.attention_shadow(q, k, v, o, do, m, tri.counts, tri.values, **kw)
+    stats.shadow_reference(q, k, v, o, do, m, ref.counts, ref.values, **kw)
+    ts.attention_shadow(q, k, v, o, do, m, plain.counts, plain.values, causal=causal, scale=D ** -0.5)
+    assert torch.equal(tri.counts, ref.counts)
+    mag = (do.float() * o.float()).abs().sum(dim=(0, 2, 3)).max().item()
+    for row in (V_DSUM, V_DABS):
+        torch.testing.assert_close(tri.values[row], ref.values[row], rtol=1e-4, atol=1e-5 * mag + 1e-5)
+    assert not torch.allclose(tri.values[V_DSUM], plain.values[V_DSUM], rtol=1e-3)

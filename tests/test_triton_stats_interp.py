@@ -59,11 +59,11 @@ def check_stats(q, k, mask, o, *, causal, scale, eps):
     return {name: (ref.counts[i] - start[i]) for i, name in enumerate(COUNT_FIELDS)}
 
 
-def check_shadow(q, k, v, o, do, mask, *, causal, scale):
+def check_shadow(q, k, v, o, do, mask, *, causal, scale, **dropout):
     tri, ref = _probes(q.shape[1], ("shadow", tuple(q.shape), causal))
     start = ref.values.clone()
-    triton_stats.attention_shadow(q, k, v, o, do, mask, tri.counts, tri.values, causal=causal, scale=scale)
-    stats.shadow_reference(q, k, v, o, do, mask, ref.counts, ref.values, causal=causal, scale=scale)
+    triton_stats.attention_shadow(q, k, v, o, do, mask, tri.counts, tri.values, causal=causal, scale=scale, **dropout)
+    stats.shadow_reference(q, k, v, o, do, mask, ref.counts, ref.values, causal=causal, scale=scale, **dropout)
     for i, name in enumerate(COUNT_FIELDS):
         assert tri.counts[i].tolist() == ref.counts[i].tolist(), name
     assert torch.equal(tri.values[V_MAXS], ref.values[V_MAXS])
@@ -311,3 +311,22 @@ def test_shadow_with_accurate_output():
         o = (s.softmax(-1) @ v.double().repeat_interleave(2, 1)).bfloat16()
         inc = check_shadow(q, k, v, o, do, None, causal=causal, scale=D ** -0.5)
         assert (inc[V_DABS] > 0).all()
+
+
+@pytest.mark.parametrize("causal, mask_kind, heads", [(True, None, (4, 2)), (False, "bool", (2, 1)), (False, "additive", (2, 2))])
+def test_shadow_with_dropout_regenerates_the_calls_keep_mask(causal, mask_kind, heads):
+    """A call with dropout (on our kernels): the shadow's delta_hp uses the call's keep mask, from its seed.
+
+    The Triton pass equals the reference, and the sums differ from a shadow without the mask (or
+    with another seed's), so the mask is really applied."""
+    from instability_watch.kernels import dropout_seed
+
+    H, h_kv = heads
+    B, N, D, p = 2, 45, 32, 0.3
+    q, k, v, o, do = _inputs(("dropout", causal, mask_kind, heads), B, H, h_kv, N, N, D)
+    mask = None if mask_kind is None else _mask(("dropout", mask_kind), (B, 1, N, N), mask_kind)
+    seed = dropout_seed(torch.Generator().manual_seed(5), "cpu")
+    inc = check_shadow(q, k, v, o, do, mask, causal=causal, scale=D ** -0.5, dropout_p=p, seed=seed)
+    other = check_shadow(q, k, v, o, do, mask, causal=causal, scale=D ** -0.5, dropout_p=p, seed=seed + 1)
+    plain = check_shadow(q, k, v, o, do, mask, causal=causal, scale=D ** -0.5)
+    assert not torch.allclose(inc[V_DSUM], other[V_DSUM], rtol=1e-3) and not torch.allclose(inc[V_DSUM], plain[V_DSUM], rtol=1e-3)

@@ -12,7 +12,6 @@ same step.
 from __future__ import annotations
 
 import logging
-import math
 import os
 from pathlib import Path
 from typing import Any, Callable, Dict, List, Optional, Sequence, Union
@@ -33,6 +32,7 @@ from ..config import WatchConfig
 from ..console import ConsoleReporter
 from ..export import RunWriter
 from ..watch import InstabilityWatch, StepMetrics
+from ._common import check_arguments, scalars
 
 log = logging.getLogger("instability_watch")
 
@@ -42,15 +42,23 @@ _STATE_VERSION = 1
 
 
 def _unsupported_strategy(strategy: Any) -> Optional[str]:
-    """Why a strategy cannot be watched (``None`` if it can): W_Q must be whole on every rank."""
-    from lightning.pytorch.strategies import DDPStrategy, SingleDeviceStrategy
+    """Why a strategy cannot be watched (``None`` if it can).
+
+    Sharded weights are read whole where needed: FSDP2 ``DTensor`` objects (``ModelParallelStrategy``)
+    and FSDP1 units (``FSDPStrategy``), see :mod:`instability_watch._sharding`. DeepSpeed
+    ZeRO-3 partitions parameters in its own way, which the watch cannot gather.
+    """
+    from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
     name = type(strategy).__name__
-    if "DeepSpeed" in name or "FSDP" in name or "ModelParallel" in name:
-        return f"{name} shards the weights, so W_Q per head is not whole on a rank"
-    if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy)):
+    if "DeepSpeed" in name and getattr(strategy, "zero_stage_3", False):
+        return (f"{name} with ZeRO stage 3 partitions every parameter across ranks (W_Q included) and the watch "
+                "has no gather for DeepSpeed's partitions; use ZeRO stage 1 or 2 (the weights stay whole on "
+                "every rank), or FSDPStrategy / ModelParallelStrategy")
+    if isinstance(strategy, (SingleDeviceStrategy, DDPStrategy, FSDPStrategy, ModelParallelStrategy)):
         return None
-    return f"{name} is not one of the supported strategies (single device, DDP)"
+    return (f"{name} is not one of the supported strategies (single device, DDP, FSDPStrategy, "
+            "ModelParallelStrategy, DeepSpeed ZeRO 1-2)")
 
 
 class InstabilityWatchCallback(Callback):
@@ -108,21 +116,7 @@ class InstabilityWatchCallback(Callback):
         top: int = 8,
         log_scalars: bool = True,
     ) -> None:
-        if config is None:
-            config = WatchConfig()
-        elif isinstance(config, dict):
-            config = WatchConfig(**config)
-        elif not isinstance(config, WatchConfig):
-            raise TypeError(f"config must be a WatchConfig, a dict of its fields or None, got {type(config).__name__}")
-        if layers is not None and not callable(layers):
-            layers = list(layers)
-            bad = [type(x).__name__ for x in layers if not isinstance(x, AttentionLayer)]
-            if bad:
-                raise TypeError(f"layers must hold AttentionLayer descriptions, got {bad}")
-        if not isinstance(top, int) or isinstance(top, bool) or top < 1:
-            raise ValueError(f"top must be a positive integer, got {top!r}")
-        if console is not None and not hasattr(console, "print"):
-            raise TypeError(f"console must be a rich.console.Console, got {type(console).__name__}")
+        config, layers = check_arguments(config, layers, run_dir, top, console)
         self.config = config
         self.layers = layers
         self.run_dir: Optional[Path] = Path(run_dir) if run_dir is not None else None
@@ -253,6 +247,10 @@ class InstabilityWatchCallback(Callback):
             return
         self._last_global_step = trainer.global_step
         self._loss_sum, self._loss_n = None, 0
+        wrapper = getattr(trainer.strategy, "model", None)
+        if watch.observation is not None and isinstance(wrapper, torch.nn.Module) and wrapper is not pl_module:
+            # FSDPStrategy wraps the LightningModule itself: its FSDP1 units may sit above pl_module
+            watch.observation.sharding_roots = [wrapper]
         if watch.step_count != trainer.global_step:
             # a checkpoint without our state (or of another run): count on from the trainer's step
             if trainer.is_global_zero:
@@ -323,13 +321,11 @@ class InstabilityWatchCallback(Callback):
 
     def _log_scalars(self, metrics: List[StepMetrics], alerts, watch: InstabilityWatch) -> None:
         trainer = self._trainer
-        if trainer is None or not trainer.loggers or not metrics:
-            return
-        scalars = {f"instability_watch/{k}": v for k, v in watch.summary().items() if math.isfinite(v)}
-        if not scalars:
+        values = scalars(watch, metrics)
+        if trainer is None or not trainer.loggers or values is None:
             return
         for logger in trainer.loggers:  # log_metrics is rank-zero only
-            logger.log_metrics(scalars, step=metrics[-1].step)
+            logger.log_metrics(values, step=metrics[-1].step)
 
     # ------------------------------------------------------------------ end
 

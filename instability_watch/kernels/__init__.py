@@ -115,7 +115,7 @@ def _check_mask(attn_mask, q, k) -> None:
 
 
 def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend, attn_mask=None, dropout_p=0.0,
-                generator=None) -> None:
+                generator=None, seed=None) -> None:
     for name, t in (("q", q), ("k", k), ("v", v)):
         _check_tensor(name, t)
     for name, t in (("k", k), ("v", v)):
@@ -178,6 +178,14 @@ def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend, at
         raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
+    if seed is not None:
+        if not isinstance(seed, torch.Tensor) or seed.dtype != torch.int64 or tuple(seed.shape) != (2,):
+            got = f"{seed.dtype} {tuple(seed.shape)}" if isinstance(seed, torch.Tensor) else type(seed).__name__
+            raise TypeError(f"seed must be None or an int64 tensor of shape (2,) (see dropout_seed), got {got}")
+        if seed.device != q.device:
+            raise ValueError(f"seed must be on q's device {q.device}, got {seed.device}")
+        if generator is not None:
+            raise ValueError("seed and generator cannot both be given: the seed is what a generator would draw")
 
 
 def unsupported(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
@@ -226,6 +234,7 @@ def flash_attention(
     eps: float = DEFAULT_EPS,
     backend: str = "auto",
     generator: Optional[torch.Generator] = None,
+    seed: Optional[torch.Tensor] = None,
 ) -> torch.Tensor:
     """Attention with FA2's BF16 precision model, per-head stabilization and diagnostics.
 
@@ -249,6 +258,9 @@ def flash_attention(
         generator: where a call with dropout draws its seed (two 32-bit words,
             :func:`dropout_seed`); ``None``: ``q``'s device's default generator,
             as SDPA and ``F.dropout``.
+        seed: the call's dropout seed itself (int64 ``(2,)`` on ``q``'s device, e.g.
+            from :func:`dropout_seed`) instead of drawing one: the same seed gives
+            the same keep mask (:func:`~instability_watch.kernels.reference.dropout_mask`).
         causal: causal mask, top-left aligned like ``F.scaled_dot_product_attention``.
         scale: softmax scale, a number in (0, 3.4e38] (scores are float32); default
             ``1/sqrt(D)``. Rows whose scaled scores overflow float32 come out NaN, as in
@@ -277,14 +289,17 @@ def flash_attention(
 
         o = flash_attention(q, k, v, causal=True, stabilize=torch.tensor([False, True], device=q.device))
     """
-    _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend, attn_mask, dropout_p, generator)
+    _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend, attn_mask, dropout_p, generator, seed)
     backend = resolve_backend(q, backend)
     if isinstance(stabilize, bool):
         stabilize = torch.full((q.shape[1],), True, dtype=torch.bool, device=q.device) if stabilize else None
     scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
     counts, values = probe_buffers(probe)
     shadow = probe is not None and probe.shadow
-    seed = dropout_seed(generator, q.device) if dropout_p else None
+    if not dropout_p:
+        seed = None
+    elif seed is None:
+        seed = dropout_seed(generator, q.device)
     return FlashAttention.apply(
         q, k, v, attn_mask, seed, stabilize, counts, values, shadow, causal, scale, float(beta), float(eps),
         float(dropout_p), backend,

@@ -43,6 +43,12 @@ uses); ``delta_hp = sum_j P[i, j] (dO_i . v_j) / sum_j P[i, j]`` with
 ``shadow_rows``, ``delta_err_sum = sum(delta_lp - delta_hp)``, ``delta_err_abs``
 and ``delta_err_pos`` (rows with ``delta_lp > delta_hp``).
 
+A call with dropout (``dropout_p > 0``, our kernels' calls only: the pass needs the
+call's ``seed``) applies the same keep mask to ``P`` after the softmax:
+``delta_hp = sum_j keep[i, j] P[i, j] (dO_i . v_j) / ((1 - p) sum_j P[i, j])``, the
+mask regenerated from the seed (``reference.dropout_bits``; ``1 - p`` as
+``reference.dropout_scale`` rounds it).
+
 The PyTorch path works through the query rows in chunks, so its memory stays
 bounded (about :data:`CHUNK_ELEMENTS` scores at a time) whatever ``N``.
 """
@@ -56,6 +62,7 @@ from torch import Tensor
 
 from ..probe import COUNT_FIELDS, VALUE_FIELDS
 from .reference import MASK_FLOOR  # an additive mask at or below this counts as masked
+from .reference import dropout_bits, dropout_scale, dropout_threshold
 from .reference import mask4 as _mask4
 
 CHUNK_ELEMENTS = 1 << 22  # scores per chunk on the PyTorch path (16 MiB of float32)
@@ -159,14 +166,16 @@ def _stats_reference(q, k, attn_mask, o, counts, values, *, causal, scale, eps) 
 @torch.no_grad()
 def shadow_reference(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, attn_mask: Optional[Tensor],
-    counts: Tensor, values: Tensor, *, causal: bool, scale: float,
+    counts: Tensor, values: Tensor, *, causal: bool, scale: float, dropout_p: float = 0.0,
+    seed: Optional[Tensor] = None,
 ) -> None:
     """The shadow pass in PyTorch (see the module docstring); adds into ``counts`` and ``values``."""
     with torch.autocast(q.device.type, enabled=False):
-        _shadow_reference(q, k, v, o, do, attn_mask, counts, values, causal=causal, scale=scale)
+        _shadow_reference(q, k, v, o, do, attn_mask, counts, values, causal=causal, scale=scale,
+                          dropout_p=dropout_p, seed=seed)
 
 
-def _shadow_reference(q, k, v, o, do, attn_mask, counts, values, *, causal, scale) -> None:
+def _shadow_reference(q, k, v, o, do, attn_mask, counts, values, *, causal, scale, dropout_p=0.0, seed=None) -> None:
     B, H, N, _ = q.shape
     h_kv, n_kv, d_v = v.shape[1], v.shape[2], v.shape[3]
     g = H // h_kv
@@ -187,7 +196,12 @@ def _shadow_reference(q, k, v, o, do, attn_mask, counts, values, *, causal, scal
         p = torch.exp(s - torch.where(live, t1, 0.0)[..., None])  # masked keys: exp(-inf) = 0
         do_c = do[:, :, i0:i1].to(cdt)
         dp = (do_c.reshape(B, h_kv, g, n, d_v) @ vt).view(B, H, n, n_kv)  # dO_i . v_j
-        delta_hp = (p * dp).sum(dim=-1) / p.sum(dim=-1)
+        if dropout_p:  # the call's keep mask on P, after the softmax
+            rows, cols = torch.arange(i0, i1, device=q.device), torch.arange(n_kv, device=q.device)
+            keep = dropout_bits(seed, B, H, rows, cols) >= dropout_threshold(dropout_p)
+            delta_hp = (torch.where(keep, p * dp, 0.0)).sum(dim=-1) * dropout_scale(dropout_p) / p.sum(dim=-1)
+        else:
+            delta_hp = (p * dp).sum(dim=-1) / p.sum(dim=-1)
         delta_lp = (do_c * o[:, :, i0:i1].to(cdt)).sum(dim=-1)
         err = torch.where(live, delta_lp - delta_hp, 0.0)
         n_rows += live.sum(dim=(0, 2))
@@ -234,12 +248,14 @@ def _stats_impl(
 
 def _shadow_impl(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, attn_mask: Optional[Tensor],
-    counts: Tensor, values: Tensor, causal: bool, scale: float,
+    counts: Tensor, values: Tensor, causal: bool, scale: float, dropout_p: float, seed: Optional[Tensor],
 ) -> None:
     if _use_triton(q, k, v):
-        _triton().attention_shadow(q, k, v, o, do, attn_mask, counts, values, causal=causal, scale=scale)
+        _triton().attention_shadow(q, k, v, o, do, attn_mask, counts, values, causal=causal, scale=scale,
+                                   dropout_p=dropout_p, seed=seed)
     else:
-        shadow_reference(q, k, v, o, do, attn_mask, counts, values, causal=causal, scale=scale)
+        shadow_reference(q, k, v, o, do, attn_mask, counts, values, causal=causal, scale=scale,
+                         dropout_p=dropout_p, seed=seed)
 
 
 # As torch.library ops, so that torch.compile traces an observed call without a graph break.
@@ -253,7 +269,7 @@ def _(q, k, attn_mask, o, counts, values, causal, scale, eps):
 
 
 @shadow_op.register_fake
-def _(q, k, v, o, do, attn_mask, counts, values, causal, scale):
+def _(q, k, v, o, do, attn_mask, counts, values, causal, scale, dropout_p, seed):
     return None
 
 
@@ -268,8 +284,14 @@ def attention_stats(
 
 def attention_shadow(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, attn_mask: Optional[Tensor],
-    counts: Tensor, values: Tensor, *, causal: bool, scale: float,
+    counts: Tensor, values: Tensor, *, causal: bool, scale: float, dropout_p: float = 0.0,
+    seed: Optional[Tensor] = None,
 ) -> None:
-    """The shadow pass (module docstring): Triton on CUDA, PyTorch elsewhere. Inputs assumed checked."""
+    """The shadow pass (module docstring): Triton on CUDA, PyTorch elsewhere. Inputs assumed checked.
+
+    ``dropout_p > 0`` needs the call's ``seed`` (int64 ``(2,)``, :func:`~instability_watch.kernels.dropout_seed`).
+    """
+    if dropout_p and seed is None:
+        raise ValueError("attention_shadow: dropout_p > 0 needs the call's seed, got seed=None")
     run = shadow_op if torch.compiler.is_compiling() else _shadow_impl
-    run(q, k, v, o, do, attn_mask, counts, values, bool(causal), float(scale))
+    run(q, k, v, o, do, attn_mask, counts, values, bool(causal), float(scale), float(dropout_p), seed)

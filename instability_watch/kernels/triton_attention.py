@@ -770,8 +770,10 @@ def _dot_precision(dtype: torch.dtype) -> str:
 FWD_CONFIGS = {16: (64, 64, 4, 3, 128), 32: (64, 64, 4, 3, 128), 64: (64, 64, 4, 3, 128), 128: (128, 64, 8, 3),
                256: (64, 32, 4, 2)}
 FWD_CONFIGS_WATCHED = {**FWD_CONFIGS, 128: (128, 128, 8, 2)}
-DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (32, 32, 4, 2)}
-DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 8, 1)}
+# D = 256 backward: `benchmarks/attention.py --shapes d256 --sweep dkdv --sweep dq` (H100, 2026-11-24):
+# dK/dV (64, 64, 8, 2) and dQ (64, 64, 4, 2) were the fastest of 28 each.
+DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (64, 64, 8, 2)}
+DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)}
 TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
 _INTERPRETER_CONFIG = (16, 16, 4, 1)  # one program at a time on CPU: small tiles, odd sizes covered
 

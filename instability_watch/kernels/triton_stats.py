@@ -37,7 +37,10 @@ import triton.language as tl
 
 from ..probe import COUNT_FIELDS, VALUE_FIELDS
 from .stats import MASK_FLOOR, _mask4
-from .triton_attention import _INTERPRET, _INTERPRETER_CONFIG, _Launcher, _cdiv, _dot_precision, _head_dim_tile
+from .reference import dropout_scale, dropout_threshold
+from .triton_attention import (
+    _INTERPRET, _INTERPRETER_CONFIG, _Launcher, _cdiv, _dot_precision, _dropout_keep, _head_dim_tile,
+)
 
 # Rows of the probe buffers, as constexprs for the kernel.
 C_ROWS = tl.constexpr(COUNT_FIELDS.index("rows"))
@@ -146,12 +149,14 @@ def _shadow_inner(
     m_i, l_i, a_i,
     q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
     stride_kn, stride_vn, stride_mn,
-    lo, hi,
-    MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr,
-    BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    lo, hi, k0, k1, drop_thr, off_bh,
+    MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
     # State per row: m the running maximum score (-inf until one is seen), l = sum P and
-    # a = sum P dP, both relative to m (rescaled when m moves).
+    # a = sum P dP (with dropout: over the kept entries), both relative to m (rescaled
+    # when m moves).
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         s = _scores(
@@ -177,7 +182,11 @@ def _shadow_inner(
         # -- dP = dO V^T, float32 accumulation; l and a
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
-        a_i = a_i * alpha + tl.sum(p * dp, 1)
+        if DROPOUT:  # the call's keep mask, regenerated as its kernels do; 1/(1-p) applied at the end
+            pdp = tl.where(_dropout_keep(k0, k1, drop_thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N), p * dp, 0.0)
+        else:
+            pdp = p * dp
+        a_i = a_i * alpha + tl.sum(pdp, 1)
         m_i = m_new
     return m_i, l_i, a_i
 
@@ -188,7 +197,7 @@ def _shadow_inner(
 
 @triton.jit
 def _attn_stats(
-    Q, K, V, O, DO, Mask, Counts, Values,
+    Q, K, V, O, DO, Mask, Counts, Values, Seed,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -196,8 +205,8 @@ def _attn_stats(
     stride_dob, stride_doh, stride_don,
     stride_mb, stride_mh, stride_mm, stride_mn,
     H, GROUP, N_Q, N_KV, D, DV,
-    scale, eps,
-    SHADOW: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, SCALED: tl.constexpr,
+    scale, eps, drop_thr, drop_scale,
+    SHADOW: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, SCALED: tl.constexpr,
     HAS_O: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -247,23 +256,33 @@ def _attn_stats(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         a_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+        if DROPOUT:
+            k0 = tl.load(Seed).to(tl.uint32)
+            k1 = tl.load(Seed + 1).to(tl.uint32)
+            thr = drop_thr.to(tl.uint32)
+        else:
+            k0 = 0
+            k1 = 0
+            thr = 0
         m_i, l_i, a_i = _shadow_inner(
             m_i, l_i, a_i, q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
-            stride_kn, stride_vn, stride_mn, 0, n_full,
-            MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=MASK_KIND,
-            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, DOT_PRECISION=DOT_PRECISION,
+            stride_kn, stride_vn, stride_mn, 0, n_full, k0, k1, thr, off_bh,
+            MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, DOT_PRECISION=DOT_PRECISION,
         )
         m_i, l_i, a_i = _shadow_inner(
             m_i, l_i, a_i, q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
-            stride_kn, stride_vn, stride_mn, n_full, hi,
-            MASK_CAUSAL=CAUSAL, MASK_KV=True, MASK_KIND=MASK_KIND,
-            BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, DOT_PRECISION=DOT_PRECISION,
+            stride_kn, stride_vn, stride_mn, n_full, hi, k0, k1, thr, off_bh,
+            MASK_CAUSAL=CAUSAL, MASK_KV=True, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, DOT_PRECISION=DOT_PRECISION,
         )
         # -- delta_lp = rowsum(dO * O) from the call's O; delta_hp = a / l. A row is masked
         #    when it saw no score above -inf and no NaN (a NaN row stays in, NaN).
         o = tl.load(O + off_b * stride_ob + off_h64 * stride_oh + offs_m[:, None] * stride_on + offs_dv[None, :], mask=dv_ok, other=0.0)
         delta_lp = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
         live = row_ok & ((m_i > float("-inf")) | (l_i != l_i))
+        if DROPOUT:
+            a_i = a_i * drop_scale
         err = tl.where(live, delta_lp - a_i / l_i, 0.0)
         # -- the tile's sums, one atomic per statistic
         n_live = tl.sum(live.to(tl.int32), 0).to(tl.int64)
@@ -360,7 +379,8 @@ def _strides(t: Optional[torch.Tensor]):
     return (0, 0, 0) if t is None else t.stride()[:3]
 
 
-def _launch(q, k, v, o, do, attn_mask, counts, values, *, shadow: bool, causal: bool, scale: float, eps: float):
+def _launch(q, k, v, o, do, attn_mask, counts, values, *, shadow: bool, causal: bool, scale: float, eps: float,
+            dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None):
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
     q, k, v, o, do = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, o, do))
@@ -384,11 +404,12 @@ def _launch(q, k, v, o, do, attn_mask, counts, values, *, shadow: bool, causal: 
     options = {} if (_INTERPRET or shadow) else dict(enable_fp_fusion=False)
     _launch_stats(
         (_cdiv(N, block_m), B * H),
-        (q, k, v, o, do, mask, counts, values),
+        (q, k, v, o, do, mask, counts, values, seed if dropout_p else None),
         (*q.stride()[:3], *k.stride()[:3], *_strides(v), *_strides(o), *_strides(do), *mask_strides,
-         H, H // h_kv, N, n_kv, D, dv, scale, eps),
+         H, H // h_kv, N, n_kv, D, dv, scale, eps,
+         dropout_threshold(dropout_p) if dropout_p else 0, dropout_scale(dropout_p) if dropout_p else 1.0),
         dict(
-            SHADOW=shadow, CAUSAL=causal, MASK_KIND=kind, SCALED=scaled, HAS_O=o is not None,
+            SHADOW=shadow, CAUSAL=causal, MASK_KIND=kind, DROPOUT=bool(dropout_p), SCALED=scaled, HAS_O=o is not None,
             HEAD_DIM=head_dim, HEAD_DV=head_dv, BLOCK_M=block_m, BLOCK_N=block_n,
             EVEN_D=D == head_dim, EVEN_DV=dv == head_dv, DOT_PRECISION=_dot_precision(q.dtype),
             num_warps=warps, num_stages=stages, **options,
@@ -416,10 +437,13 @@ def attention_stats(
 def attention_shadow(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
     attn_mask: Optional[torch.Tensor], counts: torch.Tensor, values: torch.Tensor, *, causal: bool, scale: float,
+    dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
 ) -> None:
     """The shadow pass (``stats.py``) on the GPU; adds into ``counts`` and ``values``, no host sync.
 
     Shapes as :func:`attention_stats`, with v (B, H_kv, N_kv, D_v), o and do (B, H, N, D_v),
     D_v <= 256. Adds ``shadow_rows``, ``delta_err_pos``, ``delta_err_sum`` and ``delta_err_abs``.
+    With ``dropout_p > 0``, ``seed`` (int64 (2,) on the device) is the call's: its keep mask is regenerated.
     """
-    _launch(q, k, v, o, do, attn_mask, counts, values, shadow=True, causal=causal, scale=scale, eps=0.0)
+    _launch(q, k, v, o, do, attn_mask, counts, values, shadow=True, causal=causal, scale=scale, eps=0.0,
+            dropout_p=dropout_p, seed=seed)

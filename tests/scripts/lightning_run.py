@@ -6,6 +6,9 @@ Usage:
         # OUT_DIR/rank{r}.json; a number as the last argument checkpoints every that many
         # steps into OUT_DIR/ckpt, a path resumes from that checkpoint
     python lightning_run.py kill OUT_DIR STEP      # SIGKILLs itself inside optimizer step STEP
+    python lightning_run.py mp OUT_DIR STEPS [CKPT_EVERY|RESUME_CKPT]
+        # 2-process ModelParallelStrategy on CPU (FSDP2 over a data-parallel mesh of 2),
+        # a nanoGPT sharded in configure_model; otherwise as ddp
 """
 import json
 import os
@@ -19,9 +22,56 @@ sys.path.insert(0, os.path.join(HERE, "..", ".."))
 import lightning.pytorch as pl  # noqa: E402
 
 from instability_watch import InstabilityWatchCallback  # noqa: E402
-from lightning_models import TiedModule  # noqa: E402
+from instability_watch.nanogpt import GPT, GPTConfig  # noqa: E402
+from lightning_models import TiedModule, TinyGPT  # noqa: E402
 
 CFG = dict(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
+
+
+class ShardedGPT(TinyGPT):
+    """TinyGPT sharded with FSDP2 over the strategy's data-parallel mesh; each rank its own data."""
+
+    def __init__(self) -> None:
+        super().__init__(n_layer=2, n_head=4, n_embd=32)
+        # no position embedding and few distinct tokens: repeated maxima, so the detector switches heads
+        self.model = GPT(GPTConfig(vocab_size=64, block_size=self.seq, n_layer=2, n_head=4, n_embd=32,
+                                   pos_embedding=False))
+
+    def _tokens(self, i: int):
+        import torch
+
+        return torch.randint(0, 7, (self.batch, self.seq + 1), generator=torch.Generator().manual_seed(int(i)))
+
+    def configure_model(self):
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = self.device_mesh["data_parallel"]
+        for block in self.model.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(self.model, mesh=mesh)
+
+    def training_step(self, batch, batch_idx):
+        t = self._tokens(2 * self.global_step + self.global_rank)
+        _, loss = self.model(t[:, :-1], t[:, 1:])
+        return loss
+
+
+def _result(cb, trainer):
+    w = cb.watch
+    return {
+        "switched": sorted([l, h, s] for (l, h), s in w.switched.items()),
+        "alerts": [[a.step, a.layer, a.head, a.kind] for a in w.alerts],
+        "delta_cum": w.state_dict()["delta_cum"],
+        "steps": w.step_count,
+        "disabled": sorted(w.disabled),
+        "wrote": cb.writer is not None,
+        "sigma": [m["sigma_wq"].tolist() for m in w.last_metrics][-1:],
+        "sigma_ref": [
+            __import__("torch").linalg.matrix_norm(s.layer.w_q().detach().full_tensor().double(), ord=2).tolist()
+            for s in w.observation.sites
+        ] if trainer.strategy.__class__.__name__ == "ModelParallelStrategy" else None,
+        "state": {k: v for k, v in w.state_dict().items() if k not in ("alerts", "events")},
+    }
 
 
 class KillAt(TiedModule):
@@ -64,6 +114,32 @@ def main() -> None:
                 "disabled": sorted(w.disabled),
                 "wrote": cb.writer is not None,
             }, f)
+    elif mode == "mp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        steps = int(sys.argv[3])
+        last = sys.argv[4] if len(sys.argv) > 4 else None
+        ckpt_every = int(last) if last is not None and last.isdigit() else None
+        resume = last if last is not None and ckpt_every is None else None
+        pl.seed_everything(0, verbose=False)  # the same initial weights on both ranks and in every run
+        model = ShardedGPT()
+        cfg = dict(CFG, log_every=3, spectral_every=1, warmup_steps=2, sustain=1, multi_max_factor=1.2,
+                   multi_max_min_rise=0.0)
+        cb = InstabilityWatchCallback(cfg, run_dir=os.path.join(out, "run"), alerts=False, overwrite=resume is None)
+        callbacks = [cb]
+        if ckpt_every:
+            from lightning.pytorch.callbacks import ModelCheckpoint
+
+            callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=ckpt_every,
+                                             save_top_k=-1))
+        trainer = pl.Trainer(
+            accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
+            max_steps=steps, callbacks=callbacks, logger=False, enable_checkpointing=bool(ckpt_every),
+            enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+        )
+        trainer.fit(model, ckpt_path=resume)
+        with open(os.path.join(out, f"mp_rank{trainer.global_rank}.json"), "w") as f:
+            json.dump(_result(cb, trainer), f)
     elif mode == "kill":
         model = KillAt(int(sys.argv[3]))
         cfg = dict(CFG, log_every=2)

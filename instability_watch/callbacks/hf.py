@@ -1,0 +1,774 @@
+"""``InstabilityWatchTrainerCallback``: the watch in a Hugging Face ``transformers.Trainer``.
+
+A thin adapter over :class:`~instability_watch.InstabilityWatch` (all logic
+lives in the engine), used as ``Trainer(..., callbacks=[InstabilityWatchTrainerCallback()])``:
+
+* ``on_train_begin``: attaches to the model the Trainer trains (the module you
+  gave it, not Accelerate's DDP or FSDP wrapper), restores the watch state from
+  the checkpoint being resumed, opens the run directory
+  (``<output_dir>/instability_watch`` by default) on the main process;
+* ``on_step_end`` (once per optimizer step, also with gradient accumulation):
+  one ``watch.step(loss)``;
+* ``on_save``: writes the watch state into the Trainer's checkpoint directory
+  (``checkpoint-N/instability_watch.pt``);
+* ``on_log``: adds the watch's scalars (``instability_watch/...``) to the
+  Trainer's next log, so ``state.log_history`` and every ``report_to``
+  integration (W&B, TensorBoard, ...) receive them;
+* ``on_train_end``: reads back the pending steps, restores the model, closes the files.
+
+Under DDP (``torchrun``; Accelerate) the engine reduces the statistics across
+ranks, so every rank switches the same heads at the same step; the main process
+prints alert panels and writes the run directory.
+
+Under FSDP (``TrainingArguments(fsdp=True, fsdp_config=...)``) the weights are
+sharded; the engine reads ``W_Q`` whole where it needs it (spectral steps):
+FSDP2 (``fsdp_config["version"] = 2``, the default: ``fully_shard`` in place,
+``DTensor`` parameters) through per-head Grams of the DTensors, FSDP1
+(``FullyShardedDataParallel``, which the Trainer hands to callbacks as the
+model) inside ``summon_full_params`` of the unit holding each layer; the
+callback unwraps FSDP1's root to find the layers and gives the root to the
+engine (``observation.sharding_roots``). See :mod:`instability_watch._sharding`.
+Refused with a ``ValueError`` at train begin: DeepSpeed ZeRO-3 (partitioned
+parameters), DeepSpeed ZeRO 1/2 (not tested with this callback), tensor,
+context, sequence and pipeline parallelism.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+
+import torch
+import torch.nn as nn
+
+try:
+    from transformers import TrainerCallback
+    from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
+    from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
+except ImportError as exc:  # transformers is an optional dependency
+    raise ImportError(
+        "instability_watch.callbacks.hf (InstabilityWatchTrainerCallback) needs Hugging Face transformers: "
+        'pip install "instability_watch[hf]"'
+    ) from exc
+
+from .._sharding import _fsdp1_class, fsdp1_units, full_params, innermost_unit, zero3_parameters
+from ..config import WatchConfig
+from ..console import ConsoleReporter
+from ..export import RunWriter
+from ..locate import AttentionLayer, find_attention_layers, not_found_message
+from ..watch import InstabilityWatch, StepMetrics
+from ._common import check_arguments, check_bool, scalars
+
+log = logging.getLogger("instability_watch")
+
+LayersArg = Union[None, Sequence[AttentionLayer], Callable[[nn.Module], Sequence[AttentionLayer]]]
+
+STATE_FILE = "instability_watch.pt"  # in each checkpoint directory
+RUN_DIR_NAME = "instability_watch"  # under TrainingArguments.output_dir
+_STATE_VERSION = 1
+
+
+def _unwrap(model: nn.Module) -> nn.Module:
+    """The module the user gave the Trainer: without DDP / DataParallel / FSDP1 / ``torch.compile`` wrappers.
+
+    Under FSDP1 the Trainer passes callbacks its ``FullyShardedDataParallel`` root
+    (``trainer.model`` is replaced by it); its ``.module`` is the user's model
+    (FSDP1's ``_fsdp_wrapped_module``). FSDP2 shards the model in place: nothing to unwrap.
+    """
+    fsdp1 = _fsdp1_class()
+    for _ in range(8):
+        if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
+            model = model.module
+        elif fsdp1 is not None and isinstance(model, fsdp1):
+            model = model.module
+        elif hasattr(model, "_orig_mod") and type(model).__name__ == "OptimizedModule":
+            model = model._orig_mod
+        else:
+            break
+    return model
+
+
+_WRAPPER_LEVELS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+
+
+def _clean_name(name: str) -> str:
+    """A module's qualified name without the levels wrappers insert (``model.layers.0._fsdp_wrapped_module.self_attn``
+    -> ``model.layers.0.self_attn``)."""
+    for level in _WRAPPER_LEVELS:
+        name = name.replace(level, "")
+    return name
+
+
+def _truthy_env(name: str) -> bool:
+    return os.environ.get(name, "").strip().lower() in ("1", "true", "yes", "on")
+
+
+def _fsdp2_class():
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # pragma: no cover - older torch, or built without distributed
+        return None
+    return FSDPModule
+
+
+def _sharding(model: nn.Module, wrapper: nn.Module) -> Optional[str]:
+    """``"fsdp1"``, ``"fsdp2"`` or ``None``: how the weights of ``model`` (inside ``wrapper``) are sharded."""
+    if fsdp1_units([wrapper, model]):
+        return "fsdp1"
+    fsdp2 = _fsdp2_class()
+    if fsdp2 is not None and any(isinstance(m, fsdp2) for m in model.modules()):
+        return "fsdp2"
+    return None
+
+
+def _accelerate_state(name: str) -> Any:
+    """An attribute of Accelerate's (already initialised) ``AcceleratorState``, or ``None``; creates nothing."""
+    try:
+        from accelerate.state import AcceleratorState
+    except ImportError:  # pragma: no cover - the Trainer needs accelerate
+        return None
+    return getattr(AcceleratorState, "_shared_state", {}).get(name)
+
+
+def _deepspeed(args: Any) -> Tuple[bool, Optional[int]]:
+    """Whether the run is configured for DeepSpeed, and its ZeRO stage where it can be told."""
+    used = bool(getattr(args, "deepspeed", None)) or _truthy_env("ACCELERATE_USE_DEEPSPEED")
+    plugin = None
+    if "DEEPSPEED" in str(_accelerate_state("distributed_type") or ""):
+        used = True
+        plugin = getattr(_accelerate_state("deepspeed_plugin"), "zero_stage", None)
+    stage = None
+    hf_config = getattr(args, "hf_deepspeed_config", None)
+    if hf_config is not None and callable(getattr(hf_config, "is_zero3", None)):
+        stage = 3 if hf_config.is_zero3() else None
+    if stage is None and isinstance(plugin, int):
+        stage = plugin
+    config = getattr(args, "deepspeed", None)
+    if stage is None and isinstance(config, (str, os.PathLike)) and Path(config).is_file():
+        try:
+            config = json.loads(Path(config).read_text())
+        except (OSError, ValueError):
+            config = None
+    if stage is None and isinstance(config, dict):
+        value = (config.get("zero_optimization") or {}).get("stage")
+        stage = value if isinstance(value, int) else None
+    return used, stage
+
+
+def _parallel_sizes(args: Any, model: nn.Module) -> Dict[str, int]:
+    """Tensor / context / sequence / pipeline parallel degrees > 1 configured for this run."""
+    out: Dict[str, int] = {}
+    configs = [getattr(args, "parallelism_config", None), _accelerate_state("parallelism_config"),
+               getattr(getattr(model, "config", None), "distributed_config", None)]
+    for pc in configs:
+        for name in ("tp_size", "cp_size", "sp_size", "pp_size"):
+            value = getattr(pc, name, None)
+            if isinstance(value, int) and value > 1:
+                out.setdefault(name, value)
+    value = getattr(model, "_tp_size", None)  # from_pretrained(tp_plan=...) / distributed_config
+    if isinstance(value, int) and value > 1:
+        out.setdefault("tp_size", value)
+    return out
+
+
+_PARALLEL_WHY = {
+    "tp_size": "tensor parallelism (tp_size={}) splits each attention layer's heads across ranks: each rank sees "
+               "only some heads",
+    "sp_size": "sequence parallelism (sp_size={}, Ulysses) splits each attention layer's heads across ranks: each "
+               "rank sees only some heads",
+    "cp_size": "context parallelism (cp_size={}) splits each sequence across ranks: each rank sees only some of "
+               "the queries and keys of a head",
+    "pp_size": "pipeline parallelism (pp_size={}) puts different layers on different ranks",
+}
+
+
+def _mesh_parallelism(model: nn.Module) -> Optional[str]:
+    """A ``DTensor`` parameter's mesh dimension that splits heads or sequences (``tp``, ``cp``, ``sp``), if any."""
+    for p in model.parameters():
+        mesh = getattr(p, "device_mesh", None)
+        if mesh is None or type(p).__name__ != "DTensor":
+            continue
+        for name, size in zip(getattr(mesh, "mesh_dim_names", None) or (), tuple(mesh.shape)):
+            if size > 1 and name in ("tp", "cp", "sp"):  # FSDP's own dims: "dp_shard", "dp_shard_cp", "fsdp", ...
+                return f"{name}={size}"
+    return None
+
+
+def _unsupported(args: Any, model: nn.Module, wrapper: Optional[nn.Module] = None) -> Optional[str]:
+    """Why this run cannot be watched (``None`` if it can).
+
+    ``model`` is the user's model, ``wrapper`` what the Trainer passed to the
+    callbacks (FSDP1's root, or ``model`` itself). Every head's ``W_Q`` must be
+    readable whole (FSDP1 and FSDP2 are gathered by the engine) and every rank
+    must see every head of every layer.
+    """
+    wrapper = model if wrapper is None else wrapper
+    used, stage = _deepspeed(args)
+    if zero3_parameters(model) or (used and stage == 3):
+        return ("DeepSpeed ZeRO-3 partitions every parameter, W_Q included, and the watch has no gather for "
+                "DeepSpeed's partitions; use FSDP instead (TrainingArguments(fsdp=True, fsdp_config=...)): the "
+                "watch gathers W_Q under FSDP1 and FSDP2 (DeepSpeed ZeRO 1/2 keep W_Q whole but are not tested "
+                "with this callback)")
+    if used:
+        at = f"ZeRO stage {stage}" if stage is not None else "its ZeRO stage not known"
+        return (f"DeepSpeed ({at}) is not tested with this callback, so it is refused rather than watched "
+                "unchecked; train with DDP or FSDP (TrainingArguments(fsdp=True, fsdp_config=...))")
+    sizes = _parallel_sizes(args, model)
+    for name, why in _PARALLEL_WHY.items():
+        if name in sizes:
+            return why.format(sizes[name])
+    mesh = _mesh_parallelism(model)
+    if mesh is not None:
+        return (f"the parameters are DTensors on a device mesh with {mesh}: the attention is split across ranks "
+                "(tensor / context / sequence parallelism), each rank sees only some heads or positions")
+    if _sharding(model, wrapper) is None and any(type(p).__name__ == "DTensor" for p in model.parameters()):
+        return ("the parameters are DTensors but the model is not sharded by FSDP2 (fully_shard): presumably "
+                "tensor parallelism, where each rank sees only some heads")
+    if int(getattr(args, "n_gpu", 1) or 1) > 1:
+        return ("nn.DataParallel (several GPUs in one process) replicates the model at every step, out of the "
+                "watch's sight; launch one process per GPU instead (torchrun / accelerate launch: DDP)")
+    return None
+
+
+def _distributed() -> bool:
+    dist = torch.distributed
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def _from_rank_zero(obj: Any) -> Any:
+    """Rank 0's ``obj`` on every rank (``obj`` itself without torch.distributed)."""
+    if not _distributed():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+def _all_true(flag: bool) -> bool:
+    """Whether ``flag`` holds on every rank."""
+    if not _distributed():
+        return flag
+    flags: List[Any] = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(flags, bool(flag))
+    return all(flags)
+
+
+def _fsdp1_layers(layers: List[AttentionLayer], model: nn.Module, wrapper: nn.Module, *,
+                  relocate: bool) -> List[AttentionLayer]:
+    """The layers of an FSDP1 model, located and checked on whole weights: a collective (every rank).
+
+    Outside FSDP1's forward a parameter is a piece of the rank's flat shard (``use_orig_params=True``:
+    the Trainer's default) or not usable at all, and a locator that reads a weight's shape when it
+    locates (GPT-2's ``Conv1D``) would read the piece. So each layer is located again inside
+    ``summon_full_params`` of the innermost FSDP1 unit holding it (one unit at a time, as on
+    spectral steps), and its ``W_Q`` read there once: every rank must see the same
+    ``(heads, head_dim, d_in)``, else a ``ValueError`` on every rank.
+    """
+    units = fsdp1_units([wrapper, model])
+    inner = {id(m) for u in units for m in u.modules() if m is not u and m in units}
+    for root in [u for u in units if id(u) not in inner]:
+        # before any forward: FSDP1 takes the first unit it gathers for the root; gather the real
+        # root first (its own parameters only), so that a layer's unit is not taken for one
+        with _fsdp1_class().summon_full_params(root, recurse=False, writeback=False):
+            pass
+    out: List[AttentionLayer] = []
+    seen: List[Any] = []
+    for layer in layers:
+        try:
+            with full_params(innermost_unit(layer.module, units)):
+                if relocate:
+                    again = [x for x in find_attention_layers(layer.module) if x.module is layer.module]
+                    if len(again) == 1 and again[0].num_heads == layer.num_heads:
+                        layer = dataclasses.replace(again[0], name=layer.name)
+                w = layer.w_q()
+                shape = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+        except Exception as exc:  # noqa: BLE001 - said on every rank below
+            shape = f"{type(exc).__name__}: {exc}"
+        out.append(layer)
+        seen.append((layer.name, layer.num_heads, shape))
+    ranks: List[Any] = [seen]
+    if _distributed():
+        ranks = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(ranks, seen)
+    for r, rank_seen in enumerate(ranks):
+        for (name, heads, shape), (_, _, shape0) in zip(rank_seen, ranks[0]):
+            good = isinstance(shape, tuple) and len(shape) == 3 and shape[0] == heads and min(shape) > 0
+            if not good or shape != shape0 or len(rank_seen) != len(ranks[0]):
+                raise ValueError(
+                    f"InstabilityWatchTrainerCallback: under FSDP1, W_Q of layer {name!r} read inside "
+                    f"summon_full_params is {shape} on rank {r} and {shape0} on rank 0 (expected ({heads}, head_dim, "
+                    "d_in) on every rank): its locator does not read the whole weight. Use FSDP2 "
+                    "(fsdp_config={'version': 2}) or fsdp_config={'use_orig_params': False}, or pass layers= "
+                    "whose w_q() reads the weight when called")
+    return out
+
+
+class InstabilityWatchTrainerCallback(TrainerCallback):
+    """Watch every attention head while a Hugging Face ``transformers.Trainer`` trains.
+
+    Args:
+        config: a :class:`~instability_watch.WatchConfig` (or a dict of its
+            fields); the defaults if ``None``.
+        layers: ``None`` to find attention layers with the built-in locators
+            (Hugging Face GPT-2 / Llama-style / BERT-style and the other
+            families in the README), a list of
+            :class:`~instability_watch.AttentionLayer`, or a function of the
+            model (the module given to the Trainer) returning one.
+        run_dir: where to write ``metrics.csv``, ``events.csv`` and
+            ``meta.json``. ``None``: ``<args.output_dir>/instability_watch``.
+        overwrite: replace a run already in ``run_dir`` (else that is an error,
+            except when resuming from a checkpoint holding the watch state).
+        write_csv: write the run directory at all.
+        console: the rich ``Console`` for alert panels and the live table;
+            rich's global console if ``None``.
+        alerts: print a panel per alert (main process only).
+        live_table: show a live table of the ``top`` worst heads, refreshed at
+            every read-back (main process only).
+        top: rows in the live table.
+        log_scalars: add aggregate scalars (``instability_watch/...``, see
+            :meth:`InstabilityWatch.summary`) of the latest read-back to the
+            Trainer's next log (``state.log_history`` and ``report_to``).
+
+    Raises:
+        TypeError, ValueError: bad arguments, at construction.
+        ValueError: at train begin, for a run the watch cannot see whole
+            (DeepSpeed ZeRO-3; DeepSpeed ZeRO 1/2, not tested; tensor, context,
+            sequence or pipeline parallelism; ``nn.DataParallel``), a model
+            with no attention layer the locators find, or a run directory that
+            already holds a run (without ``overwrite``). FSDP1 and FSDP2 are
+            watched.
+
+    Attributes:
+        watch: the :class:`~instability_watch.InstabilityWatch` (from train begin on).
+        run_dir: the run directory (on the main process, once opened).
+
+    Example::
+
+        from transformers import Trainer, TrainingArguments
+        from instability_watch import WatchConfig
+        from instability_watch.callbacks.hf import InstabilityWatchTrainerCallback
+
+        cb = InstabilityWatchTrainerCallback(WatchConfig(auto_switch=True))
+        Trainer(model=model, args=TrainingArguments("out", bf16=True), train_dataset=ds, callbacks=[cb]).train()
+        # then: instability-watch report out/instability_watch
+    """
+
+    def __init__(
+        self,
+        config: Optional[Union[WatchConfig, Dict[str, Any]]] = None,
+        *,
+        layers: LayersArg = None,
+        run_dir: Optional[Union[str, os.PathLike]] = None,
+        overwrite: bool = False,
+        write_csv: bool = True,
+        console: Any = None,
+        alerts: bool = True,
+        live_table: bool = False,
+        top: int = 8,
+        log_scalars: bool = True,
+    ) -> None:
+        config, layers = check_arguments(config, layers, run_dir, top, console)
+        self.config = config
+        self.layers = layers
+        self._run_dir_given: Optional[Path] = Path(run_dir) if run_dir is not None else None
+        self.run_dir: Optional[Path] = self._run_dir_given
+        self.overwrite = check_bool("overwrite", overwrite)
+        self.write_csv = check_bool("write_csv", write_csv)
+        self.console = console
+        self.alerts = check_bool("alerts", alerts)
+        self.live_table = check_bool("live_table", live_table)
+        self.top = top
+        self.log_scalars = check_bool("log_scalars", log_scalars)
+
+        self.watch: Optional[InstabilityWatch] = None
+        self.writer: Optional[RunWriter] = None
+        self.reporter: Optional[ConsoleReporter] = None
+        self.model: Optional[nn.Module] = None
+        self._is_zero = True
+        self._last_step = 0
+        self._restored = False
+        self._finished = True
+        self._pending_scalars: Dict[str, float] = {}
+        self._save_failed = False
+        self._placed = False  # moved before the reporting integrations in the Trainer's callback list
+        self._hook = None
+        self._loss_parts: List[torch.Tensor] = []
+        self._loss_summed = False  # the model normalised its loss by the step's token count (num_items_in_batch)
+        self._loss_ranks = 1  # ... counted over this many ranks (average_tokens_across_devices)
+        self._sharding: Optional[str] = None  # "fsdp1", "fsdp2" or None (whole weights on every rank)
+
+    # ------------------------------------------------------------------ the callback's place
+
+    def _place(self) -> None:
+        """Run right after ``DefaultFlowCallback``, before the reporting integrations.
+
+        The Trainer puts the ``report_to`` integrations (W&B, TensorBoard, ...)
+        before the user's callbacks, and each ``on_log`` sees the same ``logs``
+        dict in that order: to reach them, the scalars must be added before them.
+        The callback list is the Trainer's ``callback_handler.callbacks``, found
+        as the object calling this callback.
+        """
+        self._placed = False
+        frame = sys._getframe(1)
+        handler = None
+        try:
+            for _ in range(6):
+                if frame is None:
+                    break
+                obj = frame.f_locals.get("self")
+                if isinstance(obj, CallbackHandler) and any(cb is self for cb in obj.callbacks):
+                    handler = obj
+                    break
+                frame = frame.f_back
+        finally:
+            del frame
+        if handler is None:
+            return
+        callbacks = handler.callbacks
+        flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
+        target = flow[-1] + 1 if flow else 0
+        i = next(i for i, cb in enumerate(callbacks) if cb is self)
+        if i > target:  # callbacks after us keep their index: an event being dispatched reaches each once
+            callbacks.insert(target, callbacks.pop(i))
+        self._placed = True
+
+    def on_init_end(self, args, state, control, **kwargs):
+        self._place()
+
+    # ------------------------------------------------------------------ attach
+
+    def on_train_begin(self, args, state, control, model=None, **kwargs):
+        self._place()
+        if not self._placed and self.log_scalars:
+            log.warning("instability_watch: could not find the Trainer's callback list; the scalars reach "
+                        "state.log_history and the callbacks after this one, but not the report_to integrations")
+        if self.watch is not None and not self._finished:
+            self.close()  # a callback reused for another train() without its end: start clean
+        self.watch, self.writer, self.reporter = None, None, None
+        self._pending_scalars, self._loss_parts = {}, []
+        self._restored, self._finished, self._save_failed = False, False, False
+        self.run_dir = self._run_dir_given
+        if model is None:
+            raise ValueError("InstabilityWatchTrainerCallback: the Trainer passed no model to on_train_begin")
+        wrapper = model  # under FSDP1 the Trainer's FullyShardedDataParallel root
+        model = _unwrap(model)
+        why = _unsupported(args, model, wrapper)
+        if why is not None:
+            self._finished = True
+            raise ValueError(f"InstabilityWatchTrainerCallback cannot watch this run: {why}.")
+        self._sharding = _sharding(model, wrapper)
+        layers = self._resolve_layers(model)
+        if self._sharding == "fsdp1":
+            layers = _fsdp1_layers(layers, model, wrapper, relocate=self.layers is None)
+        self.model = model
+        self._is_zero = bool(state.is_world_process_zero)
+        self._last_step = state.global_step
+        self._loss_ranks = args.world_size if getattr(args, "average_tokens_across_devices", False) else 1
+        run_dir = self._run_dir_given or Path(args.output_dir) / RUN_DIR_NAME
+        listeners = []
+        if self._is_zero:
+            if self.alerts or self.live_table:
+                self.reporter = ConsoleReporter(self.console, alerts=self.alerts, live_table=self.live_table,
+                                                top=self.top)
+                listeners.append(self.reporter)
+            if self.write_csv:
+                self.writer = RunWriter(run_dir, overwrite=self.overwrite)
+                listeners.append(self._write)
+        if self.log_scalars:
+            listeners.append(self._collect_scalars)
+
+        def make() -> InstabilityWatch:
+            watch = InstabilityWatch(model, self.config, layers=layers, listeners=listeners)
+            if watch.observation is not None and wrapper is not model:
+                # FSDP1: the root unit wraps the model from outside; the engine looks for the unit holding
+                # each layer (to gather its W_Q) under the model and under these modules
+                watch.observation.sharding_roots = [wrapper]
+            return watch
+
+        try:
+            self.watch = make()
+            if state.global_step > 0:
+                self._resume(args, state, make)
+            self._open_run_dir(args, state)
+        except BaseException:
+            self._finished = True
+            if self.watch is not None and self.watch.observation is not None:
+                self.watch.observation.detach()
+            if self.reporter is not None:
+                self.reporter.close()
+            raise
+        self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
+
+    def _resolve_layers(self, model: nn.Module) -> List[AttentionLayer]:
+        if callable(self.layers):
+            layers = list(self.layers(model))
+        elif self.layers is not None:
+            layers = list(self.layers)
+        else:
+            layers = find_attention_layers(model)
+        if not layers:
+            raise ValueError(f"InstabilityWatchTrainerCallback, in {type(model).__name__}: {not_found_message(model)}")
+        # the names of the user's model: without the wrappers' own levels (FSDP1's auto-wrapped units,
+        # activation checkpointing, torch.compile), so a run's CSV and watch state read the same however sharded
+        return [dataclasses.replace(x, name=_clean_name(x.name)) if _clean_name(x.name) != x.name else x
+                for x in layers]
+
+    def _resume(self, args, state, fresh: Callable[[], InstabilityWatch]) -> None:
+        """Load the watch state of the checkpoint being resumed; without it, count on from its step."""
+        payload = self._read_state(args, state)
+        loaded = False
+        if payload is not None:
+            try:
+                self.watch.load_state_dict(payload["watch"])  # checks everything first: a misfit changes nothing
+                loaded = self.watch.observation is not None
+            except (KeyError, TypeError, ValueError) as exc:  # other layers (another model): start fresh
+                if self.config.strict:
+                    raise
+                log.warning("instability_watch: the checkpoint's watch state does not fit this model (%s); "
+                            "the watch starts fresh at step %d", exc, state.global_step)
+        ok = _all_true(loaded)  # every rank restores, or every rank starts fresh: the ranks stay in lockstep
+        if not ok:
+            if loaded:  # restored here but not on another rank: drop it
+                self.watch.observation.detach()
+                self.watch = fresh()
+            if self._is_zero:
+                log.info("instability_watch: resuming at step %d without watch state; the warm-up starts again",
+                         state.global_step)
+            self.watch.start_at(state.global_step)
+        self._restored = ok
+
+    def _read_state(self, args, state) -> Optional[dict]:
+        """The watch state saved in the checkpoint at ``state.global_step``, or ``None``.
+
+        The Trainer does not tell callbacks which checkpoint it resumes from; it
+        loads ``state`` from it, so the checkpoint is ``checkpoint-<global_step>``
+        under ``args.output_dir`` (or ``args.resume_from_checkpoint``, where a
+        script set it).
+        """
+        step = state.global_step
+        candidates = []
+        if isinstance(getattr(args, "resume_from_checkpoint", None), str):
+            candidates.append(Path(args.resume_from_checkpoint))
+        candidates.append(Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{step}")
+        for d in candidates:
+            path = d / STATE_FILE
+            if not path.is_file():
+                continue
+            try:
+                payload = torch.load(path, map_location="cpu", weights_only=True)
+            except Exception as exc:  # noqa: BLE001 - a damaged file: train on, fresh
+                if self.config.strict:
+                    raise
+                log.warning("instability_watch: cannot read %s (%s); ignored", path, exc)
+                continue
+            if not isinstance(payload, dict) or payload.get("version") != _STATE_VERSION:
+                log.warning("instability_watch: %s is not a watch state of version %d; ignored", path, _STATE_VERSION)
+                continue
+            if payload.get("global_step") != step:
+                log.warning("instability_watch: %s was saved at step %s, the Trainer resumes at step %d; ignored",
+                            path, payload.get("global_step"), step)
+                continue
+            return payload
+        return None
+
+    def _open_run_dir(self, args, state) -> None:
+        problem = None
+        if self.writer is not None and not self.overwrite and not self._restored:
+            d = self.writer.run_dir
+            if (d / "metrics.csv").exists() or (d / "meta.json").exists():
+                problem = (f"run_dir {str(d)!r} already holds a run; pass overwrite=True to replace it, "
+                           "or choose another directory (or output_dir)")
+        problem = _from_rank_zero(problem)  # every rank raises the same error: no rank trains alone
+        if problem:
+            raise ValueError(problem)
+        if self.writer is None:
+            return
+        try:
+            self.writer.open(
+                self.watch,
+                resume_step=self.watch.flushed_through if self._restored else None,
+                extra_meta={"trainer": {
+                    "library": "transformers",
+                    "world_size": args.world_size,
+                    "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                    "per_device_train_batch_size": args.per_device_train_batch_size,
+                    "bf16": bool(args.bf16), "fp16": bool(args.fp16),
+                    "sharding": self._sharding,
+                    "output_dir": str(args.output_dir),
+                }},
+            )
+        except FileExistsError as exc:
+            raise ValueError(str(exc)) from None
+        except (OSError, ValueError) as exc:  # cannot write there (main process only): train on without the CSV
+            if self.config.strict:
+                raise
+            log.error("instability_watch: cannot write the run directory %s (%s); no CSV for this run",
+                      self.writer.run_dir, exc)
+            self.watch.listeners = [f for f in self.watch.listeners if f != self._write]
+            self.writer = None
+            return
+        self.run_dir = self.writer.run_dir
+
+    # ------------------------------------------------------------------ the step
+
+    def _capture_loss(self, module, args, kwargs, output) -> None:
+        """Keep the model's own loss of each micro-batch of a recorded step (on the device, no sync)."""
+        watch = self.watch
+        if watch is None or not module.training or not torch.is_grad_enabled():
+            return
+        if not watch.records(self._last_step + 1):
+            return
+        loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
+        if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
+            return
+        # a copy: the Trainer scales the model's loss in place afterwards (``loss *= num_processes`` with
+        # average_tokens_across_devices), and without a DDP wrapper (FSDP) that is this very tensor
+        self._loss_parts.append(loss.detach().float().reshape(()).clone())
+        # with num_items_in_batch the model divides by the token count of the whole optimizer step
+        # (all micro-batches, and all ranks with average_tokens_across_devices): the parts add up
+        self._loss_summed = kwargs.get("num_items_in_batch") is not None
+
+    def _step_loss(self) -> Optional[torch.Tensor]:
+        """The step's loss as the Trainer logs it: the mean of the micro-batch losses (or their sum, scaled)."""
+        parts, self._loss_parts = self._loss_parts, []
+        if not parts:
+            return None
+        total = torch.stack(parts).sum()
+        if self._loss_summed:
+            return total * self._loss_ranks  # the engine averages over ranks
+        return total / len(parts)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        watch = self.watch
+        if watch is None or self._finished:
+            return
+        stepped = state.global_step - self._last_step
+        if stepped <= 0:
+            return
+        self._last_step = state.global_step
+        loss = self._step_loss()
+        for i in range(stepped):
+            watch.step(loss if i == stepped - 1 else None)
+        if 0 < state.max_steps <= state.global_step:
+            watch.flush()  # every rank; the last steps' scalars then reach the Trainer's final logs
+
+    # ------------------------------------------------------------------ outputs
+
+    def _write(self, metrics: List[StepMetrics], alerts, watch: InstabilityWatch) -> None:
+        self.writer(metrics, alerts, watch)
+
+    def _collect_scalars(self, metrics: List[StepMetrics], alerts, watch: InstabilityWatch) -> None:
+        if not metrics:
+            return
+        self._pending_scalars = scalars(watch, metrics) or {}
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not self._pending_scalars or logs is None:
+            return
+        scalars, self._pending_scalars = self._pending_scalars, {}
+        logs.update(scalars)  # what the integrations after this callback see
+        # Trainer.log appended a copy of logs ({**logs, "step": global_step}) just before on_log
+        history = state.log_history
+        if history and history[-1].get("step") == state.global_step:
+            history[-1].update(scalars)
+
+    # ------------------------------------------------------------------ checkpoints
+
+    def state_dict(self) -> Dict[str, Any]:
+        """What ``on_save`` writes into a checkpoint, after reading back the pending steps.
+
+        Call it on every rank: under DDP the read-back is a collective.
+        """
+        watch = self.watch
+        if watch is None:
+            return {"version": _STATE_VERSION, "watch": None}
+        if not self._finished:
+            # Read back first, on every process, also without DDP: the checkpoint then holds no
+            # rank-local rows, so every rank's state is the same and one file serves any number of
+            # processes on resume (one process's pending rows, loaded by every rank of a DDP run,
+            # would be summed once per rank).
+            watch.flush()
+        return {
+            "version": _STATE_VERSION,
+            "world_size": torch.distributed.get_world_size() if _distributed() else 1,
+            "global_step": watch.step_count,
+            "watch": watch.state_dict(),
+            "run_dir": str(self.run_dir) if self.run_dir is not None else None,
+        }
+
+    def on_save(self, args, state, control, **kwargs):
+        if self.watch is None or self._finished:
+            return
+        payload = self.state_dict()  # on every rank (a collective under DDP)
+        if not args.should_save:
+            return  # every rank's state is the same: the process that writes the checkpoint writes it once
+        ckpt = Path(args.output_dir) / f"{PREFIX_CHECKPOINT_DIR}-{state.global_step}"
+        path = ckpt / STATE_FILE
+        try:
+            if not ckpt.is_dir():
+                raise FileNotFoundError(f"no checkpoint directory {ckpt}")
+            tmp = path.with_name(path.name + ".tmp")
+            torch.save(payload, tmp)
+            os.replace(tmp, path)
+        except Exception as exc:  # noqa: BLE001 - a checkpoint without watch state resumes fresh
+            if self.config.strict:
+                raise
+            if not self._save_failed:  # reported once
+                self._save_failed = True
+                log.error("instability_watch: could not save the watch state into the checkpoint (%s); resuming "
+                          "from it starts the watch fresh (reported once)", exc)
+
+    # ------------------------------------------------------------------ end
+
+    def on_train_end(self, args, state, control, **kwargs):
+        self._finish(crashed=False)
+
+    def close(self) -> None:
+        """Detach and close now, e.g. after an exception stopped ``trainer.train()`` (the Trainer has
+        no hook for that). Under DDP nothing is read back (the other ranks may never get there)."""
+        self._finish(crashed=True)
+
+    def _finish(self, *, crashed: bool) -> None:
+        watch = self.watch
+        if watch is None or self._finished:
+            return
+        self._finished = True
+        try:
+            if self._hook is not None:
+                self._hook.remove()
+                self._hook = None
+            if crashed and watch._distributed():
+                if watch.observation is not None:
+                    watch.observation.detach()
+            else:
+                watch.detach()  # reads back the steps still on the device, so the CSV has them
+        except Exception as exc:  # noqa: BLE001
+            if self.config.strict and not crashed:
+                raise
+            log.error("instability_watch: detaching failed (%s)", exc, exc_info=exc)
+            if watch.observation is not None and watch.observation.attached:
+                watch.observation.detach()
+        finally:
+            try:
+                if self.reporter is not None:
+                    self.reporter.close()
+            finally:
+                self._close_writer(crashed)
+        self._pending_scalars = {}
+
+    def _close_writer(self, crashed: bool) -> None:
+        if self.writer is None:
+            return
+        try:
+            self.writer.close()
+        except Exception as exc:  # noqa: BLE001
+            if self.config.strict and not crashed:
+                raise
+            log.error("instability_watch: closing the run directory failed (%s)", exc)
+
+
+__all__ = ["InstabilityWatchTrainerCallback", "STATE_FILE", "RUN_DIR_NAME"]
