@@ -344,6 +344,14 @@ class _Observer(TorchFunctionMode):
                                    beta=self.beta, eps=self.eps, seed=seed)
 
 
+class GatheredReadError(RuntimeError):
+    """Reading a layer's ``W_Q`` inside an FSDP1 gather failed (the rest of the gathers were still taken part in)."""
+
+    def __init__(self, layer: str, exc: BaseException, rest: int) -> None:
+        super().__init__(f"reading W_Q of layer {layer} inside its FSDP gather failed: {exc!r} "
+                         f"(this rank still took part in the {rest} gathers after it)")
+
+
 @torch._dynamo.assume_constant_result
 def _note(key: int, kind: str, reason: str) -> int:
     """Record ``reason`` for the observer ``key`` (once; logged once). Runs eagerly, at trace time when compiled."""
@@ -634,8 +642,24 @@ class Observation:
         for site in self.sites:
             unit = innermost_unit(site.layer.module, units) if units else None
             with full_params(unit):
-                out.append(gram(self._w_q(site)))
+                if unit is None:
+                    out.append(gram(self._w_q(site)))
+                    continue
+                # every rank enters every unit's gather (a collective): a failure here must not
+                # make this rank skip the next ones, or the others wait for it forever
+                try:
+                    out.append(gram(self._w_q(site)))
+                except Exception as exc:  # noqa: BLE001
+                    raise GatheredReadError(site.name, exc, self._finish_gathers(units, site.index + 1)) from exc
         return out
+
+    def _finish_gathers(self, units, start: int) -> int:
+        """Enter (and leave) the gathers of the layers from ``start`` on, as the other ranks do; how many."""
+        n = 0
+        for site in self.sites[start:]:
+            with full_params(innermost_unit(site.layer.module, units)):
+                n += 1
+        return n
 
     def coverage(self, calls: Sequence[Dict[str, int]]) -> List[LayerCoverage]:
         """One :class:`LayerCoverage` per layer from ``calls`` (per layer: call row name -> total read back)."""

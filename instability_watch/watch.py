@@ -46,7 +46,7 @@ from ._dist import log_rank_zero, rank
 from .config import WatchConfig
 from .detectors import Alert, Detector, build_detectors
 from .locate import Layers, resolve_layers
-from .observe import NOT_APPLIED, LayerCoverage, Observation, Site, observe
+from .observe import NOT_APPLIED, GatheredReadError, LayerCoverage, Observation, Site, observe
 from .probe import CALL_FIELDS, COUNT_FIELDS, VALUE_FIELDS
 from .spectral import SpectralNorms
 
@@ -540,6 +540,13 @@ class InstabilityWatch:
             try:
                 sigmas = self.spectral.of_grams(self.observation.grams())
                 sig.copy_(torch.cat(sigmas).to(sig.device))
+            except GatheredReadError as exc:
+                if self._distributed():
+                    # turning spectral off on this rank alone would leave the others waiting in the next
+                    # spectral step's FSDP gathers: this step's sigma is left to the other ranks (max-reduced)
+                    self._problem("spectral-gather", f"rank {rank()}: {exc}; sigma comes from the other ranks")
+                else:
+                    self._fail("spectral", exc)
             except Exception as exc:  # noqa: BLE001
                 self._fail("spectral", exc)
         if isinstance(loss, torch.Tensor):

@@ -107,3 +107,14 @@ def test_fsdp1_units_are_gathered_for_sigma(single_runs, tmp_path):
     assert r0["run"] == r1["run"] and run["disabled"] == {}
     _sigma_is_the_whole_weights(run)
     _same_as_single(run, single_runs["nanogpt"]["run"])
+
+
+def test_fsdp1_a_rank_whose_w_q_read_fails_still_takes_part_in_the_gathers(tmp_path):
+    """Rank 1's W_Q read of layer 0 fails from step 3 on: no rank hangs or stops; rank 1 says so once; every
+    rank gets sigma from rank 0 (the max-reduction), equal on both ranks; nothing is turned off."""
+    r0, r1 = _run("fsdp1fail", "nanogpt", tmp_path)
+    a, b = r0["run"], r1["run"]
+    assert a["steps"] == b["steps"] == 6 and a["disabled"] == b["disabled"] == {}
+    assert "spectral-gather" in b["problems"] and "spectral-gather" not in a["problems"]
+    assert a["metrics"] == b["metrics"]
+    _sigma_is_the_whole_weights(a)

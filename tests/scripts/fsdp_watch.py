@@ -6,6 +6,7 @@ MODE   fsdp2  ``fully_shard`` per block and on the root; 6 optimizer steps, a DC
               checkpoint after step 4, then a fresh model, optimizer and watch
               resumed from it run steps 5-6 again.
        fsdp1  ``FullyShardedDataParallel`` (``use_orig_params=True``) wrapping each block.
+       fsdp1fail  as fsdp1, with layer 0's ``w_q`` failing on rank 1 from step 3 on.
        single one process, unsharded, the same global batch as two micro-batches
               (the ranks' halves) with the loss halved: the same gradients bit for bit.
 MODEL  nanogpt (the package's GPT, no position embedding: many repeated maxima) | llama (HF, GQA 4:2)
@@ -98,12 +99,12 @@ def reference_sigma(model, watch, mode):
     """sigma_max per layer and head of the whole float64 W_Q (gathered where sharded)."""
     out = []
     for site in watch.observation.sites:
-        if mode == "fsdp1":
+        if mode.startswith("fsdp1"):
             from instability_watch._sharding import fsdp1_units, full_params, innermost_unit
 
             unit = innermost_unit(site.layer.module, fsdp1_units([model]))
             with full_params(unit):
-                w = site.layer.w_q().detach().clone()
+                w = getattr(site.layer.w_q, "own", site.layer.w_q)().detach().clone()
         else:
             w = site.layer.w_q().detach()
             if hasattr(w, "full_tensor"):
@@ -132,6 +133,7 @@ def summary(model, watch, mode):
                     for m in watch.seen],
         "sigma_ref": reference_sigma(model, watch, mode),
         "coverage": [c.to_dict() if hasattr(c, "to_dict") else str(c) for c in watch.coverage()],
+        "problems": sorted(watch._reported_problems),
     }
 
 
@@ -154,13 +156,24 @@ def run(rank, mode, name, out_dir, port):
     model, blocks = build(name)
     if mode == "fsdp2":
         model = shard_fsdp2(model, blocks)
-    elif mode == "fsdp1":
+    elif mode in ("fsdp1", "fsdp1fail"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(blocks[0])}), device_id=torch.device("cpu"),
                      use_orig_params=True)
     watch = make_watch(model)
+    if mode == "fsdp1fail" and rank == 1:
+        layer = watch.observation.sites[0].layer
+        own = layer.w_q
+
+        def failing():
+            if watch.step_count >= 2:  # recorded as step 3
+                raise RuntimeError("injected W_Q failure")
+            return own()
+
+        layer.w_q = failing
+        failing.own = own  # what reference_sigma reads
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     shard = None if mode == "single" else rank
     result = {}

@@ -245,6 +245,8 @@ def main() -> None:
              max_steps=2, save_strategy="no")
         _leg(mode, os.path.join(out, "bad"), None, os.path.join(out, "bad-rank{rank}.json"), name="gpt2",
              layers=sharded_gpt2_layers, max_steps=2, save_strategy="no")
+    dist.barrier()
+    dist.destroy_process_group()  # gloo's threads joined before the interpreter exits
 
 
 if __name__ == "__main__":
