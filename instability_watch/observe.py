@@ -274,11 +274,8 @@ class _Observer(TorchFunctionMode):
         else:
             with torch.no_grad():
                 q, k, v, mask = call.computed()
-        # a routed call with dropout: its seed, drawn here (as the kernel would) so the shadow can reuse it
-        seed = dropout_seed(None, q.device) if self.route and call.dropout_p else None
-        o = self._routed(call, q, k, v, mask, seed) if self.route else None
+        o, seed = self._routed(call, q, k, v, mask) if self.route else (None, None)
         if o is None:
-            seed = None
             o = _SDPA(*args, **kwargs)  # the user's call, exactly as without the watch
         if not watching:
             return o
@@ -311,13 +308,17 @@ class _Observer(TorchFunctionMode):
     def _routing_failed(self, exc: BaseException) -> None:
         self.on_error("routing", exc)
 
-    def _routed(self, call: _Call, q, k, v, mask, seed) -> Optional[torch.Tensor]:
-        """The call on our kernels (inputs in the autocast dtype), or ``None``: it stays on PyTorch, reason counted."""
+    def _routed(self, call: _Call, q, k, v, mask) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(o, seed)``: the call on our kernels (inputs in the autocast dtype) and its dropout seed (``None``
+        without dropout), or ``(None, None)``: it stays on PyTorch, reason counted."""
         reason = unsupported(q, k, v, attn_mask=mask, dropout_p=call.dropout_p, is_causal=bool(call.is_causal),
                              scale=call.scale, enable_gqa=call.enable_gqa)
         if reason is not None:
             self._count(NOT_APPLIED, reason)
-            return None
+            return None, None
+        # dropout: the seed drawn here, from the device's default generator as the SDPA call it replaces
+        # would draw, so the shadow pass can regenerate the same keep mask
+        seed = dropout_seed(None, q.device) if call.dropout_p else None
         if torch.compiler.is_compiling():  # traced: no error handling around the op
             o = self._kernel(call, q, k, v, mask, seed)
         else:
@@ -329,12 +330,12 @@ class _Observer(TorchFunctionMode):
                 if self.on_error is None:
                     raise
                 self.on_error("routing", exc)
-                return None
+                return None, None
             finally:
                 ERROR_HANDLER.reset(token)
         if self.counts is not None and (self.stats or self.shadow):
             self.counts[_ROW["kernel_calls"]] += 1
-        return o
+        return o, seed
 
     def _kernel(self, call: _Call, q, k, v, mask, seed) -> torch.Tensor:
         # dropout's seed comes from the device's default generator, as for the SDPA call it replaces
