@@ -159,12 +159,18 @@ def test_ddp_two_processes_switch_the_same_heads_and_write_one_csv(tmp_path):
         == r0["switched"]
 
 
-def _mp(out, *args):
+def _two_ranks(mode, out, *args):
+    """``tests/scripts/lightning_run.py MODE OUT ARGS...`` (2 CPU processes); each rank's JSON."""
     script = REPO / "tests" / "scripts" / "lightning_run.py"
-    proc = subprocess.run([sys.executable, str(script), "mp", str(out), *map(str, args)], env=_clean_env(out),
+    proc = subprocess.run([sys.executable, str(script), mode, str(out), *map(str, args)], env=_clean_env(out),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((out / f"mp_rank{r}.json").read_text()) for r in (0, 1)]
+    prefix = "mp_" if mode == "mp" else ""
+    return [json.loads((out / f"{prefix}rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def _mp(out, *args):
+    return _two_ranks("mp", out, *args)
 
 
 def test_model_parallel_strategy_fsdp2_on_cpu_and_its_distributed_checkpoint(tmp_path):
@@ -188,11 +194,7 @@ def test_model_parallel_strategy_fsdp2_on_cpu_and_its_distributed_checkpoint(tmp
 
 
 def _ddp(out, *args):
-    script = REPO / "tests" / "scripts" / "lightning_run.py"
-    proc = subprocess.run([sys.executable, str(script), "ddp", str(out), *map(str, args)], env=_clean_env(out),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return [json.loads((out / f"rank{r}.json").read_text()) for r in (0, 1)]
+    return _two_ranks("ddp", out, *args)
 
 
 def test_ddp_resume_from_checkpoint_is_identical_to_an_uninterrupted_run(tmp_path):

@@ -8,7 +8,7 @@ Usage:
     python lightning_run.py kill OUT_DIR STEP      # SIGKILLs itself inside optimizer step STEP
     python lightning_run.py mp OUT_DIR STEPS [CKPT_EVERY|RESUME_CKPT]
         # 2-process ModelParallelStrategy on CPU (FSDP2 over a data-parallel mesh of 2),
-        # a nanoGPT sharded in configure_model; otherwise as ddp
+        # a nanoGPT sharded in configure_model; otherwise as ddp (OUT_DIR/mp_rank{r}.json)
 """
 import json
 import os
@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(HERE, ".."))
 sys.path.insert(0, os.path.join(HERE, "..", ".."))
 
 import lightning.pytorch as pl  # noqa: E402
+import torch  # noqa: E402
 
 from instability_watch import InstabilityWatchCallback  # noqa: E402
 from instability_watch.nanogpt import GPT, GPTConfig  # noqa: E402
@@ -38,8 +39,6 @@ class ShardedGPT(TinyGPT):
                                    pos_embedding=False))
 
     def _tokens(self, i: int):
-        import torch
-
         return torch.randint(0, 7, (self.batch, self.seq + 1), generator=torch.Generator().manual_seed(int(i)))
 
     def configure_model(self):
@@ -66,10 +65,10 @@ def _result(cb, trainer):
         "disabled": sorted(w.disabled),
         "wrote": cb.writer is not None,
         "sigma": [m["sigma_wq"].tolist() for m in w.last_metrics][-1:],
-        "sigma_ref": [
-            __import__("torch").linalg.matrix_norm(s.layer.w_q().detach().full_tensor().double(), ord=2).tolist()
+        "sigma_ref": [  # the gathered float64 W_Q (sharded runs only)
+            torch.linalg.matrix_norm(s.layer.w_q().detach().full_tensor().double(), ord=2).tolist()
             for s in w.observation.sites
-        ] if trainer.strategy.__class__.__name__ == "ModelParallelStrategy" else None,
+        ] if type(trainer.strategy).__name__ == "ModelParallelStrategy" else None,
         "state": {k: v for k, v in w.state_dict().items() if k not in ("alerts", "events")},
     }
 
@@ -87,45 +86,26 @@ class KillAt(TiedModule):
 
 def main() -> None:
     mode, out = sys.argv[1], sys.argv[2]
-    if mode == "ddp":
+    if mode in ("ddp", "mp"):
         steps = int(sys.argv[3]) if len(sys.argv) > 3 else 40
         last = sys.argv[4] if len(sys.argv) > 4 else None
         ckpt_every = int(last) if last is not None and last.isdigit() else None
         resume = last if last is not None and ckpt_every is None else None
-        model = TiedModule(seed_stride=2)  # each rank its own data: tied_batch(2 * step + rank)
-        cb = InstabilityWatchCallback(CFG, layers=model.watch_layers(), run_dir=os.path.join(out, "run"), alerts=False)
-        callbacks = [cb]
-        if ckpt_every:
-            from lightning.pytorch.callbacks import ModelCheckpoint
+        if mode == "ddp":
+            model = TiedModule(seed_stride=2)  # each rank its own data: tied_batch(2 * step + rank)
+            cb = InstabilityWatchCallback(CFG, layers=model.watch_layers(), run_dir=os.path.join(out, "run"),
+                                          alerts=False)
+            strategy = "ddp"
+        else:
+            from lightning.pytorch.strategies import ModelParallelStrategy
 
-            callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=ckpt_every, save_top_k=-1))
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy="ddp", max_steps=steps, callbacks=callbacks, logger=False,
-            enable_checkpointing=bool(ckpt_every), enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
-        )
-        trainer.fit(model, ckpt_path=resume)
-        w = cb.watch
-        with open(os.path.join(out, f"rank{trainer.global_rank}.json"), "w") as f:
-            json.dump({
-                "switched": sorted([l, h, s] for (l, h), s in w.switched.items()),
-                "alerts": [[a.step, a.layer, a.head, a.kind] for a in w.alerts],
-                "delta_cum": w.state_dict()["delta_cum"],
-                "steps": w.step_count,
-                "disabled": sorted(w.disabled),
-                "wrote": cb.writer is not None,
-            }, f)
-    elif mode == "mp":
-        from lightning.pytorch.strategies import ModelParallelStrategy
-
-        steps = int(sys.argv[3])
-        last = sys.argv[4] if len(sys.argv) > 4 else None
-        ckpt_every = int(last) if last is not None and last.isdigit() else None
-        resume = last if last is not None and ckpt_every is None else None
-        pl.seed_everything(0, verbose=False)  # the same initial weights on both ranks and in every run
-        model = ShardedGPT()
-        cfg = dict(CFG, log_every=3, spectral_every=1, warmup_steps=2, sustain=1, multi_max_factor=1.2,
-                   multi_max_min_rise=0.0)
-        cb = InstabilityWatchCallback(cfg, run_dir=os.path.join(out, "run"), alerts=False, overwrite=resume is None)
+            pl.seed_everything(0, verbose=False)  # the same initial weights on both ranks and in every run
+            model = ShardedGPT()
+            cfg = dict(CFG, log_every=3, spectral_every=1, warmup_steps=2, sustain=1, multi_max_factor=1.2,
+                       multi_max_min_rise=0.0)
+            cb = InstabilityWatchCallback(cfg, run_dir=os.path.join(out, "run"), alerts=False,
+                                          overwrite=resume is None)
+            strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
         callbacks = [cb]
         if ckpt_every:
             from lightning.pytorch.callbacks import ModelCheckpoint
@@ -133,12 +113,13 @@ def main() -> None:
             callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=ckpt_every,
                                              save_top_k=-1))
         trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy=ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1),
-            max_steps=steps, callbacks=callbacks, logger=False, enable_checkpointing=bool(ckpt_every),
-            enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
+            accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=callbacks, logger=False,
+            enable_checkpointing=bool(ckpt_every), enable_progress_bar=False, enable_model_summary=False,
+            default_root_dir=out,
         )
         trainer.fit(model, ckpt_path=resume)
-        with open(os.path.join(out, f"mp_rank{trainer.global_rank}.json"), "w") as f:
+        name = f"rank{trainer.global_rank}.json" if mode == "ddp" else f"mp_rank{trainer.global_rank}.json"
+        with open(os.path.join(out, name), "w") as f:
             json.dump(_result(cb, trainer), f)
     elif mode == "kill":
         model = KillAt(int(sys.argv[3]))
