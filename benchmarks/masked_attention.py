@@ -486,17 +486,10 @@ class Run:
     def warm_gpu(self, seconds):
         if self.dev.type != "cuda":
             return
-        a = torch.randn(8192, 8192, device=self.dev, dtype=BF16)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        while True:
-            for _ in range(10):
-                a @ a
-            end.record()
-            end.synchronize()
-            if start.elapsed_time(end) > seconds * 1e3:
-                break
-        del a
+        from attention import warm_gpu  # benchmarks/attention.py, beside this script
+
+        with torch.cuda.device(self.dev):
+            warm_gpu(seconds)
 
     def add_row(self, case, variant, direction, ours_ms=None, sdpa_ms=None, correctness="-"):
         ratio = sdpa_ms / ours_ms if (ours_ms and sdpa_ms) else None

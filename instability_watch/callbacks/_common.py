@@ -1,12 +1,15 @@
 """What the framework callbacks share: their arguments' checks and the scalars they log."""
 from __future__ import annotations
 
+import logging
 import math
 import os
 from typing import Any, Dict, List, Optional, Tuple
 
 from ..config import WatchConfig
 from ..locate import AttentionLayer
+
+log = logging.getLogger("instability_watch")
 
 
 def check_bool(name: str, value: Any) -> bool:
@@ -48,3 +51,40 @@ def scalars(watch, metrics: List[Any]) -> Optional[Dict[str, float]]:
         return None
     out = {f"instability_watch/{k}": v for k, v in watch.summary().items() if math.isfinite(v)}
     return out or None
+
+
+def finish(watch, reporter, writer, *, strict: bool, crashed: bool) -> None:
+    """End a run: read back what is pending (not after a crash under torch.distributed: no collectives),
+    restore the model, stop the console, close the run directory. Failures are logged (raised with
+    ``strict``, never after a crash)."""
+    try:
+        if crashed and watch._distributed():
+            if watch.observation is not None:  # the other ranks may never reach a collective again
+                watch.observation.detach()
+        else:
+            watch.detach()  # reads back the steps still on the device, so the CSV has them
+    except Exception as exc:  # noqa: BLE001
+        if strict and not crashed:
+            raise
+        log.error("instability_watch: detaching failed (%s)", exc, exc_info=exc)
+        if watch.observation is not None and watch.observation.attached:
+            watch.observation.detach()
+    finally:
+        try:
+            if reporter is not None:
+                reporter.close()
+        finally:
+            close_writer(writer, strict=strict, crashed=crashed)
+
+
+def close_writer(writer, *, strict: bool, crashed: bool) -> None:
+    """Close the run directory's files. A write failure was reported when it happened: closing after it
+    never raises. A new failure in closing raises with ``strict``, never after a crash."""
+    if writer is None:
+        return
+    try:
+        writer.close()
+    except Exception as exc:  # noqa: BLE001
+        if strict and not crashed:
+            raise
+        log.error("instability_watch: closing the run directory failed (%s)", exc)

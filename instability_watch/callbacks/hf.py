@@ -61,7 +61,7 @@ from ..console import ConsoleReporter
 from ..export import RunWriter
 from ..locate import AttentionLayer, find_attention_layers, not_found_message
 from ..watch import InstabilityWatch, StepMetrics
-from ._common import check_arguments, check_bool, scalars
+from ._common import check_arguments, check_bool, finish, scalars
 
 log = logging.getLogger("instability_watch")
 
@@ -741,34 +741,9 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None
-            if crashed and watch._distributed():
-                if watch.observation is not None:
-                    watch.observation.detach()
-            else:
-                watch.detach()  # reads back the steps still on the device, so the CSV has them
-        except Exception as exc:  # noqa: BLE001
-            if self.config.strict and not crashed:
-                raise
-            log.error("instability_watch: detaching failed (%s)", exc, exc_info=exc)
-            if watch.observation is not None and watch.observation.attached:
-                watch.observation.detach()
         finally:
-            try:
-                if self.reporter is not None:
-                    self.reporter.close()
-            finally:
-                self._close_writer(crashed)
-        self._pending_scalars = {}
-
-    def _close_writer(self, crashed: bool) -> None:
-        if self.writer is None:
-            return
-        try:
-            self.writer.close()
-        except Exception as exc:  # noqa: BLE001
-            if self.config.strict and not crashed:
-                raise
-            log.error("instability_watch: closing the run directory failed (%s)", exc)
+            finish(watch, self.reporter, self.writer, strict=self.config.strict, crashed=crashed)
+            self._pending_scalars = {}
 
 
 __all__ = ["InstabilityWatchTrainerCallback", "STATE_FILE", "RUN_DIR_NAME"]

@@ -32,7 +32,7 @@ from ..config import WatchConfig
 from ..console import ConsoleReporter
 from ..export import RunWriter
 from ..watch import InstabilityWatch, StepMetrics
-from ._common import check_arguments, scalars
+from ._common import check_arguments, finish, scalars
 
 log = logging.getLogger("instability_watch")
 
@@ -348,37 +348,7 @@ class InstabilityWatchCallback(Callback):
         if self.watch is None or self._finished:
             return
         self._finished = True
-        watch = self.watch
-        try:
-            if crashed and watch._distributed():
-                if watch.observation is not None:  # the other ranks may never reach a collective again
-                    watch.observation.detach()
-            else:
-                watch.detach()  # reads back the steps still on the device, so the CSV has them
-        except Exception as exc:
-            if self.config.strict and not crashed:
-                raise
-            log.error("instability_watch: detaching failed (%s)", exc, exc_info=exc)
-            if watch.observation is not None and watch.observation.attached:
-                watch.observation.detach()
-        finally:
-            try:
-                if self.reporter is not None:
-                    self.reporter.close()
-            finally:
-                self._close_writer(crashed)
-
-    def _close_writer(self, crashed: bool) -> None:
-        """Close the run directory's files. A write failure was reported when it happened: closing
-        after it never raises. A new failure in closing raises with ``strict``, never after a crash."""
-        if self.writer is None:
-            return
-        try:
-            self.writer.close()
-        except Exception as exc:
-            if self.config.strict and not crashed:
-                raise
-            log.error("instability_watch: closing the run directory failed (%s)", exc)
+        finish(self.watch, self.reporter, self.writer, strict=self.config.strict, crashed=crashed)
 
     # ------------------------------------------------------------------ checkpoints
 
