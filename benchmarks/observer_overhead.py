@@ -17,7 +17,9 @@ plain copy with a watch attached for one block (its first steps untimed):
 
 * ``probe``    -- a statistics pass on every step (``probe_every=1``, no shadow);
 * ``shadow``   -- statistics and shadow on every step;
-* ``switched`` -- one layer switched, all its heads on the stabilized kernel, no probes.
+* ``switched`` -- one layer switched, all its heads on the stabilized kernel, no probes;
+* ``clip``     -- ``probe`` with ``qk_clip="always"`` (tau 100): the clip's cost is ``clip`` - ``probe``
+  (its in-place multiplies run whether or not a head is over tau).
 
 Run:  python benchmarks/observer_overhead.py [--models hf-gpt2,hf-llama-1b] [--rounds 4] [--block 40]
                                              [--json out.json]
@@ -149,6 +151,7 @@ KINDS = {
     "probe": dict(probe_every=1, shadow_every=0, spectral_every=0),
     "shadow": dict(probe_every=1, shadow_every=1, spectral_every=0),
     "switched": dict(probe_every=10 ** 9, shadow_every=0, spectral_every=0),
+    "clip": dict(probe_every=1, shadow_every=0, spectral_every=0, qk_clip="always"),
 }
 
 
@@ -241,7 +244,7 @@ def main() -> int:
             json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
                        "torch": torch.__version__, "results": results}, f, indent=1)
     print(f"\n{'model':<12} {'plain ms':>9} {'watch ms':>9} {'ratio':>7} {'range':>15} {'unobserved':>10}  "
-          f"{'probe':>7} {'shadow':>7} {'switched':>8}")
+          f"{'probe':>7} {'shadow':>7} {'switched':>8} {'clip':>7}")
     for r in results:
         k = r["kinds"]
         if not k:
@@ -253,7 +256,7 @@ def main() -> int:
         print(f"{r['model']:<12} {statistics.median(r['plain_ms']):9.2f} {statistics.median(r['watch_ms']):9.2f} "
               f"{r['ratio_median']:7.4f} {min(r['ratios']):7.4f}-{max(r['ratios']):.4f} {r['unobserved_calls']:10d}  "
               f"{100 * k['probe']['median']:+6.2f}% {100 * k['shadow']['median']:+6.2f}% "
-              f"{100 * k['switched']['median']:+7.2f}%"
+              f"{100 * k['switched']['median']:+7.2f}% {100 * k['clip']['median']:+6.2f}%"
               + ("" if not k["switched"]["layer0_not_applied"] else
                  f" (switch not applied: {', '.join(k['switched']['layer0_not_applied'])})"))
     return 0

@@ -16,7 +16,8 @@ Arms (what the attention computes):
 Watch modes: ``off`` (no watch; the control and stabilized arms call our kernel
 directly), ``observe`` (the watch with ``auto_switch=False``; the control arm's
 layers are routed onto our kernel, the stabilized arm's heads switched), ``switch``
-(``auto_switch=True``).
+(``auto_switch=True``), ``clip_alert`` and ``clip_always`` (observe, with
+``qk_clip="on_alert"`` / ``"always"`` at ``--qk-clip-tau``).
 
 Subcommands::
 
@@ -56,7 +57,8 @@ from instability_watch.kernels import high_precision_delta
 from instability_watch.nanogpt import GPT, GPTConfig
 
 ARMS = ("standard", "control", "stabilized")
-WATCH_MODES = ("off", "observe", "switch")
+WATCH_MODES = ("off", "observe", "switch", "clip_alert", "clip_always")
+QK_CLIP = {"clip_alert": "on_alert", "clip_always": "always"}
 CHECKPOINT = "checkpoint.pt"
 TRAIN_CSV = "train.csv"
 TRAIN_COLUMNS = ("step", "loss", "lr", "grad_norm")
@@ -89,6 +91,7 @@ class RunConfig:
     probe_every: int = 2
     shadow_every: int = 2
     spectral_every: int = 10
+    qk_clip_tau: float = 100.0
 
     def __post_init__(self) -> None:
         if self.arm not in ARMS:
@@ -203,7 +206,8 @@ def train(args) -> int:
     else:
         wcfg = WatchConfig(log_every=cfg.log_every, probe_every=cfg.probe_every, shadow_every=cfg.shadow_every,
                            spectral_every=cfg.spectral_every, warmup_steps=cfg.watch_warmup,
-                           auto_switch=cfg.watch == "switch")
+                           auto_switch=cfg.watch == "switch", qk_clip=QK_CLIP.get(cfg.watch),
+                           qk_clip_tau=cfg.qk_clip_tau)
         writer = RunWriter(out / "run", overwrite=not resume)
         watch = InstabilityWatch(model, wcfg, listeners=[writer])
         if cfg.arm == "control":  # our standard kernel everywhere, observed like any other call
@@ -381,6 +385,10 @@ def summarize_run(run_dir: Path, ema: float, jump: float) -> Dict:
         for name, at in (("lead", boom), ("lead_divergence", drift_up)):
             if at is not None:
                 row[name] = {k: at - int(v) for k, v in first.items()}
+        clips = ev[ev["event"] == "qk_clip"]
+        row["qk_clips"] = int(len(clips))
+        row["qk_clip_heads"] = int(len(clips[["layer", "head"]].drop_duplicates())) if len(clips) else 0
+        row["first_qk_clip"] = int(clips["step"].min()) if len(clips) else None
         sw = ev[(ev["event"] == "switch") & (ev["kind"] != "stabilized arm")]
         row["switched"] = int(len(sw))
         row["first_switch"] = int(sw["step"].min()) if len(sw) else None
@@ -469,7 +477,23 @@ def bundle(root: Path, dest: Path, every: int) -> Path:
                 rel = f.relative_to(root)
                 if not f.is_file() or f.name.startswith(CHECKPOINT):
                     continue
-                if f.name == "metrics.csv" and every > 1:
+                if f.name == "events.csv" and every > 1:
+                    ev = pd.read_csv(f)
+                    clip = ev["event"] == "qk_clip"
+                    first = ~ev[clip].duplicated(["layer", "head"])  # each head's first clip is kept
+                    keep = ~clip | ((ev["step"] - 1) % every == 0)
+                    keep[first[first].index] = True
+                    if (~keep).any():
+                        thin = Path(tmp) / "thin_events.csv"
+                        ev[keep].to_csv(thin, index=False)
+                        tar.add(thin, arcname=str(rel))
+                        note = Path(tmp) / "THINNED_EVENTS.txt"
+                        note.write_text(f"events.csv keeps every alert and switch, each head's first qk_clip, and the "
+                                        f"qk_clip rows of steps 1, 1 + {every}, ... ({int(clip.sum())} clips in all)\n")
+                        tar.add(note, arcname=str(rel.parent / "THINNED_EVENTS.txt"))
+                        continue
+                    tar.add(f, arcname=str(rel))
+                elif f.name == "metrics.csv" and every > 1:
                     m = pd.read_csv(f)
                     m = m[(m["step"] - 1) % every == 0]
                     thin = Path(tmp) / "thin.csv"

@@ -10,7 +10,8 @@
   ``summon_full_params(unit, writeback=False)`` of the innermost FSDP unit that
   holds the layer: one unit (typically one transformer block) gathered at a time,
   on spectral steps only. Every rank must take part, in the same order (they do:
-  spectral steps are the same on every rank).
+  spectral steps are the same on every rank). ``qk_clip`` scales a layer's
+  ``W_q``/``W_k`` the same way, with ``writeback=True``, on every probe step.
 * **DeepSpeed ZeRO-3** partitions parameters (``ds_id``) and needs DeepSpeed's own
   gather; not supported: :func:`zero3_parameters` finds them so the watch can say so.
 """
@@ -55,13 +56,16 @@ def innermost_unit(module: nn.Module, units: List[nn.Module]) -> Optional[nn.Mod
 
 
 @contextlib.contextmanager
-def full_params(unit: Optional[nn.Module]) -> Iterator[None]:
-    """``W`` whole inside: FSDP1's ``summon_full_params(unit, writeback=False)``; nothing for ``None``."""
+def full_params(unit: Optional[nn.Module], writeback: bool = False) -> Iterator[None]:
+    """``W`` whole inside: FSDP1's ``summon_full_params(unit, writeback=...)``; nothing for ``None``.
+
+    With ``writeback=True`` (qk_clip) changes made inside go back to each rank's shard.
+    """
     if unit is None:
         yield
         return
     cls = _fsdp1_class()
-    with cls.summon_full_params(unit, recurse=True, writeback=False):
+    with cls.summon_full_params(unit, recurse=True, writeback=writeback):
         yield
 
 

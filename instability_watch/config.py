@@ -51,6 +51,14 @@ class WatchConfig:
         switch_on: the kinds that switch, a subset of ``("multi_max",
             "delta_drift", "spectral_growth")`` (what the stabilized kernel fixes).
         beta, eps: the stabilized kernel's shift factor and tie tolerance.
+        qk_clip: ``None`` (off), ``"on_alert"`` or ``"always"``: after the optimizer
+            step of each probe step, rescale ``W_q``/``W_k`` of the heads whose
+            largest logit (measured in that step's forward) exceeds
+            ``qk_clip_tau``, so it comes back to ``qk_clip_tau``
+            (:mod:`~instability_watch.qkclip`). ``"on_alert"`` acts on the heads
+            that raised ``logit_growth`` (from that read-back on; sticky),
+            ``"always"`` on every head. Each clip is an event.
+        qk_clip_tau: the logit cap (Kimi K2 uses 100).
 
     Robustness:
         strict: re-raise failures inside the watch instead of turning the
@@ -81,6 +89,8 @@ class WatchConfig:
     switch_on: Tuple[str, ...] = STABILIZABLE
     beta: float = 2.0
     eps: float = 1e-3
+    qk_clip: Optional[str] = None
+    qk_clip_tau: float = 100.0
     strict: bool = False
     sync_distributed: bool = True
 
@@ -130,6 +140,12 @@ class WatchConfig:
         number("logit_min", 0.0)
         number("beta", 1.0, inclusive=False)
         number("eps", 0.0)
+        number("qk_clip_tau", 0.0, inclusive=False)
+        from .qkclip import MODES
+
+        if self.qk_clip is not None and self.qk_clip not in MODES:
+            raise ValueError(f"WatchConfig.qk_clip must be None (off), {' or '.join(map(repr, MODES))}, "
+                             f"got {self.qk_clip!r}")
         from .kernels.reference import FLOAT32_MAX, MAX_BETA
 
         if self.beta > MAX_BETA:
@@ -141,6 +157,9 @@ class WatchConfig:
             flag(name)
         kinds("detectors", KINDS)
         kinds("switch_on", STABILIZABLE)
+        if self.qk_clip == "on_alert" and "logit_growth" not in self.detectors:
+            raise ValueError("WatchConfig.qk_clip='on_alert' acts on logit_growth alerts, but 'logit_growth' is not "
+                             f"in detectors {tuple(self.detectors)}: add it, or use qk_clip='always'")
         if self.shadow_every % self.probe_every:
             raise ValueError(
                 f"WatchConfig.shadow_every must be 0 or a multiple of probe_every ({self.probe_every}): shadow "

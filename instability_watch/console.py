@@ -22,7 +22,8 @@ Example::
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING, Dict, List, Optional, Sequence, Tuple
+import time
+from typing import TYPE_CHECKING, Callable, Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 from rich.console import Console, ConsoleOptions, RenderResult
@@ -270,12 +271,23 @@ class ConsoleReporter:
         top: rows in that table.
         coverage: print, once, a line saying what the watch observes (after the first
             probe step), and a line for each switch that could not be applied.
+        clip_every_s: QK-clips (``WatchConfig(qk_clip=...)``) are summed into one line
+            printed at most this often (seconds; the first clip at once).
+        clock: the time source for ``clip_every_s`` (``time.monotonic``).
     """
 
     def __init__(self, console: Optional[Console] = None, *, alerts: bool = True, live_table: bool = False,
-                 top: int = 8, coverage: bool = True) -> None:
+                 top: int = 8, coverage: bool = True, clip_every_s: float = 60.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         if not isinstance(top, int) or isinstance(top, bool) or top < 1:
             raise ValueError(f"top must be a positive integer, got {top!r}")
+        if (not isinstance(clip_every_s, (int, float)) or isinstance(clip_every_s, bool)
+                or not math.isfinite(clip_every_s) or clip_every_s < 0):
+            raise ValueError(f"clip_every_s must be a finite number of seconds >= 0, got {clip_every_s!r}")
+        self.clip_every_s = float(clip_every_s)
+        self._clock = clock
+        self._clip_printed_at: Optional[float] = None
+        self._clips_unshown: list = []
         if console is None:
             from rich import get_console
 
@@ -312,6 +324,7 @@ class ConsoleReporter:
                     f"instability_watch: {e.layer_name} head {e.head} is switched, but calls with {e.reason} "
                     "stay on PyTorch's SDPA (our kernels cannot serve them)", style="yellow"))
         self._events_shown = len(watch.events)
+        self._show_clips(getattr(watch, "last_clips", []))
         if self.live_table:
             self.tracker.update(metrics)
         if self.show_alerts:
@@ -321,6 +334,26 @@ class ConsoleReporter:
             table = self.table(watch)
             if table is not None:
                 self._show(table, force_print=bool(alerts))
+
+    def _show_clips(self, clips: list, final: bool = False) -> None:
+        """One line summing the clips since the last such line, at most every ``clip_every_s``."""
+        self._clips_unshown.extend(clips)
+        pending = self._clips_unshown
+        if not pending:
+            return
+        now = self._clock()
+        if not final and self._clip_printed_at is not None and now - self._clip_printed_at < self.clip_every_s:
+            return
+        self._clip_printed_at = now
+        heads = {(c.layer, c.head) for c in pending}
+        low = min(pending, key=lambda c: c.factor)
+        first, last = min(c.step for c in pending), max(c.step for c in pending)
+        steps = f"step {first}" if first == last else f"steps {first}-{last}"
+        self.console.print(Text(
+            f"instability_watch: QK-clip, {steps}: {len(pending)} clips in {len(heads)} heads (largest logit "
+            f"{low.max_logit:.4g} in {low.layer_name} head {low.head}, scaled by {low.factor:.3g} to {low.tau:g})",
+            style="magenta"))
+        self._clips_unshown = []
 
     # -- the live display
 
@@ -350,10 +383,12 @@ class ConsoleReporter:
         self._live = live
 
     def close(self) -> None:
-        """Stop the live table, leaving its last state on screen (printed once on non-terminals)."""
+        """Print the clips held back; stop the live table, leaving its last state on screen (printed once on
+        non-terminals)."""
         if self._closed:
             return
         self._closed = True
+        self._show_clips([], final=True)  # clips held back by the rate limit
         if self._live is not None:
             live, self._live = self._live, None
             if self._on_console(live):

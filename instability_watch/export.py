@@ -4,7 +4,7 @@ A run directory holds three files::
 
     meta.json     what was watched (layers, heads, config), written at open
     metrics.csv   long format: one row per (step, layer, head), columns METRIC_COLUMNS
-    events.csv    one row per alert or switch, columns EVENT_COLUMNS
+    events.csv    one row per alert, switch or QK-clip, columns EVENT_COLUMNS
 
 :class:`RunWriter` is a listener of :class:`~instability_watch.InstabilityWatch`:
 after every read-back it appends the steps just read and the new events, one
@@ -359,7 +359,8 @@ class RunWriter:
         data = self.format_metrics(metrics).encode()
         rows = max(sum(self._head_counts), 1)  # per step
         ends = (np.flatnonzero(np.frombuffer(data, np.uint8) == ord("\n")) + 1)[rows - 1::rows].tolist()
-        events = self._event_lines(alerts, self._unwritten + watch.events[self._events_written:])
+        events = self._event_lines(alerts, self._unwritten + watch.events[self._events_written:],
+                                   getattr(watch, "last_clips", []))
         self._events_written, self._unwritten = len(watch.events), []
         self._append([m.step for m in metrics], data, ends, events)
         coverage = [c.to_dict() for c in watch.coverage()]
@@ -393,8 +394,12 @@ class RunWriter:
         return "".join(out)
 
     @staticmethod
-    def _event_lines(alerts: List["Alert"], events: list) -> List[Tuple[int, bytes]]:
-        """``(step, CSV line)`` of each alert and event, in step order (alerts first within a step)."""
+    def _event_lines(alerts: List["Alert"], events: list, clips: list = ()) -> List[Tuple[int, bytes]]:
+        """``(step, CSV line)`` of each alert, event and clip, in step order (alerts first within a step).
+
+        A clip is a row with event ``qk_clip``: ``value`` its logit multiplier
+        (``tau / max logit``), ``threshold`` tau, the largest logit in the message.
+        """
         lines = []
         for a in alerts:
             lines.append((a.step, _line([
@@ -405,11 +410,20 @@ class RunWriter:
             if e.kind == "switch_not_applied":
                 what = (f"{e.layer_name} head {e.head}: switch not applied to calls with {e.reason}; "
                         "they stay on PyTorch's SDPA")
+            elif e.kind == "qk_clip_on":
+                what = f"{e.layer_name} head {e.head}: QK-clip acts on this head from the next probe step ({e.reason})"
             else:
                 what = f"{e.layer_name} head {e.head} moved to the stabilized kernel ({e.reason})"
             lines.append((e.step, _line([
                 str(e.step), str(e.layer), _csv_text(e.layer_name), str(e.head), _csv_text(e.kind), _csv_text(e.reason),
                 "", "", "", _csv_text(what),
+            ]).encode()))
+        for c in clips:
+            lines.append((c.step, _line([
+                str(c.step), str(c.layer), _csv_text(c.layer_name), str(c.head), "qk_clip", "logit_cap",
+                _num(c.factor), _num(c.tau), "", _csv_text(
+                    f"{c.layer_name} head {c.head}: largest logit {c.max_logit:.4g} over {c.tau:g}: logits scaled by "
+                    f"{c.factor:.4g} (W_q, W_k rescaled after the optimizer step)"),
             ]).encode()))
         return sorted(lines, key=lambda x: x[0])  # stable: a step's rows keep their order
 

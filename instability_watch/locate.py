@@ -67,16 +67,30 @@ class AttentionLayer:
             a tensor ``(H, head_dim, d_in)`` (a view of the live weight: it is
             called on every spectral step).
         name: a label for reports; defaults to the module's qualified name.
+        w_k: for ``WatchConfig(qk_clip=...)`` only: a function returning the key
+            projection per key head, ``(KV, head_dim, d_in)``, a view of the live
+            weight (as ``w_q``'s result must then be); ``KV`` divides ``num_heads``.
+        b_q, b_k: with ``w_k``, functions returning the query and key biases per
+            head, ``(H, head_dim)`` and ``(KV, head_dim)`` views (``None``: no bias).
+        layout: which built-in locator found the layer (set by the locators; how
+            ``qk_clip`` finds its key projection). Leave it empty.
 
     Example::
 
         layer = AttentionLayer(block.attn, 8, lambda: block.attn.wq.weight.view(8, 64, 512))
+        # with qk_clip, say where the keys are too:
+        layer = AttentionLayer(block.attn, 8, lambda: block.attn.wq.weight.view(8, 64, 512),
+                               w_k=lambda: block.attn.wk.weight.view(2, 64, 512))
     """
 
     module: nn.Module
     num_heads: int
     w_q: Callable[[], torch.Tensor]
     name: str = ""
+    w_k: Optional[Callable[[], torch.Tensor]] = None
+    b_q: Optional[Callable[[], torch.Tensor]] = None
+    b_k: Optional[Callable[[], torch.Tensor]] = None
+    layout: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):
@@ -85,6 +99,12 @@ class AttentionLayer:
             raise ValueError(f"AttentionLayer.num_heads must be a positive int, got {self.num_heads!r}")
         if not callable(self.w_q):
             raise TypeError(f"AttentionLayer.w_q must be callable (returning (H, head_dim, d_in)), got {type(self.w_q).__name__}")
+        for name in ("w_k", "b_q", "b_k"):
+            value = getattr(self, name)
+            if value is not None and not callable(value):
+                raise TypeError(f"AttentionLayer.{name} must be callable or None, got {type(value).__name__}")
+        if self.w_k is None and (self.b_q is not None or self.b_k is not None):
+            raise ValueError("AttentionLayer.b_q/b_k are used with w_k (for qk_clip): give w_k too")
 
 
 Layers = Union[Sequence[AttentionLayer], Callable[[nn.Module], Sequence[AttentionLayer]]]
@@ -261,11 +281,11 @@ def find_attention_layers(model: nn.Module) -> List[AttentionLayer]:
     """The attention layers of ``model`` that a built-in locator recognises, in module order."""
     found: List[AttentionLayer] = []
     for name, module in model.named_modules():
-        for _, locate in LOCATORS:
+        for kind, locate in LOCATORS:
             hit = locate(module)
             if hit is not None:
                 n_head, w_q = hit
-                found.append(AttentionLayer(module, n_head, w_q, name or type(module).__name__))
+                found.append(AttentionLayer(module, n_head, w_q, name or type(module).__name__, layout=kind))
                 break
     return found
 

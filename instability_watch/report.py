@@ -76,7 +76,7 @@ SUMMARY_COLUMNS = (
     ("layer", "layer_name", "head")
     + tuple(f"first_{kind}" for kind in KINDS)
     + ("alerts", "peak_multi_max_freq", "peak_max_score", "final_delta_cum",
-       "sigma_first", "sigma_last", "sigma_growth", "switched_at")
+       "sigma_first", "sigma_last", "sigma_growth", "switched_at", "qk_clips", "first_qk_clip")
 )
 
 # (file stem, metrics column, title, y label, how); order = order of the files written. ``how``:
@@ -103,6 +103,7 @@ KIND_COLORS = {
     "nonfinite": "black",
 }
 SWITCH_COLOR = "0.3"
+CLIP_COLOR = "darkmagenta"
 GRAY = "0.7"
 HEAD_COLORS = ("tab:blue", "tab:orange", "tab:green", "tab:brown", "tab:cyan", "navy", "darkgoldenrod",
                "teal", "slateblue", "darkkhaki", "peru", "mediumseagreen")
@@ -375,7 +376,9 @@ def head_summary(run: AnyRun) -> pd.DataFrame:
         * ``sigma_first``, ``sigma_last``: the first and last finite sigma(W_Q),
           ``sigma_growth`` = ``sigma_last / sigma_first``;
         * ``switched_at``: the step at which the head moved to the stabilized
-          kernel (nullable ``Int64``).
+          kernel (nullable ``Int64``);
+        * ``qk_clips``, ``first_qk_clip``: how often ``qk_clip`` rescaled the head,
+          and first when (nullable ``Int64``).
 
         Missing observations are ``NaN``. Rows are sorted: heads with alerts
         first, by their earliest alert step; then by ``|final_delta_cum|``,
@@ -412,6 +415,10 @@ def head_summary(run: AnyRun) -> pd.DataFrame:
         growth = out["sigma_last"].to_numpy(dtype="float64") / out["sigma_first"].to_numpy(dtype="float64")
     out["sigma_growth"] = np.where(np.isfinite(growth), growth, np.nan)
     attach(event_steps(switches, "min"), "switched_at", "Int64")
+    clips = d.events[(event == "qk_clip").fillna(False).to_numpy()]
+    attach(event_steps(clips, "size"), "qk_clips", "float64")
+    out["qk_clips"] = out["qk_clips"].fillna(0).astype("int64")
+    attach(event_steps(clips, "min"), "first_qk_clip", "Int64")
 
     # the order: alerted heads by earliest alert, then |final_delta_cum| descending (NaN last)
     attach(event_steps(alerts, "min"), "earliest_alert", "float64")  # of any kind; not a summary column
@@ -505,6 +512,10 @@ class SummaryView:
         text.append(f"\nalerts: {n_alerts} on {alerted} of {len(summary)} heads", style="bold red" if n_alerts else "")
         text.append(f", switched to the stabilized kernel: {switched} heads",
                     style="bold green" if switched else "")
+        clipped = summary[summary["qk_clips"] > 0] if len(summary) else summary
+        if len(clipped):
+            text.append(f"\nQK-clip: {int(clipped['qk_clips'].sum())} clips on {len(clipped)} heads, the first at step "
+                        f"{int(clipped['first_qk_clip'].min())}", style="bold magenta")
         resumed = run.meta.get("resumed_at") or []
         if resumed:
             text.append("\nresumed at step " + ", ".join(str(s) for s in resumed))
@@ -629,7 +640,7 @@ def highlighted_heads(run: AnyRun, column: str, top: int,
 
 
 def _mark_events(axes: Sequence["Axes"], run: RunDigest, *, legend: bool) -> None:
-    """Draw a vertical line per (step, kind) of alert and per switch step on every axis.
+    """Draw a vertical line per (step, kind) of alert and per switch step on every axis, a tick per QK-clip step.
 
     Only the first axis gets legend labels (when ``legend``), one per kind.
     """
@@ -640,8 +651,10 @@ def _mark_events(axes: Sequence["Axes"], run: RunDigest, *, legend: bool) -> Non
     steps = events["step"].astype("int64")
     is_alert = (events["event"].astype("string") == "alert").fillna(False).to_numpy()
     is_switch = (events["event"].astype("string") == "switch").fillna(False).to_numpy()
+    is_clip = (events["event"].astype("string") == "qk_clip").fillna(False).to_numpy()
     alert_marks = sorted({(int(s), str(k)) for s, k in zip(steps[is_alert], kinds[is_alert])})
     switch_marks = sorted({int(s) for s in steps[is_switch]})
+    clip_marks = np.array(sorted({int(s) for s in steps[is_clip]}), dtype="float64")
     for i, ax in enumerate(axes):
         labelled = set()
         for step, kind in alert_marks:
@@ -652,6 +665,10 @@ def _mark_events(axes: Sequence["Axes"], run: RunDigest, *, legend: bool) -> Non
         for j, step in enumerate(switch_marks):
             label = "switch to stabilized" if legend and i == 0 and j == 0 else None
             ax.axvline(step, color=SWITCH_COLOR, linestyle="--", linewidth=1.2, label=label)
+        if len(clip_marks):  # QK-clips can come every probe step: ticks along the bottom, not lines
+            ax.plot(clip_marks, np.zeros_like(clip_marks), linestyle="none", marker="|", markersize=9,
+                    color=CLIP_COLOR, transform=ax.get_xaxis_transform(),
+                    label="QK-clip" if legend and i == 0 else None)
 
 
 def _plot_loss(ax: "Axes", run: RunDigest) -> None:

@@ -47,7 +47,9 @@ from .config import WatchConfig
 from .detectors import Alert, Detector, build_detectors
 from .locate import Layers, resolve_layers
 from .observe import NOT_APPLIED, GatheredReadError, LayerCoverage, Observation, Site, observe
+from ._sharding import fsdp1_units, full_params, innermost_unit
 from .probe import CALL_FIELDS, COUNT_FIELDS, VALUE_FIELDS
+from .qkclip import Clip, build_layouts
 from .spectral import SpectralNorms
 
 log = logging.getLogger("instability_watch")
@@ -71,9 +73,12 @@ class WatchError(RuntimeError):
 class Event:
     """Something the watch did or could not do.
 
-    ``kind`` is ``"switch"`` (a head moved to the stabilized kernel) or
+    ``kind`` is ``"switch"`` (a head moved to the stabilized kernel),
     ``"switch_not_applied"`` (a switched head's layer made a call our kernels
-    cannot serve; that call stayed on PyTorch's SDPA; ``reason`` says why).
+    cannot serve; that call stayed on PyTorch's SDPA; ``reason`` says why) or
+    ``"qk_clip_on"`` (``qk_clip="on_alert"``: the head is clipped from the next
+    probe step on; ``reason`` is the alert kind). Clips themselves are
+    :class:`~instability_watch.qkclip.Clip` records (``watch.last_clips``).
     """
 
     step: int
@@ -118,7 +123,7 @@ class RingLayout:
     recorded the step (summed across ranks, so a rank that failed shows).
     """
 
-    def __init__(self, head_counts: Sequence[int]) -> None:
+    def __init__(self, head_counts: Sequence[int], clip: bool = False) -> None:
         self.head_counts = list(head_counts)
         total = sum(self.head_counts)
         nc, nv = len(COUNT_FIELDS), len(VALUE_FIELDS)
@@ -127,7 +132,9 @@ class RingLayout:
         self.sigma = slice((nc + nv) * total, (nc + nv + 1) * total)
         self.loss = (nc + nv + 1) * total
         self.ok = self.loss + 1
-        self.width = self.ok + 1
+        # with qk_clip: each head's logit multiplier of the step (1: not clipped; NaN: no clip step)
+        self.clip = slice(self.ok + 1, self.ok + 1 + (total if clip else 0))
+        self.width = self.clip.stop
 
     def max_columns(self) -> torch.Tensor:
         """Columns reduced by max across ranks (the largest logit and sigma); the rest are summed."""
@@ -138,7 +145,18 @@ class RingLayout:
             cols[offset + i_max * h: offset + (i_max + 1) * h] = True
             offset += len(VALUE_FIELDS) * h
         cols[self.sigma] = True
+        cols[self.clip] = True  # the same on every rank
         return cols
+
+    def per_head(self, flat: np.ndarray) -> np.ndarray:
+        """A ``(total heads,)`` vector as ``(L, H_max)``, NaN in padded heads."""
+        L, Hm = len(self.head_counts), max(self.head_counts, default=0)
+        out = np.full((L, Hm), np.nan)
+        o = 0
+        for layer, h in enumerate(self.head_counts):
+            out[layer, :h] = flat[o: o + h]
+            o += h
+        return out
 
     def unpack(self, row: np.ndarray) -> Dict[str, np.ndarray]:
         """Every probe field and ``sigma_wq`` of one row as an ``(L, H_max)`` array (NaN in padded heads)."""
@@ -223,8 +241,10 @@ class InstabilityWatch:
     Attributes:
         step_count: optimizer steps seen (the last step passed to :meth:`step`).
         alerts: every alert so far, in order.
-        events: every switch (and switch not applied) so far.
+        events: every switch (and switch not applied, qk_clip turned on) so far.
         switched: ``{(layer, head): step}`` of heads on the stabilized kernel.
+        clip_enabled: ``{(layer, head): step}`` of heads ``qk_clip="on_alert"`` acts on.
+        clip_counts: ``(L, H_max)`` clips per head so far; ``last_clips``: those of the last read-back.
         last_metrics: the per-step metrics of the last read-back.
         layer_names, head_counts: the watched layers.
 
@@ -257,6 +277,11 @@ class InstabilityWatch:
         self.events: List[Event] = []
         self.switched: Dict[Tuple[int, int], int] = {}
         self.last_metrics: List[StepMetrics] = []
+        self.clip_enabled: Dict[Tuple[int, int], int] = {}  # qk_clip="on_alert": head -> step of its alert
+        self.clip_counts = np.zeros((0, 0), dtype=np.int64)  # clips per head so far (read back)
+        self.last_clips: List[Clip] = []  # the clips of the last read-back
+        self._clip_mask: Optional[torch.Tensor] = None  # device (total heads,) bool: heads qk_clip may act on
+        self._smax: Optional[torch.Tensor] = None  # the probe step's largest logits, kept for the clip
         self.disabled: Dict[str, str] = {}  # component -> why
         self.observation: Optional[Observation] = None
         self.layer_names: List[str] = []
@@ -281,12 +306,15 @@ class InstabilityWatch:
         except Exception as exc:  # noqa: BLE001 - a user's locator function failed: train on without the watch
             self._fail("attach", exc)
             return
+        # qk_clip: where each layer's query and key rows are (a model it cannot act on is refused here)
+        self.qk_layouts = build_layouts(found, model) if config.qk_clip else []
         self.observation = observe(model, found, beta=config.beta, eps=config.eps)
         self.observation.on_error = self._fail
         self.observation.on_note = self._on_note
         self.layer_names = [s.name for s in self.observation.sites]
         self.head_counts = self.observation.head_counts
-        self.layout = RingLayout(self.head_counts)
+        self.layout = RingLayout(self.head_counts, clip=bool(config.qk_clip))
+        self.clip_counts = np.zeros(self.shape, dtype=np.int64)
         self._calls = [dict.fromkeys(CALL_FIELDS, 0) for _ in self.head_counts]
         self.detectors: Dict[str, Detector] = build_detectors(config, self.shape)
         self._delta_cum = np.zeros(self.shape)
@@ -462,6 +490,8 @@ class InstabilityWatch:
                 except Exception as exc:  # noqa: BLE001
                     self._fail("statistics", exc)
             self._pending_steps.append(s)  # in lockstep with the other ranks, recorded or not
+            if self.config.qk_clip and _due(s, self.config.probe_every):
+                self._qk_clip()
         self._arm(s + 1)
         first_probe = not self._coverage_checked and _due(s, self.config.probe_every)
         if first_probe or s % self.config.log_every == 0 or len(self._pending_steps) >= self._ring_rows():
@@ -556,7 +586,115 @@ class InstabilityWatch:
         # fill_, not ``row[i] = 1.0``: item assignment of a Python number copies a
         # host scalar into device memory, which waits for the stream (a sync per step)
         row[lay.ok: lay.ok + 1].fill_(1.0)  # this rank recorded the step (summed across ranks)
+        row[lay.clip].fill_(float("nan"))  # written by _qk_clip on probe steps
+        if self.config.qk_clip and _due(s, self.config.probe_every):
+            self._smax = torch.cat([p.max_score for p in bank.probes])  # a copy, before the reset
         bank.zero_()
+
+    # ------------------------------------------------------------------ qk_clip
+
+    def _qk_clip(self) -> None:
+        """After the optimizer step of a probe step: scale ``W_q``/``W_k`` of the heads over ``qk_clip_tau``.
+
+        On the device, no host sync: the step's largest logits (max-reduced across
+        ranks, so every rank scales alike), the logit multiplier ``tau / S`` of
+        each head that is over ``tau`` and enabled, then each layer's in-place
+        multiply (:mod:`~instability_watch.qkclip`). Under torch.distributed every
+        rank calls it at every probe step: a rank whose statistics or clip failed
+        takes part with a flag that makes every rank skip the clip of that step
+        (and turn it off at the next read-back).
+        """
+        smax, self._smax = self._smax, None
+        healthy = smax is not None and "statistics" not in self.disabled and "qk_clip" not in self.disabled
+        distributed = self._distributed()
+        if not healthy and not distributed:
+            return
+        dev = self.observation.bank.device
+        tau = float(self.config.qk_clip_tau)
+        total = sum(self.head_counts)
+        try:
+            if smax is None or not healthy:
+                smax = torch.full((total,), float("-inf"), dtype=torch.float32, device=dev)
+            ok = None
+            if distributed:
+                dist = torch.distributed
+                flag = torch.full((1,), 0.0 if healthy else 1.0, dtype=torch.float32, device=dev)
+                buf = torch.cat([torch.nan_to_num(smax.float(), nan=float("-inf")), flag])  # NaN: no MAX rule
+                dist.all_reduce(buf, op=dist.ReduceOp.MAX)
+                smax, ok = buf[:-1], buf[-1:] == 0
+            over = self._clip_mask_on(dev) & torch.isfinite(smax) & (smax > tau)
+            if ok is not None:
+                over &= ok
+            gamma = torch.where(over, tau / smax, torch.ones_like(smax))
+            if healthy:
+                self._apply_clip(gamma)
+                row = self._ring[len(self._pending_steps) - 1]
+                row[self.layout.clip].copy_(gamma if ok is None else torch.where(ok, gamma, float("nan")))
+        except Exception as exc:  # noqa: BLE001
+            self._fail("qk_clip", exc)
+
+    def _apply_clip(self, gamma: torch.Tensor) -> None:
+        """Each layer's in-place scaling (FSDP1 layers inside their unit's full parameters, written back)."""
+        units = fsdp1_units([self.model, *self.observation.sharding_roots])
+        error: Optional[BaseException] = None
+        offset = 0
+        for site, layout in zip(self.observation.sites, self.qk_layouts):
+            g = gamma[offset: offset + site.num_heads]
+            offset += site.num_heads
+            unit = innermost_unit(site.layer.module, units) if units else None
+            # every rank enters every unit's gather (a collective), also after a failure here
+            with full_params(unit, writeback=True):
+                if error is None:
+                    try:
+                        layout.apply(g)
+                    except Exception as exc:  # noqa: BLE001
+                        error = exc
+        if self._tracked is not None:  # our own update is not an optimizer step (see _count_updates)
+            self._tracked_version = self._tracked._version
+        if error is not None:
+            raise error
+
+    def _clip_mask_on(self, device: torch.device) -> torch.Tensor:
+        """The heads qk_clip acts on, on ``device``: all with ``"always"``, else the enabled ones."""
+        if self._clip_mask is None or self._clip_mask.device != device:
+            total = sum(self.head_counts)
+            if self.config.qk_clip == "always":
+                self._clip_mask = torch.ones(total, dtype=torch.bool, device=device)
+            elif not self.clip_enabled:
+                self._clip_mask = torch.zeros(total, dtype=torch.bool, device=device)
+            else:  # a host-to-device copy: only after enabling heads (at a read-back) or a resume
+                self._clip_mask = self._clip_mask_host().to(device)
+        return self._clip_mask
+
+    def _clip_mask_host(self) -> torch.Tensor:
+        starts = np.cumsum([0] + self.head_counts[:-1])
+        mask = torch.zeros(sum(self.head_counts), dtype=torch.bool)
+        for (layer, head) in self.clip_enabled:
+            mask[int(starts[layer]) + head] = True
+        return mask
+
+    def _enable_clip(self, layer: int, head: int, step: int, reason: str) -> None:
+        """``qk_clip="on_alert"``: act on this head from the next probe step on (sticky; an event)."""
+        if (layer, head) in self.clip_enabled:
+            return
+        self.clip_enabled[(layer, head)] = step
+        self.events.append(Event(step, layer, head, "qk_clip_on", reason, self.layer_names[layer]))
+        if self._clip_mask is not None:  # called inside a read-back (synchronised already)
+            self._clip_mask = self._clip_mask_host().to(self._clip_mask.device)
+
+    def _clips(self, step: int, row: np.ndarray, m: "StepMetrics") -> List[Clip]:
+        """The clips recorded in one read-back row (its logit multipliers below 1)."""
+        gamma = self.layout.per_head(row[self.layout.clip])
+        if np.isnan(gamma[~self._pad]).any() and _due(step, self.config.probe_every) and "qk_clip" not in self.disabled:
+            if self._distributed():  # another rank could not clip: every rank skipped it; now turn it off everywhere
+                self._fail("qk_clip", WatchError("qk_clip failed on another rank; turned off on every rank"))
+        out = []
+        for layer, head in np.argwhere(gamma < 1.0):
+            layer, head = int(layer), int(head)
+            self.clip_counts[layer, head] += 1
+            out.append(Clip(step, layer, head, float(gamma[layer, head]), float(m.values["max_score"][layer, head]),
+                            float(self.config.qk_clip_tau), self.layer_names[layer]))
+        return out
 
     def flush(self) -> List[Alert]:
         """Read back pending steps now (one host sync), run the detectors, act; returns new alerts.
@@ -599,8 +737,12 @@ class InstabilityWatch:
             return []
         self._count_calls(host)
         alerts: List[Alert] = []
+        clips: List[Clip] = []
         try:
             metrics = [self._metrics(step, host[i]) for i, step in enumerate(steps)]
+            if self.config.qk_clip:
+                for i, m in enumerate(metrics):
+                    clips.extend(self._clips(m.step, host[i], m))
             if "detectors" not in self.disabled:
                 for m in metrics:
                     alerts.extend(self._detect(m))
@@ -610,6 +752,7 @@ class InstabilityWatch:
             self._fail("detectors", exc)
             return alerts
         self.last_metrics = metrics
+        self.last_clips = clips
         for listener in list(self.listeners):
             try:
                 listener(metrics, alerts, self)
@@ -711,7 +854,11 @@ class InstabilityWatch:
         for kind, detector in self.detectors.items():
             for layer, head, value, threshold, message in detector.update(m.step, m.values[detector.metric]):
                 action = "reported"
-                if (
+                if kind == "logit_growth" and self.config.qk_clip:
+                    if self.config.qk_clip == "on_alert":
+                        self._enable_clip(layer, head, m.step, kind)
+                    action = f"QK-clip on (tau {self.config.qk_clip_tau:g})"
+                elif (
                     self.config.auto_switch and kind in self.config.switch_on
                     and (layer, head) not in self.switched
                 ):
@@ -784,6 +931,8 @@ class InstabilityWatch:
             "coverage_checked": self._coverage_checked,
             "alerts": [a.to_dict() for a in self.alerts],
             "events": [e.to_dict() for e in self.events],
+            "qk_clip": {"enabled": [[l, h, s] for (l, h), s in sorted(self.clip_enabled.items())],
+                        "counts": self.clip_counts.tolist() if self.head_counts else []},
         }
 
     def load_state_dict(self, state: dict) -> None:
@@ -817,6 +966,9 @@ class InstabilityWatch:
             ring[: len(self._pending_steps)].copy_(parsed["pending"].to(ring.device))
         self.alerts = parsed["alerts"]
         self.events = parsed["events"]
+        self.clip_enabled = parsed["clip_enabled"]
+        self.clip_counts = parsed["clip_counts"]
+        self._clip_mask = None  # rebuilt on the next probe step
         self._armed = (False, False)
         self._arm(self.step_count + 1)
 
@@ -843,16 +995,29 @@ class InstabilityWatch:
                 f"this watch has {self.layer_names} with {self.head_counts}"
             )
         out = {"step": integer("step"), "flushed_through": integer("flushed_through")}
-        switched = {}
-        for item in need("switched"):
-            if not (isinstance(item, (list, tuple)) and len(item) == 3):
-                raise ValueError(f"InstabilityWatch state: 'switched' entries must be [layer, head, step], got {item!r}")
-            layer, head, s = (integer("switched", x) for x in item)
-            if layer >= len(self.head_counts) or head >= self.head_counts[layer]:
-                raise ValueError(f"InstabilityWatch state: 'switched' names layer {layer} head {head}, "
-                                 f"which this watch does not have")
-            switched[(layer, head)] = s
-        out["switched"] = switched
+        def heads(key, items):
+            found = {}
+            for item in items:
+                if not (isinstance(item, (list, tuple)) and len(item) == 3):
+                    raise ValueError(f"InstabilityWatch state: {key!r} entries must be [layer, head, step], got {item!r}")
+                layer, head, s = (integer(key, x) for x in item)
+                if layer >= len(self.head_counts) or head >= self.head_counts[layer]:
+                    raise ValueError(f"InstabilityWatch state: {key!r} names layer {layer} head {head}, "
+                                     f"which this watch does not have")
+                found[(layer, head)] = s
+            return found
+
+        out["switched"] = heads("switched", need("switched"))
+        clip = state.get("qk_clip", {"enabled": [], "counts": []})  # states saved before qk_clip have none
+        if not isinstance(clip, dict):
+            raise ValueError("InstabilityWatch state: 'qk_clip' must be a dict")
+        out["clip_enabled"] = heads("qk_clip.enabled", clip.get("enabled", []))
+        counts = clip.get("counts", [])
+        try:
+            out["clip_counts"] = (np.asarray(counts, dtype=np.int64).reshape(self.shape) if len(counts)
+                                  else np.zeros(self.shape, dtype=np.int64))
+        except (TypeError, ValueError):
+            raise ValueError(f"InstabilityWatch state: 'qk_clip.counts' must be {self.shape} integers") from None
         try:
             out["delta_cum"] = np.asarray(need("delta_cum"), dtype=np.float64).reshape(self.shape)
         except (TypeError, ValueError):
