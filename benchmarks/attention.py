@@ -248,10 +248,10 @@ def sweep(kind, shape_names, variant="standard", dropout_p=0.0):
                 )
                 fl = flops(shape)
             else:
-                key = "config_dkdv" if kind == "dkdv" else "config_dq"
+                key = {"dkdv": "config_dkdv", "dq": "config_dq", "fused": "config_fused"}[kind]
                 fn = lambda: ta.attention_backward(  # noqa: E731
                     q, k, v, o, lse2, do, causal=shape["causal"], scale=scale, counts=None, values=None,
-                    shadow=False, **{key: cfg}, **drop,
+                    shadow=False, fused=kind == "fused", **{key: cfg}, **drop,
                 )
                 fl = flops(shape, True)
             try:
@@ -265,6 +265,12 @@ def sweep(kind, shape_names, variant="standard", dropout_p=0.0):
         timings.sort()
         out[name] = [(cfg, ms) for ms, cfg in timings[:5]]
         print(f"{name} {kind} best: " + ", ".join(f"{cfg} {ms:.3f}ms" for cfg, ms in out[name]))
+        if kind == "fused":  # the yardstick: the two-kernel backward at its tables' configs
+            ms = bench(lambda: ta.attention_backward(q, k, v, o, lse2, do, causal=shape["causal"], scale=scale,
+                                                     counts=None, values=None, shadow=False, fused=False, **drop),
+                       warmup=10, rep=40)
+            out[name + " two-kernel"] = ms
+            print(f"{name} two-kernel backward (tables): {ms:.3f}ms")
     return out
 
 
@@ -324,7 +330,8 @@ def host_overhead(calls=300):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--shapes", default="gpt2,llama", help="comma-separated: " + ",".join(SHAPES))
-    ap.add_argument("--sweep", choices=["fwd", "dkdv", "dq"], action="append", help="sweep one kernel's launch configs")
+    ap.add_argument("--sweep", choices=["fwd", "dkdv", "dq", "fused"], action="append",
+                    help="sweep one kernel's launch configs (fused: the one-kernel backward; dkdv, dq: the two-kernel one)")
     ap.add_argument("--sweep-variant", default="standard", choices=["standard", "stabilized", "probe"])
     ap.add_argument("--dropout", type=float, default=0.0, help="sweep calls with this attention dropout")
     ap.add_argument("--eager", action="store_true", help="time eager calls (host overhead included) instead of CUDA graphs")

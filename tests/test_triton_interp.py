@@ -366,3 +366,73 @@ def test_rows_below_the_floor_are_as_each_devices_sdpa():
     others[:, 1, 2] = False
     assert max_err(tri[0][others], x[0][others]) <= 2 * max_err(p[0][others], x[0][others]) + 1e-6
     assert all(torch.isfinite(g).all() for g in tri)
+
+
+FUSED_CASES = [
+    # (N, n_kv, D, causal, (H, H_kv), mask kind or None, dropout_p)
+    (37, 37, 32, True, (4, 2), None, 0.0),
+    (37, 45, 64, False, (2, 2), None, 0.0),
+    (37, 45, 24, False, (4, 2), "bool", 0.0),
+    (37, 45, 24, False, (2, 1), "additive", 0.0),
+    (37, 37, 24, False, (2, 2), "window", 0.2),
+    (37, 37, 80, True, (4, 1), None, 0.3),
+    (21, 21, 256, True, (2, 2), None, 0.0),
+    (1, 1, 64, True, (2, 1), None, 0.0),
+]
+
+
+@pytest.mark.parametrize("N, n_kv, D, causal, heads, kind, p", FUSED_CASES)
+def test_fused_backward_matches_the_two_kernel_backward(N, n_kv, D, causal, heads, kind, p):
+    """The fused backward (dQ by atomics) against the two kernels (dQ, then dK/dV) on the same
+    forward: the same gradients up to float32 summation order, in both dtypes. (The default
+    path, fused, is also what the reference comparisons above run, dropout's bit for bit.)"""
+    from instability_watch.kernels import triton_attention as ta
+
+    H, h_kv = heads
+    mask = _masks(N, n_kv, H)[kind] if kind else None
+    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
+        q, k, v, do = _inputs(("fused", N, n_kv, D, kind, p), 2, H, h_kv, N, D, dtype=dtype, n_kv=n_kv)
+        seed = torch.tensor([123, 456], dtype=torch.int64) if p else None
+        scale = D ** -0.5
+        o, lse2 = ta.attention_forward(q, k, v, causal=causal, scale=scale, stabilize=None, beta=2.0, eps=1e-3,
+                                       counts=None, values=None, attn_mask=mask, dropout_p=p, seed=seed)
+        kw = dict(causal=causal, scale=scale, counts=None, values=None, shadow=False, attn_mask=mask,
+                  dropout_p=p, seed=seed)
+        fused = ta.attention_backward(q, k, v, o, lse2, do, fused=True, **kw)
+        split = ta.attention_backward(q, k, v, o, lse2, do, fused=False, **kw)
+        assert fused[3] is None and split[3] is None
+        for name, a, b in zip(("dq", "dk", "dv"), fused[:3], split[:3]):
+            assert a.dtype == dtype and a.shape == b.shape, name
+            assert torch.isfinite(a).all(), name
+            assert max_err(a, b) <= tol * max(b.abs().max().item(), 1e-6), (name, dtype, max_err(a, b))
+        assert fused[0].abs().max() > 0 and fused[1].abs().max() > 0
+
+
+def test_fused_backward_serves_dropout_calls_is_refused_where_it_cannot_and_skipped_when_deterministic(monkeypatch):
+    from instability_watch.kernels import triton_attention as ta
+
+    q, k, v, do = _inputs(("fused refuse",), 1, 2, 2, 19, 16)
+    o, lse2 = ta.attention_forward(q, k, v, causal=True, scale=0.25, stabilize=None, beta=2.0, eps=1e-3,
+                                   counts=None, values=None)
+    probe = Probe(2)
+    with pytest.raises(ValueError, match="fused=True"):
+        ta.attention_backward(q, k, v, o, lse2, do, causal=True, scale=0.25, counts=probe.counts,
+                              values=probe.values, shadow=True, fused=True)
+    calls = []
+    monkeypatch.setattr(ta, "_launch_fused", lambda *a: calls.append(a) or ta._Launcher(ta._attn_bwd_fused)(*a))
+    ta.attention_backward(q, k, v, o, lse2, do, causal=True, scale=0.25, counts=None, values=None, shadow=False)
+    assert calls == []  # without dropout the two kernels are the faster way: the default
+    seed = torch.tensor([3, 4], dtype=torch.int64)
+    o, lse2 = ta.attention_forward(q, k, v, causal=True, scale=0.25, stabilize=None, beta=2.0, eps=1e-3,
+                                   counts=None, values=None, dropout_p=0.25, seed=seed)
+    kw = dict(causal=True, scale=0.25, counts=None, values=None, shadow=False, dropout_p=0.25, seed=seed)
+    default = ta.attention_backward(q, k, v, o, lse2, do, **kw)
+    assert len(calls) == 1
+    torch.use_deterministic_algorithms(True)
+    try:
+        det = ta.attention_backward(q, k, v, o, lse2, do, **kw)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    assert len(calls) == 1  # deterministic: the two kernels
+    for a, b in zip(default[:3], det[:3]):
+        assert max_err(a, b) <= 2 ** -7 * b.abs().max()

@@ -740,6 +740,126 @@ def _attn_bwd_dq(
         tl.atomic_add(Counts + C_SHADOW * H + off_h, tl.sum(live.to(tl.int64), 0), sem="relaxed")
 
 
+@triton.jit
+def _attn_bwd_delta(
+    O, DO, Delta,
+    stride_ob, stride_oh, stride_on,
+    stride_dob, stride_doh, stride_don,
+    H, N_Q, D,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * O) in float32 for one block of query rows (the fused backward's pre-pass)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = (offs_m[:, None] < N_Q) & (offs_d[None, :] < D)
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=ok, other=0.0)
+    tl.store(Delta + off_bh * N_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < N_Q)
+
+
+@triton.jit
+def _attn_bwd_fused(
+    Q, K, V, DO, LSE2, Delta, DK, DV, DQacc, Mask, RangeLo, RangeHi, Seed,
+    stride_qb, stride_qh, stride_qn,
+    stride_kb, stride_kh, stride_kn,
+    stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don,
+    stride_dkb, stride_dkh, stride_dkn,
+    stride_dvb, stride_dvh, stride_dvn,
+    stride_mb, stride_mh, stride_mn, stride_mk,
+    stride_rb, stride_rh, stride_rm,
+    H, H_KV, N_Q, N_KV, D, lse_plane,
+    qk_scale, scale, drop_thr, drop_scale,
+    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
+):
+    """One KV block of one KV head, FA2's backward: dK, dV in registers (summed over the query
+    heads that read the block), and each query block's share of dQ added to ``DQacc``
+    (B, H, N, D) float32 with atomics. Five products per tile where the two-kernel backward
+    takes seven, and dropout's bits are generated once, not twice. The order of the float32
+    additions into dQ varies from run to run (as FA2's): not bitwise deterministic."""
+    start_n = tl.program_id(0) * BLOCK_N
+    off_bhk = tl.program_id(1)
+    off_b = off_bhk // H_KV
+    off_hk = off_bhk % H_KV
+    group = H // H_KV
+
+    offs_n = start_n + tl.arange(0, BLOCK_N)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    d_ok = offs_d[None, :] < D
+    kv_mask = (offs_n[:, None] < N_KV) & d_ok
+    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    if DROPOUT:
+        k0 = tl.load(Seed).to(tl.uint32)
+        k1 = tl.load(Seed + 1).to(tl.uint32)
+        thr = drop_thr.to(tl.uint32)
+    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    hi = N_Q
+    for g in range(0, group):
+        off_h = off_hk * group + g
+        off_bh = off_b * H + off_h
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        dq_base = DQacc + off_bh * N_Q * D
+        if MASK_KIND != 0:  # the query rows that may see any key of this block (a pre-pass), per query head
+            r_off = off_b * stride_rb + off_h * stride_rh + tl.program_id(0) * stride_rm
+            lo = tl.load(RangeLo + r_off) // BLOCK_M * BLOCK_M
+            hi = tl.load(RangeHi + r_off)
+            m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_n[:, None] * stride_mk
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + offs_m0
+            m_ok = offs_m < N_Q
+            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+            lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+            if MASK_KIND == 2:
+                logl = tl.load(LSE2 + lse_plane + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+            delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M), raw
+            if MASK_KIND != 0:
+                ok = (offs_n[:, None] < N_KV) & m_ok[None, :]
+                if MASK_KIND == 1:
+                    keep_t = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=0)
+                    s_t = tl.where(keep_t != 0, s_t, float("-inf"))
+                else:
+                    bias = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=float("-inf")).to(tl.float32)
+                    bias = tl.where(bias <= FLOOR, float("-inf"), bias)
+                    s_t = (s_t * scale + bias) * 1.4426950408889634
+            if MASK_KIND == 2:
+                p_t = tl.math.exp2((s_t - lse2[None, :]) - logl[None, :])
+            else:
+                p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse2[None, :]))
+            if CAUSAL:
+                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            if DROPOUT:
+                keep_d = tl.trans(_dropout_keep(k0, k1, thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N))
+                dv = tl.dot(tl.where(keep_d, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+                dp_t = tl.where(keep_d, dp_t * drop_scale, 0.0)
+            else:
+                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+            dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale  # (BLOCK_M, HEAD_DIM)
+            tl.atomic_add(dq_base + offs_m[:, None] * D + offs_d[None, :], dq, mask=m_ok[:, None] & d_ok, sem="relaxed")
+
+    dk = dk * scale
+    if DROPOUT:
+        dv = dv * drop_scale
+    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
 # ---------------------------------------------------------------------------
 # Launchers
 
@@ -774,13 +894,17 @@ FWD_CONFIGS_WATCHED = {**FWD_CONFIGS, 128: (128, 128, 8, 2)}
 # dK/dV (64, 64, 8, 2) and dQ (64, 64, 4, 2) were the fastest of 28 each.
 DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (64, 64, 8, 2)}
 DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)}
+# The fused backward (one kernel, dQ by atomics; by default only for calls with dropout at
+# D <= 128): `benchmarks/attention.py --sweep fused` (H100, 2026-11-24), the fastest of 28 each
+# at GPT-2 small with dropout 0.1 (D = 64), Llama (D = 128) and D = 256 without dropout.
+FUSED_BWD_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 128, 8, 2), 256: (32, 32, 4, 2)}
 TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
 _INTERPRETER_CONFIG = (16, 16, 4, 1)  # one program at a time on CPU: small tiles, odd sizes covered
 
 
 # float32 inputs: tiles twice the bytes, and tl.dot without tensor cores ("ieee"); the
 # tables above would ask for more shared memory than an SM has at D = 128.
-FP32_CONFIGS = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2)}
+FP32_CONFIGS = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2), "fused": (32, 64, 4, 2)}
 
 
 # ---------------------------------------------------------------------------
@@ -885,6 +1009,7 @@ class _Launcher:
 
 
 _launch_fwd, _launch_dq, _launch_dkdv = _Launcher(_attn_fwd), _Launcher(_attn_bwd_dq), _Launcher(_attn_bwd_dkdv)
+_launch_delta, _launch_fused = _Launcher(_attn_bwd_delta), _Launcher(_attn_bwd_fused)
 
 
 def _config(table, head_dim: int, override=None, dtype=None, kind="fwd"):
@@ -1040,10 +1165,21 @@ def attention_backward(
     causal: bool, scale: float, counts: Optional[torch.Tensor], values: Optional[torch.Tensor], shadow: bool,
     config_dkdv=None, config_dq=None, delta: Optional[torch.Tensor] = None,
     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
-    mask_grad: bool = False,
+    mask_grad: bool = False, fused: Optional[bool] = None, config_fused=None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Launch the backward: dQ (which computes delta, with the shadow statistics if ``shadow``), then dK/dV.
+    """Launch the backward. Two ways, with the same results up to float32 summation order:
 
+    * fused (FA2's): a pre-pass for delta = rowsum(dO * O), then one kernel per KV block that
+      computes dK, dV and adds each query block's dQ into a float32 buffer with atomics;
+    * two kernels: dQ (which computes delta, with the shadow statistics), then dK/dV.
+      Bitwise deterministic.
+
+    ``fused=None`` takes the fused way only where it is the faster one, calls with dropout at
+    head dims up to 128 (it generates dropout's bits once instead of twice; without dropout, or
+    at D = 256, the two kernels are faster on the H100: benchmarks/RESULTS.md), and never where
+    the call needs what only the two kernels give: the shadow statistics (``shadow``), an
+    additive mask's gradient (``mask_grad``), or determinism
+    (``torch.use_deterministic_algorithms(True)``).
     ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``. Returns
     ``(dq, dk, dv, dmask)``; ``dmask`` (an additive mask's gradient, in its shape and
     dtype) only if ``mask_grad``, else None.
@@ -1063,8 +1199,35 @@ def attention_backward(
     mask_grad = mask_grad and mask.kind == MASK_ADD
     dmask = torch.zeros((B, H, N, n_kv), dtype=torch.float32, device=q.device) if mask_grad else None
     seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)
-    # dQ first: its programs write delta, which every dK/dV program reads
     shadow = shadow and counts is not None
+    if fused is None:
+        fused = (seed is not None and head_dim <= 128
+                 and not (shadow or mask_grad or torch.are_deterministic_algorithms_enabled()))
+    elif fused and (shadow or mask_grad):
+        raise ValueError("fused=True: the fused backward computes neither the shadow statistics nor a mask's gradient")
+    if fused:
+        if delta_from_o:
+            bm = 16 if _INTERPRET else (64 if head_dim <= 128 else 32)
+            _launch_delta(
+                (_cdiv(N, bm), B * H), (o, do, delta),
+                (*o.stride()[:3], *do.stride()[:3], H, N, D),
+                dict(HEAD_DIM=head_dim, BLOCK_M=bm, num_warps=4, num_stages=1),
+            )
+        dq_acc = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
+        block_m, block_n, warps, stages = _config(FUSED_BWD_CONFIGS, head_dim, config_fused, q.dtype, "fused")
+        lo, hi, r_strides = mask.cols(block_n) if mask.kind else (None, None, (0, 0, 0))
+        _launch_fused(
+            (_cdiv(n_kv, block_n), B * h_kv),
+            (q, k, v, do, lse2, delta, dk, dv, dq_acc, mask.tensor, lo, hi, seed),
+            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+             *mask.strides, *r_strides, H, h_kv, N, n_kv, D, B * H * N, 1.0 if mask.kind == MASK_ADD else scale * LOG2E,
+             scale, drop_thr, drop_scale),
+            dict(CAUSAL=causal, MASK_KIND=mask.kind, DROPOUT=seed is not None, HEAD_DIM=head_dim, BLOCK_M=block_m,
+                 BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages),
+        )
+        dq.copy_(dq_acc)
+        return dq, dk, dv, None
+    # dQ first: its programs write delta, which every dK/dV program reads
     block_m, block_n, warps, stages = _config(DQ_CONFIGS, head_dim, config_dq, q.dtype, "dq")
     lo, hi, r_strides = mask.rows(block_m) if mask.kind else (None, None, (0, 0, 0))
     _launch_dq(
