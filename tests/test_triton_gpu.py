@@ -176,9 +176,10 @@ def test_fast_launch_matches_tritons_launch(offset, monkeypatch):
                     assert max_err(a, b) <= 2 ** -7 * b.abs().max()
                 else:
                     assert torch.equal(a, b)
-    names = ("_launch_fwd", "_launch_dq", "_launch_dkdv", "_launch_fused", "_launch_delta")
+    names = ("_launch_fwd", "_launch_dq", "_launch_dkdv", "_launch_delta")
     hits = {name: len(getattr(ta, name).cache) for name in names}
     assert all(n >= 1 for n in hits.values()), hits
+    assert {key[0][3] for key in ta._launch_dkdv.cache} == {False, True}  # FUSED_DQ: both ways took the fast path
 
 
 def test_launch_hooks_see_every_launch():

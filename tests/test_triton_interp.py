@@ -419,7 +419,9 @@ def test_fused_backward_serves_dropout_calls_is_refused_where_it_cannot_and_skip
         ta.attention_backward(q, k, v, o, lse2, do, causal=True, scale=0.25, counts=probe.counts,
                               values=probe.values, shadow=True, fused=True)
     calls = []
-    monkeypatch.setattr(ta, "_launch_fused", lambda *a: calls.append(a) or ta._Launcher(ta._attn_bwd_fused)(*a))
+    launch = ta._launch_dkdv
+    monkeypatch.setattr(ta, "_launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or (
+        calls.append(1) if meta["FUSED_DQ"] else None))
     ta.attention_backward(q, k, v, o, lse2, do, causal=True, scale=0.25, counts=None, values=None, shadow=False)
     assert calls == []  # without dropout the two kernels are the faster way: the default
     seed = torch.tensor([3, 4], dtype=torch.int64)

@@ -530,7 +530,7 @@ def _attn_fwd(
 
 @triton.jit
 def _attn_bwd_dkdv(
-    Q, K, V, DO, LSE2, Delta, DK, DV, Mask, RangeLo, RangeHi, Seed,
+    Q, K, V, DO, LSE2, Delta, DK, DV, DQacc, Mask, RangeLo, RangeHi, Seed,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -541,11 +541,16 @@ def _attn_bwd_dkdv(
     stride_rb, stride_rh, stride_rm,
     H, H_KV, N_Q, N_KV, D, lse_plane,
     qk_scale, scale, drop_thr, drop_scale,
-    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
-    """One KV block of one KV head: dK, dV summed over the query heads that read it (GQA)."""
+    """One KV block of one KV head: dK, dV summed over the query heads that read it (GQA).
+
+    With ``FUSED_DQ`` (the fused backward, FA2's), also each query block's share of dQ,
+    added into ``DQacc`` (B, H, N, D) float32 with atomics: five products per tile where the
+    two-kernel backward takes seven, and dropout's bits generated once, not twice. The order
+    of those float32 additions varies from run to run: dQ is not bitwise deterministic."""
     start_n = tl.program_id(0) * BLOCK_N
     off_bhk = tl.program_id(1)
     off_b = off_bhk // H_KV
@@ -579,7 +584,6 @@ def _attn_bwd_dkdv(
             r_off = off_b * stride_rb + off_h * stride_rh + tl.program_id(0) * stride_rm
             lo = tl.load(RangeLo + r_off) // BLOCK_M * BLOCK_M
             hi = tl.load(RangeHi + r_off)
-        if MASK_KIND != 0:
             m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_n[:, None] * stride_mk
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
@@ -619,8 +623,12 @@ def _attn_bwd_dkdv(
                 # -- dV += bf16(P)^T dO
                 dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             # -- dS^T = P^T * (dP^T - delta), dK += bf16(dS)^T Q
-            ds_t = p_t * (dp_t - delta[None, :])
-            dk = tl.dot(ds_t.to(q.dtype), q, dk, input_precision=DOT_PRECISION)
+            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+            dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+            if FUSED_DQ:  # dQ += bf16(dS) K, this block's share, by atomics
+                dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale
+                tl.atomic_add(DQacc + off_bh * N_Q * D + offs_m[:, None] * D + offs_d[None, :], dq,
+                              mask=m_ok[:, None] & d_ok, sem="relaxed")
 
     dk = dk * scale
     if DROPOUT:
@@ -759,105 +767,6 @@ def _attn_bwd_delta(
     o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=ok, other=0.0)
     do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=ok, other=0.0)
     tl.store(Delta + off_bh * N_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < N_Q)
-
-
-@triton.jit
-def _attn_bwd_fused(
-    Q, K, V, DO, LSE2, Delta, DK, DV, DQacc, Mask, RangeLo, RangeHi, Seed,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_don,
-    stride_dkb, stride_dkh, stride_dkn,
-    stride_dvb, stride_dvh, stride_dvn,
-    stride_mb, stride_mh, stride_mn, stride_mk,
-    stride_rb, stride_rh, stride_rm,
-    H, H_KV, N_Q, N_KV, D, lse_plane,
-    qk_scale, scale, drop_thr, drop_scale,
-    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
-    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
-):
-    """One KV block of one KV head, FA2's backward: dK, dV in registers (summed over the query
-    heads that read the block), and each query block's share of dQ added to ``DQacc``
-    (B, H, N, D) float32 with atomics. Five products per tile where the two-kernel backward
-    takes seven, and dropout's bits are generated once, not twice. The order of the float32
-    additions into dQ varies from run to run (as FA2's): not bitwise deterministic."""
-    start_n = tl.program_id(0) * BLOCK_N
-    off_bhk = tl.program_id(1)
-    off_b = off_bhk // H_KV
-    off_hk = off_bhk % H_KV
-    group = H // H_KV
-
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    d_ok = offs_d[None, :] < D
-    kv_mask = (offs_n[:, None] < N_KV) & d_ok
-    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
-    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
-
-    if DROPOUT:
-        k0 = tl.load(Seed).to(tl.uint32)
-        k1 = tl.load(Seed + 1).to(tl.uint32)
-        thr = drop_thr.to(tl.uint32)
-    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
-    hi = N_Q
-    for g in range(0, group):
-        off_h = off_hk * group + g
-        off_bh = off_b * H + off_h
-        q_base = Q + off_b * stride_qb + off_h * stride_qh
-        do_base = DO + off_b * stride_dob + off_h * stride_doh
-        dq_base = DQacc + off_bh * N_Q * D
-        if MASK_KIND != 0:  # the query rows that may see any key of this block (a pre-pass), per query head
-            r_off = off_b * stride_rb + off_h * stride_rh + tl.program_id(0) * stride_rm
-            lo = tl.load(RangeLo + r_off) // BLOCK_M * BLOCK_M
-            hi = tl.load(RangeHi + r_off)
-            m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_n[:, None] * stride_mk
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + offs_m0
-            m_ok = offs_m < N_Q
-            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
-            lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
-            if MASK_KIND == 2:
-                logl = tl.load(LSE2 + lse_plane + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
-            delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M), raw
-            if MASK_KIND != 0:
-                ok = (offs_n[:, None] < N_KV) & m_ok[None, :]
-                if MASK_KIND == 1:
-                    keep_t = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=0)
-                    s_t = tl.where(keep_t != 0, s_t, float("-inf"))
-                else:
-                    bias = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=float("-inf")).to(tl.float32)
-                    bias = tl.where(bias <= FLOOR, float("-inf"), bias)
-                    s_t = (s_t * scale + bias) * 1.4426950408889634
-            if MASK_KIND == 2:
-                p_t = tl.math.exp2((s_t - lse2[None, :]) - logl[None, :])
-            else:
-                p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse2[None, :]))
-            if CAUSAL:
-                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            if DROPOUT:
-                keep_d = tl.trans(_dropout_keep(k0, k1, thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N))
-                dv = tl.dot(tl.where(keep_d, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-                dp_t = tl.where(keep_d, dp_t * drop_scale, 0.0)
-            else:
-                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-            dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-            dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale  # (BLOCK_M, HEAD_DIM)
-            tl.atomic_add(dq_base + offs_m[:, None] * D + offs_d[None, :], dq, mask=m_ok[:, None] & d_ok, sem="relaxed")
-
-    dk = dk * scale
-    if DROPOUT:
-        dv = dv * drop_scale
-    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 # ---------------------------------------------------------------------------
@@ -1009,7 +918,7 @@ class _Launcher:
 
 
 _launch_fwd, _launch_dq, _launch_dkdv = _Launcher(_attn_fwd), _Launcher(_attn_bwd_dq), _Launcher(_attn_bwd_dkdv)
-_launch_delta, _launch_fused = _Launcher(_attn_bwd_delta), _Launcher(_attn_bwd_fused)
+_launch_delta = _Launcher(_attn_bwd_delta)
 
 
 def _config(table, head_dim: int, override=None, dtype=None, kind="fwd"):
@@ -1216,14 +1125,14 @@ def attention_backward(
         dq_acc = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
         block_m, block_n, warps, stages = _config(FUSED_BWD_CONFIGS, head_dim, config_fused, q.dtype, "fused")
         lo, hi, r_strides = mask.cols(block_n) if mask.kind else (None, None, (0, 0, 0))
-        _launch_fused(
+        _launch_dkdv(
             (_cdiv(n_kv, block_n), B * h_kv),
             (q, k, v, do, lse2, delta, dk, dv, dq_acc, mask.tensor, lo, hi, seed),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
              *mask.strides, *r_strides, H, h_kv, N, n_kv, D, B * H * N, 1.0 if mask.kind == MASK_ADD else scale * LOG2E,
              scale, drop_thr, drop_scale),
-            dict(CAUSAL=causal, MASK_KIND=mask.kind, DROPOUT=seed is not None, HEAD_DIM=head_dim, BLOCK_M=block_m,
-                 BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages),
+            dict(CAUSAL=causal, MASK_KIND=mask.kind, DROPOUT=seed is not None, FUSED_DQ=True, HEAD_DIM=head_dim,
+                 BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages),
         )
         dq.copy_(dq_acc)
         return dq, dk, dv, None
@@ -1244,12 +1153,12 @@ def attention_backward(
     lo, hi, r_strides = mask.cols(block_n) if mask.kind else (None, None, (0, 0, 0))
     _launch_dkdv(
         (_cdiv(n_kv, block_n), B * h_kv),
-        (q, k, v, do, lse2, delta, dk, dv, mask.tensor, lo, hi, seed),
+        (q, k, v, do, lse2, delta, dk, dv, None, mask.tensor, lo, hi, seed),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
          *mask.strides, *r_strides, H, h_kv, N, n_kv, D, B * H * N, 1.0 if mask.kind == MASK_ADD else scale * LOG2E, scale, drop_thr,
          drop_scale),
-        dict(CAUSAL=causal, MASK_KIND=mask.kind, DROPOUT=seed is not None, HEAD_DIM=head_dim, BLOCK_M=block_m,
-             BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages),
+        dict(CAUSAL=causal, MASK_KIND=mask.kind, DROPOUT=seed is not None, FUSED_DQ=False, HEAD_DIM=head_dim,
+             BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages),
     )
     if dmask is not None:
         dmask = reduce_to(dmask, attn_mask.shape).to(attn_mask.dtype)
