@@ -78,6 +78,10 @@ def _out_dir(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    """The ``instability-watch`` argument parser: ``--version`` and the ``demo`` and ``report`` commands.
+
+    Bad arguments end with one line on stderr and exit status 2 (argparse's convention).
+    """
     from . import demo as demo_module
 
     parser = _Parser(
@@ -139,6 +143,11 @@ def report_command(run_dir) -> str:
 
 
 def main(argv: Optional[List[str]] = None) -> int:
+    """Run the ``instability-watch`` command on ``argv`` (default ``sys.argv[1:]``).
+
+    Returns the exit status: 0 on success, 2 for a bad run directory; bad arguments and a
+    missing command exit with status 2 through argparse.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":

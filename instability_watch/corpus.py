@@ -46,7 +46,10 @@ def stdlib_text(max_bytes: Optional[int] = None) -> bytes:
 
 
 def train_val_split(data: bytes, val_fraction: float = 0.05) -> Tuple[torch.Tensor, torch.Tensor]:
-    """The bytes as two ``uint8`` tensors: the first ``1 - val_fraction`` for training, the rest for validation."""
+    """The bytes as two 1-D ``uint8`` tensors: the first ``1 - val_fraction`` for training, the rest for validation.
+
+    Both share memory with a copy of ``data`` (no further copy).
+    """
     if not 0 < val_fraction < 1:
         raise ValueError(f"val_fraction must be in (0, 1), got {val_fraction!r}")
     t = torch.frombuffer(bytearray(data), dtype=torch.uint8)
@@ -56,6 +59,9 @@ def train_val_split(data: bytes, val_fraction: float = 0.05) -> Tuple[torch.Tens
 
 class ByteWindows(Dataset):
     """``length`` random windows of ``block + 1`` bytes; item ``i`` is ``(x, y)``, ``y`` shifted by one.
+
+    ``data`` is a 1-D ``uint8`` tensor (:func:`train_val_split`); ``x`` and ``y`` are int64
+    ``(block,)`` (token ids 0..255), so a ``DataLoader`` batches them to ``(B, block)``.
 
     The window offsets are drawn once from ``seed``, so item ``i`` is the same
     on every run and every rank (a distributed sampler gives ranks disjoint items).

@@ -90,8 +90,12 @@ def run(
 ) -> List[DemoRow]:
     """Measure the three cases of the demo: control, near-tied standard, near-tied stabilized.
 
-    Deterministic for a given ``seed``, and the same inputs on every device: they
-    are drawn with a CPU generator and moved to ``device``.
+    Each draw is one BF16 attention call on ``q, k, v`` of shape ``(2, heads, seq, 64)``
+    (:func:`~instability_watch.mechanism.near_tie_inputs`, ``n_ties`` near-tied keys per
+    row, or 1 for the control), measured against a float64 reference. Deterministic for
+    a given ``seed``, and the same inputs on every device: they are drawn with a CPU
+    generator and moved to ``device``. Returns one :class:`DemoRow` per case, in the
+    table's order; its fields are Python floats and ints.
 
     Raises:
         ValueError: ``draws < 1``, ``seq`` outside ``[n_ties, MAX_SEQ]``, or a

@@ -175,24 +175,29 @@ def _hf_gpt2(module: nn.Module) -> Located:
     return n_head, lambda: _heads_view(c_attn.weight[:, :e].t(), n_head)
 
 
-def _q_proj(module: nn.Module) -> Located:
-    q_proj = getattr(module, "q_proj", None)
-    if not isinstance(q_proj, nn.Linear) or not isinstance(getattr(module, "k_proj", None), nn.Linear):
-        return None
-    n_head = _int_attr(module, "num_heads", "num_attention_heads")
-    if n_head is None or q_proj.out_features % n_head:
-        return None
-    return n_head, lambda: _heads_view(q_proj.weight, n_head)
+def _separate_linears(module: nn.Module, names: Tuple[str, ...], head_attrs: Tuple[str, ...]) -> Located:
+    """A query projection that is its own ``nn.Linear`` beside the key (and value) ones.
 
-
-def _query_key_value(module: nn.Module) -> Located:
-    query = getattr(module, "query", None)
-    if not all(isinstance(getattr(module, n, None), nn.Linear) for n in ("query", "key", "value")):
+    ``names[0]`` is the query module; every name must be an ``nn.Linear`` on ``module``. The head
+    count is the first integer attribute of ``head_attrs``; it must divide the query's out features.
+    """
+    if not all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
         return None
-    n_head = _int_attr(module, "num_attention_heads", "num_heads")
+    query = getattr(module, names[0])
+    n_head = _int_attr(module, *head_attrs)
     if n_head is None or query.out_features % n_head:
         return None
     return n_head, lambda: _heads_view(query.weight, n_head)
+
+
+def _q_proj(module: nn.Module) -> Located:
+    """Llama-style ``q_proj`` / ``k_proj`` modules (Llama, Mistral, Qwen, Gemma, ...)."""
+    return _separate_linears(module, ("q_proj", "k_proj"), ("num_heads", "num_attention_heads"))
+
+
+def _query_key_value(module: nn.Module) -> Located:
+    """BERT-style ``query`` / ``key`` / ``value`` modules."""
+    return _separate_linears(module, ("query", "key", "value"), ("num_attention_heads", "num_heads"))
 
 
 def _gpt_neox(module: nn.Module) -> Located:

@@ -19,6 +19,8 @@ import torch.nn.functional as F
 
 @dataclass
 class GPTConfig:
+    """The model's sizes and options, validated when built (a ``ValueError`` names the bad field)."""
+
     vocab_size: int = 256      # byte-level
     block_size: int = 256      # context length
     n_layer: int = 4
@@ -44,6 +46,12 @@ class GPTConfig:
 
 
 class CausalSelfAttention(nn.Module):
+    """Multi-head causal self-attention: a fused ``c_attn`` (``n_embd -> 3 * n_embd``), then SDPA.
+
+    The layout the watch's nanoGPT locator recognises: ``W_Q`` is rows ``[0, n_embd)`` of
+    ``c_attn.weight``, ``n_head`` heads of ``n_embd // n_head`` dims.
+    """
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.n_head = config.n_head
@@ -54,6 +62,11 @@ class CausalSelfAttention(nn.Module):
         self.resid_dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(B, T, C)`` -> ``(B, T, C)``, same dtype (autocast's under autocast).
+
+        SDPA sees ``q, k, v`` of shape ``(B, n_head, T, C // n_head)``, ``is_causal=True``, with
+        attention dropout in training mode only.
+        """
         B, T, C = x.shape
         q, k, v = self.c_attn(x).split(self.n_embd, dim=2)
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
@@ -65,6 +78,8 @@ class CausalSelfAttention(nn.Module):
 
 
 class MLP(nn.Module):
+    """GPT-2's feed-forward block: ``n_embd -> 4 * n_embd``, tanh-GELU, back to ``n_embd``, dropout."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.c_fc = nn.Linear(config.n_embd, 4 * config.n_embd, bias=config.bias)
@@ -72,10 +87,13 @@ class MLP(nn.Module):
         self.dropout = nn.Dropout(config.dropout)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(..., n_embd)`` -> ``(..., n_embd)``, same dtype."""
         return self.dropout(self.c_proj(F.gelu(self.c_fc(x), approximate="tanh")))
 
 
 class Block(nn.Module):
+    """A pre-norm transformer block: ``x + attn(ln_1(x))``, then ``x + mlp(ln_2(x))``."""
+
     def __init__(self, config: GPTConfig) -> None:
         super().__init__()
         self.ln_1 = nn.LayerNorm(config.n_embd, bias=config.bias)
@@ -84,6 +102,7 @@ class Block(nn.Module):
         self.mlp = MLP(config)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` ``(B, T, n_embd)`` -> ``(B, T, n_embd)``, same dtype."""
         x = x + self.attn(self.ln_1(x))
         return x + self.mlp(self.ln_2(x))
 
@@ -118,6 +137,20 @@ class GPT(nn.Module):
     def forward(
         self, idx: torch.Tensor, targets: Optional[torch.Tensor] = None
     ) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """Next-token logits, and the loss when ``targets`` are given.
+
+        Args:
+            idx: token ids, int64 ``(B, T)`` with ``T <= block_size``.
+            targets: the next token at each position, int64 ``(B, T)``, or ``None``.
+
+        Returns:
+            ``(logits, loss)``: logits ``(B, T, vocab_size)`` in the model's dtype (autocast's
+            under autocast); loss a float32 scalar, the mean cross-entropy computed on the
+            logits upcast to float32, or ``None`` without targets.
+
+        Raises:
+            ValueError: ``T`` exceeds ``block_size``.
+        """
         B, T = idx.shape
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")

@@ -96,6 +96,7 @@ class LayerCoverage:
     not_applied: Dict[str, int] = field(default_factory=dict)
 
     def to_dict(self) -> dict:
+        """The record as plain Python types (what ``meta.json``'s ``coverage`` holds)."""
         return {
             "layer_name": self.layer_name, "observed_calls": self.observed_calls,
             "unobserved_calls": dict(self.unobserved_calls), "shadow_calls": self.shadow_calls,
@@ -398,10 +399,12 @@ class Site:
 
     @property
     def name(self) -> str:
+        """The layer's module name."""
         return self.layer.name
 
     @property
     def num_heads(self) -> int:
+        """The layer's number of query heads ``H`` (the length of ``stabilize``, a bool ``(H,)``)."""
         return self.layer.num_heads
 
 
@@ -531,6 +534,7 @@ class Observation:
 
     @property
     def routing(self) -> bool:
+        """Whether switched layers may run on our kernels (``False``: every call on PyTorch's SDPA)."""
         return self._routing
 
     @routing.setter
@@ -611,6 +615,7 @@ class Observation:
 
     @property
     def head_counts(self) -> List[int]:
+        """The number of query heads of each watched layer, in layer order."""
         return [s.num_heads for s in self.sites]
 
     def stabilized(self) -> List[List[bool]]:
@@ -686,7 +691,12 @@ def _param_device(model: nn.Module) -> torch.device:
 
 
 def observe(model: nn.Module, layers: Sequence[AttentionLayer], *, beta: float = 2.0, eps: float = 1e-3) -> Observation:
-    """Prepare ``layers`` of ``model`` for observation (nothing is installed until :meth:`Observation.arm`)."""
+    """Prepare ``layers`` of ``model`` for observation (nothing is installed until :meth:`Observation.arm`).
+
+    Each layer gets a :class:`Probe` (int64 ``counts`` and float32 ``values``, one column
+    per query head) and a bool ``(H,)`` ``stabilize`` mask on the model's device;
+    ``beta`` and ``eps`` are the stabilized kernel's shift factor and tie tolerance.
+    """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
     return Observation(model, layers, beta=beta, eps=eps)

@@ -95,7 +95,12 @@ class Probe:
 
     @classmethod
     def from_buffers(cls, counts: torch.Tensor, values: torch.Tensor) -> "Probe":
-        """A probe over existing buffers (no copy), e.g. inside a ``torch.library`` op."""
+        """A probe over existing buffers (no copy), e.g. inside a ``torch.library`` op.
+
+        Args:
+            counts: int64 ``(len(COUNT_FIELDS), H)``.
+            values: float32 ``(len(VALUE_FIELDS), H)``, on the same device.
+        """
         probe = cls.__new__(cls)
         probe.num_heads = counts.shape[1]
         probe.shadow = False
@@ -104,6 +109,7 @@ class Probe:
 
     @property
     def device(self) -> torch.device:
+        """The device of the ``counts`` and ``values`` buffers."""
         return self.counts.device
 
     def __getattr__(self, name: str) -> torch.Tensor:
@@ -116,7 +122,10 @@ class Probe:
         raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
 
     def counters(self) -> Dict[str, torch.Tensor]:
-        """Every statistic by name, as views into the live buffers (not copies)."""
+        """Every statistic by name, as views into the live buffers (not copies).
+
+        Each is a ``(H,)`` row: int64 for :data:`COUNT_FIELDS`, float32 for :data:`VALUE_FIELDS`.
+        """
         return {name: getattr(self, name) for name in COUNT_FIELDS + VALUE_FIELDS}
 
     def zero_(self) -> "Probe":
@@ -137,7 +146,11 @@ class Probe:
 
 
 def probe_buffers(probe: Optional[Probe]):
-    """``(counts, values)`` of a probe, or ``(None, None)``."""
+    """``(counts, values)`` of a probe, or ``(None, None)``.
+
+    ``counts`` is int64 ``(len(COUNT_FIELDS), H)``, ``values`` float32
+    ``(len(VALUE_FIELDS), H)``: the live buffers, not copies.
+    """
     return (None, None) if probe is None else (probe.counts, probe.values)
 
 
@@ -162,18 +175,26 @@ class ProbeBank:
 
     @property
     def device(self) -> torch.device:
+        """Where the probes' buffers live (the bank's device while it has no probes)."""
         return self.probes[0].device if self.probes else self._device
 
     @property
     def counts(self) -> torch.Tensor:
-        """Every layer's ``counts``, flattened and concatenated in layer order (a copy)."""
+        """Every layer's ``counts``, flattened and concatenated in layer order (a copy).
+
+        int64, ``(len(COUNT_FIELDS) * sum(H_l),)``: layer ``l``'s block is its
+        ``(len(COUNT_FIELDS), H_l)`` buffer in row-major order.
+        """
         if not self.probes:
             return torch.zeros(0, dtype=torch.int64, device=self._device)
         return torch.cat([p.counts.reshape(-1) for p in self.probes])
 
     @property
     def values(self) -> torch.Tensor:
-        """Every layer's ``values``, flattened and concatenated in layer order (a copy)."""
+        """Every layer's ``values``, flattened and concatenated in layer order (a copy).
+
+        float32, ``(len(VALUE_FIELDS) * sum(H_l),)``, laid out as :attr:`counts`.
+        """
         if not self.probes:
             return torch.zeros(0, dtype=torch.float32, device=self._device)
         return torch.cat([p.values.reshape(-1) for p in self.probes])
@@ -202,6 +223,7 @@ class ProbeBank:
         return self
 
     def zero_(self) -> None:
+        """Reset every probe's statistics in place (two multi-tensor ops, no host sync)."""
         if self.probes:
             torch._foreach_zero_([p.counts for p in self.probes])
             torch._foreach_copy_([p.values for p in self.probes], self._value_resets)

@@ -101,9 +101,11 @@ class SpectralNorms:
         return out  # type: ignore[return-value]
 
     def state_dict(self) -> dict:
+        """The warm-start vectors (one ``(N, D)`` float32 per group of heads) as plain Python lists (``None`` before the first call)."""
         return {"vectors": None if self.vectors is None else [None if v is None else v.cpu().tolist() for v in self.vectors]}
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore the warm-start vectors of :meth:`state_dict` (as float32 CPU tensors)."""
         vectors = state.get("vectors")
         self.vectors = None if vectors is None else [None if v is None else torch.tensor(v, dtype=torch.float32) for v in vectors]
 
