@@ -159,7 +159,8 @@ def sass_table(mods):
                     sig[arg] = "i32"
                     if arg.startswith("stride"):
                         attrs[(i,)] = [["tt.divisibility", 16]]
-            const = dict(CAUSAL=True, HAS_STAB=name != "standard", HAS_PROBE=False, HEAD_DIM=head_dim, BLOCK_M=bm,
+            const = dict(CAUSAL=True, HAS_STAB=name != "standard", HAS_PROBE=False, MASK_KIND=0, DROPOUT=False,
+                         HEAD_DIM=head_dim, BLOCK_M=bm,
                          BLOCK_N=bn, EVEN_M=True, EVEN_N=True, EVEN_D=True, DOT_PRECISION="tf32", ASM=True, WARP_STATS=False)
             opts = cfg.options()
             kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
