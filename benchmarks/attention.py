@@ -228,12 +228,12 @@ def sweep(kind, shape_names, variant="standard", dropout_p=0.0):
         shape = SHAPES[name]
         q, k, v, do = inputs(shape)
         scale = shape["D"] ** -0.5
-        head_dim = ta._head_dim_tile(shape["D"])
+        head_dim = ta.head_dim_tile(shape["D"])
         stab = torch.ones(shape["H"], dtype=torch.bool, device="cuda") if variant != "standard" else None
         probe = Probe(shape["H"], "cuda") if variant == "probe" else None
         counts, values = (probe.counts, probe.values) if probe is not None else (None, None)
         drop = dict(dropout_p=dropout_p, seed=torch.tensor([1, 2], dtype=torch.int64, device="cuda")) if dropout_p else {}
-        o, lse2 = ta.attention_forward(q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3,
+        o, lse2 = ta.attention_forward_lse2(q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3,
                                        counts=counts, values=values, **drop)
         if head_dim >= 256:
             grid = [c + (None,) for c in WIDE_GRID] if kind == "fwd" else WIDE_GRID
@@ -242,14 +242,14 @@ def sweep(kind, shape_names, variant="standard", dropout_p=0.0):
         timings = []
         for cfg in (c for c in grid if keep(c, head_dim)):
             if kind == "fwd":
-                fn = lambda: ta.attention_forward(  # noqa: E731
+                fn = lambda: ta.attention_forward_lse2(  # noqa: E731
                     q, k, v, causal=shape["causal"], scale=scale, stabilize=stab, beta=2.0, eps=1e-3,
                     counts=counts, values=values, config=cfg, **drop,
                 )
                 fl = flops(shape)
             else:
                 key = {"dkdv": "config_dkdv", "dq": "config_dq", "fused": "config_fused"}[kind]
-                fn = lambda: ta.attention_backward(  # noqa: E731
+                fn = lambda: ta.attention_backward_lse2(  # noqa: E731
                     q, k, v, o, lse2, do, causal=shape["causal"], scale=scale, counts=None, values=None,
                     shadow=False, fused=kind == "fused", **{key: cfg}, **drop,
                 )
@@ -266,7 +266,7 @@ def sweep(kind, shape_names, variant="standard", dropout_p=0.0):
         out[name] = [(cfg, ms) for ms, cfg in timings[:5]]
         print(f"{name} {kind} best: " + ", ".join(f"{cfg} {ms:.3f}ms" for cfg, ms in out[name]))
         if kind == "fused":  # the yardstick: the two-kernel backward at its tables' configs
-            ms = bench(lambda: ta.attention_backward(q, k, v, o, lse2, do, causal=shape["causal"], scale=scale,
+            ms = bench(lambda: ta.attention_backward_lse2(q, k, v, o, lse2, do, causal=shape["causal"], scale=scale,
                                                      counts=None, values=None, shadow=False, fused=False, **drop),
                        warmup=10, rep=40)
             out[name + " two-kernel"] = ms
@@ -306,7 +306,7 @@ def host_overhead(calls=300):
     paths = {
         "flash_attention fwd": lambda: flash_attention(q, k, v, causal=True),
         "flash_attention fwd, mask+probe": lambda: flash_attention(q, k, v, causal=True, stabilize=mask, probe=probe),
-        "launcher fwd": lambda: ta.attention_forward(
+        "launcher fwd": lambda: ta.attention_forward_lse2(
             q, k, v, causal=True, scale=0.125, stabilize=None, beta=2.0, eps=1e-3, counts=None, values=None
         ),
         "sdpa flash fwd": sdpa,

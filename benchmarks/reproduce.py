@@ -10,7 +10,7 @@ Arms (what the attention computes):
 * ``standard``: PyTorch's SDPA at its default backend (cuDNN or flash on a GPU;
   the same precision model as FA2: P rounded to BF16 for P V);
 * ``control``: our standard kernel, with the backward's delta = rowsum(dO * O)
-  taking O in float32 (the paper's Claim 1 control; ``kernels.high_precision_delta``);
+  taking O in float32 (the paper's Claim 1 control; ``experimental.high_precision_delta``);
 * ``stabilized``: every head on our stabilized kernel (the paper's fix) from step 1.
 
 Watch modes: ``off`` (no watch; the control and stabilized arms call our kernel
@@ -53,7 +53,7 @@ import torch
 from instability_watch import InstabilityWatch, WatchConfig, flash_attention
 from instability_watch.corpus import stdlib_text, train_val_split
 from instability_watch.export import RunWriter, load_run
-from instability_watch.kernels import high_precision_delta
+from instability_watch.experimental import high_precision_delta
 from instability_watch.nanogpt import GPT, GPTConfig
 
 ARMS = ("standard", "control", "stabilized")

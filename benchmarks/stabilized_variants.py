@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 SRC = ROOT / "instability_watch/kernels/triton_attention.py"
 
-COUNT = "                c_new += tl.sum(_at_least(qk, tl.broadcast_to(thr[:, None], qk.shape), ASM), 1).to(tl.int32)\n"
+COUNT = "                c_new += tl.sum(at_least(qk, tl.broadcast_to(thr[:, None], qk.shape), ASM), 1).to(tl.int32)\n"
 TIE = '                    tie = (c_new > 1) & (r_new > float("-inf")) & stab_h\n'
 FMA_COUNT = """                tb = thr.to(tl.int32, bitcast=True)
                 pb = tl.where(thr > 0, tb - 1, tl.where(thr < 0, tb + 1, -1619001344))  # pred(thr); at 0: -2^-64
@@ -70,14 +70,14 @@ TOP2_HEAD = """        if TRACK_TIES:
                 c_new = tl.where(r_i >= thr, c_i, 0) + (rm >= thr).to(tl.int32) + (rm2 >= thr).to(tl.int32)
                 c_new = tl.minimum(c_new, 2)  # saturating: only "more than one" matters
 """
-AT_LEAST = "\n\n@triton.jit\ndef _at_least("
+FWD_INNER = "\n\n@triton.jit\ndef _fwd_inner("
 TOP2_FN = """
 
 @triton.jit
 def _top2(a1, a2, b1, b2):
     # (largest, second largest) of two pairs; NaN dropped (the min propagates it, the max drops it)
     return tl.maximum(a1, b1), tl.maximum(tl.maximum(a2, b2), tl.minimum(a1, b1, propagate_nan=tl.PropagateNan.ALL))
-""" + AT_LEAST
+""" + FWD_INNER
 
 
 def top2(src):
@@ -89,7 +89,7 @@ def top2(src):
     new = (TOP2_HEAD + stabilized + C_DONE
            + "            else:\n                " + STANDARD_SHIFT.replace("INDENT", " " * 16)
            + "        else:\n            " + STANDARD_SHIFT.replace("INDENT", " " * 12))
-    return (src[:a] + new + src[b:]).replace(AT_LEAST, TOP2_FN, 1)
+    return (src[:a] + new + src[b:]).replace(FWD_INNER, TOP2_FN, 1)
 
 
 VARIANTS = {
@@ -105,9 +105,9 @@ SHAPES = {"gpt2": (16, 12, 1024, 64), "llama": (4, 32, 4096, 128)}
 
 def load_variants(names):
     src = SRC.read_text()
-    for rel, absolute in (("..probe", "instability_watch.probe"), (". import", "instability_watch.kernels import"),
-                          (".layout", "instability_watch.kernels.layout"), (".reference", "instability_watch.kernels.reference")):
-        src = src.replace(f"from {rel}", f"from {absolute}", 1)
+    # the module's relative imports, made absolute: the variants share the package's other modules
+    src = re.sub(r"^from \.\.(\w+) import", r"from instability_watch.\1 import", src, flags=re.M)
+    src = re.sub(r"^from \.(\w+) import", r"from instability_watch.kernels.\1 import", src, flags=re.M)
     tmp = Path(tempfile.mkdtemp(prefix="stab_variants_"))
     mods = {}
     for name in names:
@@ -131,16 +131,20 @@ def load_variants(names):
 
 
 def sass_table(mods):
+    import torch
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
+
+    from instability_watch.kernels.configs import launch_config
 
     bindir = Path(triton.__file__).parent / "backends/nvidia/bin"
     ptr = {"Q": "*bf16", "K": "*bf16", "V": "*bf16", "O": "*bf16", "LSE2": "*fp32", "Stab": "*u8", "Counts": "*i64", "Values": "*fp32"}
     rows = []
     for head_dim in (64, 128):
         # the watched forward's launch table (the one a stabilize mask selects), for every variant
-        bm, bn, warps, stages, *cap = mods["production"].FWD_CONFIGS_WATCHED[head_dim]
+        cfg = launch_config("fwd", head_dim, torch.bfloat16, watched=True)
+        bm, bn = cfg.block_m, cfg.block_n
         for name, mod in [("standard", mods["production"])] + list(mods.items()):
             fn = mod._attn_fwd
             sig, attrs = {}, {}
@@ -155,9 +159,10 @@ def sass_table(mods):
                     sig[arg] = "i32"
                     if arg.startswith("stride"):
                         attrs[(i,)] = [["tt.divisibility", 16]]
-            const = dict(CAUSAL=True, HAS_STAB=name != "standard", HAS_PROBE=False, HEAD_DIM=head_dim, BLOCK_M=bm,
+            const = dict(CAUSAL=True, HAS_STAB=name != "standard", HAS_PROBE=False, MASK_KIND=0, DROPOUT=False,
+                         HEAD_DIM=head_dim, BLOCK_M=bm,
                          BLOCK_N=bn, EVEN_M=True, EVEN_N=True, EVEN_D=True, DOT_PRECISION="tf32", ASM=True, WARP_STATS=False)
-            opts = dict(num_warps=warps, num_stages=stages, **({"maxnreg": cap[0]} if cap else {}))
+            opts = cfg.options()
             kernel = triton.compile(ASTSource(fn, sig, const, attrs), target=GPUTarget("cuda", 90, 32), options=opts)
             with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
                 f.write(kernel.asm["cubin"])
@@ -212,7 +217,7 @@ def check_exact(mods):
 
     def run(mod, q, k, v, stab, causal):
         probe = Probe(q.shape[1], "cuda")
-        o, lse2 = mod.attention_forward(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5, stabilize=stab, beta=2.0,
+        o, lse2 = mod.attention_forward_lse2(q, k, v, causal=causal, scale=q.shape[-1] ** -0.5, stabilize=stab, beta=2.0,
                                         eps=1e-3, counts=probe.counts, values=probe.values)
         return o.nan_to_num(1234.5), lse2.nan_to_num(1234.5), probe.counts, probe.values
 
@@ -257,7 +262,7 @@ def time_table(mods, rounds):
         every = torch.ones(H, dtype=torch.bool, device="cuda")
 
         def fwd(mod, stab):
-            return lambda: mod.attention_forward(q, k, v, causal=True, scale=D ** -0.5, stabilize=stab, beta=2.0,
+            return lambda: mod.attention_forward_lse2(q, k, v, causal=True, scale=D ** -0.5, stabilize=stab, beta=2.0,
                                                  eps=1e-3, counts=None, values=None)
 
         fns = {"standard": fwd(mods["production"], None), **{n: fwd(m, every) for n, m in mods.items()}}

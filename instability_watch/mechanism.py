@@ -15,7 +15,7 @@ from typing import Dict, Optional
 import torch
 
 from .kernels import flash_attention
-from .kernels.reference import attention_forward
+from .kernels.reference import attention_forward_lse
 from .probe import Probe
 
 
@@ -43,6 +43,9 @@ def near_tie_inputs(
     generator: Optional[torch.Generator] = None,
 ) -> NearTieInputs:
     """Random inputs whose score rows hold ``n_ties`` maxima within ``tie_gap`` of each other.
+
+    Returns q, k, v, dO of shape (batch, heads, seq, head_dim) in ``dtype`` on ``device``, and
+    the bool (head_dim,) mask of the negative-V dims (:class:`NearTieInputs`).
 
     Construction (per batch and head): a random unit direction ``u`` in dims
     ``1..D-1``; queries ``q = 4u + noise``, with ``q[0] = 1``; ``n_ties`` keys at
@@ -91,8 +94,11 @@ def near_tie_inputs(
 
 
 def exact_attention(q, k, v, *, causal: bool = False, scale: Optional[float] = None) -> torch.Tensor:
-    """Attention in float64 (no rounding anywhere): the oracle of every error measurement."""
-    o, _ = attention_forward(
+    """Attention in float64 (no rounding anywhere): the oracle of every error measurement.
+
+    q (B, H, N, D), k, v (B, H_kv, N_kv, D) of any float dtype; returns O (B, H, N, D) float64.
+    """
+    o, _ = attention_forward_lse(
         q.double(), k.double(), v.double(), causal=causal, scale=scale, block_n=1 << 30
     )
     return o
@@ -104,7 +110,8 @@ def measure_bias(
     """Signed error of O against float64 in the negative-V dims, and the shadow delta drift.
 
     Runs forward and backward through :func:`flash_attention` with a probe in
-    shadow mode. Returns plain floats:
+    shadow mode, on ``inputs`` (tensors (B, H, N, D), see :func:`near_tie_inputs`). Returns
+    plain floats:
 
     * ``o_bias``: mean of ``O - O_exact`` over the negative-V dims (the paper's
       bias: negative when near-ties round ``P`` up to 1);

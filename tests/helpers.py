@@ -47,3 +47,33 @@ def max_err(a, ref) -> float:
 def ulp_bf16(x: float) -> float:
     """Spacing of bfloat16 numbers at magnitude x."""
     return 2.0 ** (math.floor(math.log2(abs(x))) - 7)
+
+
+def assert_probe_counts_equal(probe, ref, names=("rows", "multi_max_rows", "tie_rows", "nonfinite_rows"),
+                              rtol=1e-6) -> None:
+    """Two probes' counters equal (``names``) and their maximum scores within ``rtol``: the Triton
+    kernels against the reference, on the interpreter and on the GPU."""
+    for name in names:
+        assert getattr(probe, name).tolist() == getattr(ref, name).tolist(), name
+    assert torch.allclose(probe.max_score, ref.max_score, rtol=rtol)
+
+
+def fused_and_split_backward(q, k, v, do, *, causal, scale, tol, attn_mask=None, dropout_p=0.0, seed=None):
+    """The Triton backward both ways (fused, dQ by atomics; two kernels) after one forward: the same
+    gradients, in q's dtype and shape, finite, within ``tol`` of the largest. Returns the fused
+    ``(dq, dk, dv)``."""
+    from instability_watch.kernels import triton_attention as ta
+
+    o, lse2 = ta.attention_forward_lse2(q, k, v, causal=causal, scale=scale, stabilize=None, beta=2.0, eps=1e-3,
+                                        counts=None, values=None, attn_mask=attn_mask, dropout_p=dropout_p,
+                                        seed=seed)
+    kw = dict(causal=causal, scale=scale, counts=None, values=None, shadow=False, attn_mask=attn_mask,
+              dropout_p=dropout_p, seed=seed)
+    fused = ta.attention_backward_lse2(q, k, v, o, lse2, do, fused=True, **kw)
+    split = ta.attention_backward_lse2(q, k, v, o, lse2, do, fused=False, **kw)
+    assert fused[3] is None and split[3] is None
+    for name, a, b in zip(("dq", "dk", "dv"), fused[:3], split[:3]):
+        assert a.dtype == q.dtype and a.shape == b.shape, name
+        assert torch.isfinite(a).all(), name
+        assert max_err(a, b) <= tol * max(b.abs().max().item(), 1e-6), (name, q.dtype, max_err(a, b))
+    return fused[:3]

@@ -1,4 +1,4 @@
-"""The kernels' fast launch path (triton_attention._Launcher), with a stand-in for a Triton kernel.
+"""The kernels' fast launch path (kernels._launch.Launcher), with a stand-in for a Triton kernel.
 
 On the GPU the same path is checked bitwise against Triton's own launch
 (test_triton_gpu.py::test_fast_launch_matches_tritons_launch).
@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from instability_watch.kernels import triton_attention as ta  # noqa: E402
+from instability_watch.kernels import _launch as launching  # noqa: E402
 
 
 class FakeKernel:
@@ -36,7 +36,7 @@ class FakeKernel:
         return run
 
 
-class Launcher(ta._Launcher):
+class Launcher(launching.Launcher):
     enabled = True
 
     def _bind_driver(self):
@@ -93,7 +93,7 @@ def test_none_pointers_and_launch_hooks():
     _launch(launcher, x, None)
     _launch(launcher, x, None)
     assert fn.fast_calls[-1][13:15] == (x.data_ptr(), None)
-    hooks = ta.triton.knobs.runtime.launch_enter_hook
+    hooks = launching.triton.knobs.runtime.launch_enter_hook
     if hooks is None or not hasattr(hooks, "add"):
         pytest.skip("this Triton has no launch hook chain")
     hook = lambda metadata: None  # what a profiler installs: it must see every launch
@@ -127,20 +127,20 @@ def test_unknown_launchers_and_failing_launches_fall_back_to_triton():
         _launch(launcher, x, x)  # the launcher raises: Triton's path, and from then on only that
     _launch(launcher, x, x)
     assert len(fn.triton_calls) == 3 and not fn.fast_calls and Failing.enabled is False
-    assert Launcher.enabled is True and ta._Launcher.enabled in (True, False)
+    assert Launcher.enabled is True and launching.Launcher.enabled in (True, False)
 
 
 def test_off_in_the_interpreter_and_on_request(monkeypatch):
-    monkeypatch.setattr(ta, "_INTERPRET", True)
-    assert not ta._fast_launch_enabled()
-    monkeypatch.setattr(ta, "_INTERPRET", False)
-    monkeypatch.setattr(ta.triton, "__version__", "3.6.0")
-    assert ta._fast_launch_enabled()
+    monkeypatch.setattr(launching, "INTERPRET", True)
+    assert not launching.fast_launch_enabled()
+    monkeypatch.setattr(launching, "INTERPRET", False)
+    monkeypatch.setattr(launching.triton, "__version__", "3.6.0")
+    assert launching.fast_launch_enabled()
     monkeypatch.setenv("INSTABILITY_WATCH_FAST_LAUNCH", "0")
-    assert not ta._fast_launch_enabled()
+    assert not launching.fast_launch_enabled()
     monkeypatch.delenv("INSTABILITY_WATCH_FAST_LAUNCH")
-    monkeypatch.setattr(ta.triton, "__version__", "3.9.0")
-    assert not ta._fast_launch_enabled()
+    monkeypatch.setattr(launching.triton, "__version__", "3.9.0")
+    assert not launching.fast_launch_enabled()
 
 
 def test_a_tensor_on_another_device_takes_tritons_path():

@@ -8,8 +8,8 @@ from helpers import max_err, run_fwd_bwd, sdpa_math, seeded
 from instability_watch import Probe, flash_attention
 from instability_watch.kernels.reference import (
     LOG2E,
-    attention_backward,
-    attention_forward,
+    attention_backward_lse,
+    attention_forward_lse,
     max_shift_for,
     stabilized_shift,
 )
@@ -77,7 +77,7 @@ def test_lse_is_float32_logsumexp():
     g = seeded("lse")
     q, k, v = (torch.randn(2, 3, 50, 32, generator=g).bfloat16() for _ in range(3))
     for stabilize in (None, torch.ones(3, dtype=torch.bool)):
-        _, lse = attention_forward(q, k, v, causal=True, stabilize=stabilize)
+        _, lse = attention_forward_lse(q, k, v, causal=True, stabilize=stabilize)
         s = (q.double() @ k.double().transpose(-1, -2)) / math.sqrt(32)
         s = s.masked_fill(torch.ones(50, 50, dtype=torch.bool).triu(1), float("-inf"))
         assert lse.dtype == torch.float32
@@ -90,7 +90,7 @@ def test_block_size_does_not_change_the_result():
     outs, counts = [], []
     for block_n in (16, 64, 128, 1024):
         probe = Probe(2)
-        o, _ = attention_forward(inp.q, inp.k, inp.v, stabilize=torch.ones(2, dtype=torch.bool), block_n=block_n, probe=probe)
+        o, _ = attention_forward_lse(inp.q, inp.k, inp.v, stabilize=torch.ones(2, dtype=torch.bool), block_n=block_n, probe=probe)
         outs.append(o)
         counts.append(probe.multi_max_rows.tolist())
     ref = exact_attention(inp.q, inp.k, inp.v)
@@ -109,8 +109,8 @@ def test_stabilized_equals_standard_in_float64(causal):
     inp = near_tie_inputs(batch=2, heads=4, seq=200, dtype=torch.float64, generator=seeded("f64", causal))
     stab = torch.tensor([True, False, True, True])
     probe = Probe(4)
-    o_std, lse_std = attention_forward(inp.q, inp.k, inp.v, causal=causal)
-    o_stab, lse_stab = attention_forward(inp.q, inp.k, inp.v, causal=causal, stabilize=stab, probe=probe)
+    o_std, lse_std = attention_forward_lse(inp.q, inp.k, inp.v, causal=causal)
+    o_stab, lse_stab = attention_forward_lse(inp.q, inp.k, inp.v, causal=causal, stabilize=stab, probe=probe)
     assert probe.multi_max_rows.sum() > 0  # the fix did engage
     assert (o_std - o_stab).abs().max().item() <= 1e-12
     assert (lse_std - lse_stab).abs().max().item() <= 1e-12
@@ -119,8 +119,8 @@ def test_stabilized_equals_standard_in_float64(causal):
     for offset in (1000.0, -1000.0):
         k = inp.k.clone()
         k[..., 0] += offset
-        o_std, _ = attention_forward(inp.q, k, inp.v, causal=causal)
-        o_stab, _ = attention_forward(inp.q, k, inp.v, causal=causal, stabilize=stab)
+        o_std, _ = attention_forward_lse(inp.q, k, inp.v, causal=causal)
+        o_stab, _ = attention_forward_lse(inp.q, k, inp.v, causal=causal, stabilize=stab)
         assert (o_std - o_stab).abs().max().item() <= 1e-12
 
 
@@ -181,8 +181,8 @@ def test_shadow_delta_hp_is_rowsum_do_times_high_precision_o():
     q, k, v, do = (torch.randn(1, 2, 40, 32, generator=g).bfloat16() for _ in range(4))
     probe = Probe(2)
     probe.shadow = True
-    o, lse = attention_forward(q, k, v, causal=True)
-    attention_backward(q, k, v, o, lse, do, causal=True, shadow_probe=probe)
+    o, lse = attention_forward_lse(q, k, v, causal=True)
+    attention_backward_lse(q, k, v, o, lse, do, causal=True, shadow_probe=probe)
     s = (q.float() @ k.float().transpose(-1, -2)) / math.sqrt(32)
     s = s.masked_fill(torch.ones(40, 40, dtype=torch.bool).triu(1), float("-inf"))
     o_hp = torch.softmax(s, dim=-1) @ v.float()
@@ -344,7 +344,7 @@ def test_probe_views_and_copies():
 
 
 def _tie_grads(hp: bool, backend: str = "reference"):
-    from instability_watch.kernels import high_precision_delta
+    from instability_watch.experimental import high_precision_delta
 
     inp = near_tie_inputs(batch=1, heads=2, seq=64, generator=seeded("hp_delta"))
     probe = Probe(2)
@@ -376,7 +376,7 @@ def test_high_precision_delta_removes_the_delta_bias_and_leaves_the_forward():
 
 
 def test_high_precision_delta_rejects_non_bool():
-    from instability_watch.kernels import high_precision_delta
+    from instability_watch.experimental import high_precision_delta
 
     with pytest.raises(TypeError, match="enabled must be a bool"):
         with high_precision_delta("yes"):

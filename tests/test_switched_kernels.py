@@ -43,7 +43,8 @@ from torch.overrides import TorchFunctionMode
 import family_models as fm
 import real_models as rm
 from instability_watch import InstabilityWatch, WatchConfig, flash_attention
-from instability_watch.kernels import dropout_mask, dropout_seed, high_precision_delta
+from instability_watch.experimental import high_precision_delta
+from instability_watch.kernels import dropout_mask, dropout_seed
 from instability_watch.kernels import reference
 
 FLOOR = 1e-6
@@ -74,7 +75,7 @@ class _KernelSpy:
     def __init__(self, monkeypatch):
         self.forwards = 0
         self.backwards = []  # (dq max abs, dq finite, mask gradient returned)
-        fwd, bwd = reference.attention_forward, reference.attention_backward
+        fwd, bwd = reference.attention_forward_lse, reference.attention_backward_lse
 
         def forward(*args, **kwargs):
             self.forwards += 1
@@ -85,9 +86,9 @@ class _KernelSpy:
             self.backwards.append((float(dq.abs().max()), bool(torch.isfinite(dq).all()), dmask is not None))
             return dq, dk, dv, dmask
 
-        # ops.py calls reference.attention_forward / attention_backward through the module
-        monkeypatch.setattr(reference, "attention_forward", forward)
-        monkeypatch.setattr(reference, "attention_backward", backward)
+        # ops.py calls reference.attention_forward_lse / attention_backward_lse through the module
+        monkeypatch.setattr(reference, "attention_forward_lse", forward)
+        monkeypatch.setattr(reference, "attention_backward_lse", backward)
 
 
 class _SDPASpy(TorchFunctionMode):

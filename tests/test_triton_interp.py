@@ -14,7 +14,9 @@ pytest.importorskip("triton")
 if torch.cuda.is_available():
     pytest.skip("the interpreter tests are for CPU-only machines", allow_module_level=True)
 
-from helpers import max_err, run_fwd_bwd, sdpa_math, seeded  # noqa: E402
+from helpers import (  # noqa: E402
+    assert_probe_counts_equal, fused_and_split_backward, max_err, run_fwd_bwd, sdpa_math, seeded,
+)
 from instability_watch import Probe, flash_attention  # noqa: E402
 from instability_watch.mechanism import exact_attention, measure_bias, near_tie_inputs  # noqa: E402
 
@@ -62,9 +64,7 @@ def test_triton_matches_reference(N, D, causal, heads, stabilize):
         assert max_err(t, x) <= 2 * max_err(p, x) + 1e-6, (name, max_err(t, x), max_err(p, x))
         assert max_err(t, r) <= 2 * max_err(r, x) + 1e-6, (name, max_err(t, r), max_err(r, x))
     tp, rp = tri_fn.probe, ref_fn.probe
-    for name in ("rows", "multi_max_rows", "tie_rows", "nonfinite_rows", "shadow_rows"):
-        assert getattr(tp, name).tolist() == getattr(rp, name).tolist(), name
-    assert torch.allclose(tp.max_score, rp.max_score, rtol=1e-5)
+    assert_probe_counts_equal(tp, rp, ("rows", "multi_max_rows", "tie_rows", "nonfinite_rows", "shadow_rows"), rtol=1e-5)
     # The shadow drift from Triton's own O: delta_lp - delta_hp with O_hp in float64.
     err = (do.double() * tri[0].double()).sum(-1) - (do.double() * f64[0]).sum(-1)  # (B, H, N)
     assert torch.allclose(tp.delta_err_sum.double(), err.sum(dim=(0, 2)), atol=2e-4, rtol=1e-3)
@@ -223,7 +223,7 @@ def test_probe_samples_query_tiles_of_unstabilized_heads():
 
 def test_high_precision_delta_matches_reference():
     """The control's backward (delta from O_hp) on the Triton path equals the reference's."""
-    from instability_watch.kernels import high_precision_delta
+    from instability_watch.experimental import high_precision_delta
 
     inp = near_tie_inputs(batch=1, heads=2, seq=37, head_dim=32, generator=seeded("hp_delta_tri"))
     grads = {}
@@ -386,25 +386,13 @@ def test_fused_backward_matches_the_two_kernel_backward(N, n_kv, D, causal, head
     """The fused backward (dQ by atomics) against the two kernels (dQ, then dK/dV) on the same
     forward: the same gradients up to float32 summation order, in both dtypes. (The default
     path, fused, is also what the reference comparisons above run, dropout's bit for bit.)"""
-    from instability_watch.kernels import triton_attention as ta
-
     H, h_kv = heads
     mask = _masks(N, n_kv, H)[kind] if kind else None
     for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
         q, k, v, do = _inputs(("fused", N, n_kv, D, kind, p), 2, H, h_kv, N, D, dtype=dtype, n_kv=n_kv)
         seed = torch.tensor([123, 456], dtype=torch.int64) if p else None
-        scale = D ** -0.5
-        o, lse2 = ta.attention_forward(q, k, v, causal=causal, scale=scale, stabilize=None, beta=2.0, eps=1e-3,
-                                       counts=None, values=None, attn_mask=mask, dropout_p=p, seed=seed)
-        kw = dict(causal=causal, scale=scale, counts=None, values=None, shadow=False, attn_mask=mask,
-                  dropout_p=p, seed=seed)
-        fused = ta.attention_backward(q, k, v, o, lse2, do, fused=True, **kw)
-        split = ta.attention_backward(q, k, v, o, lse2, do, fused=False, **kw)
-        assert fused[3] is None and split[3] is None
-        for name, a, b in zip(("dq", "dk", "dv"), fused[:3], split[:3]):
-            assert a.dtype == dtype and a.shape == b.shape, name
-            assert torch.isfinite(a).all(), name
-            assert max_err(a, b) <= tol * max(b.abs().max().item(), 1e-6), (name, dtype, max_err(a, b))
+        fused = fused_and_split_backward(q, k, v, do, causal=causal, scale=D ** -0.5, tol=tol, attn_mask=mask,
+                                         dropout_p=p, seed=seed)
         assert fused[0].abs().max() > 0 and fused[1].abs().max() > 0
 
 
@@ -412,27 +400,27 @@ def test_fused_backward_serves_dropout_calls_is_refused_where_it_cannot_and_skip
     from instability_watch.kernels import triton_attention as ta
 
     q, k, v, do = _inputs(("fused refuse",), 1, 2, 2, 19, 16)
-    o, lse2 = ta.attention_forward(q, k, v, causal=True, scale=0.25, stabilize=None, beta=2.0, eps=1e-3,
+    o, lse2 = ta.attention_forward_lse2(q, k, v, causal=True, scale=0.25, stabilize=None, beta=2.0, eps=1e-3,
                                    counts=None, values=None)
     probe = Probe(2)
     with pytest.raises(ValueError, match="fused=True"):
-        ta.attention_backward(q, k, v, o, lse2, do, causal=True, scale=0.25, counts=probe.counts,
+        ta.attention_backward_lse2(q, k, v, o, lse2, do, causal=True, scale=0.25, counts=probe.counts,
                               values=probe.values, shadow=True, fused=True)
     calls = []
     launch = ta._launch_dkdv
     monkeypatch.setattr(ta, "_launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or (
         calls.append(1) if meta["FUSED_DQ"] else None))
-    ta.attention_backward(q, k, v, o, lse2, do, causal=True, scale=0.25, counts=None, values=None, shadow=False)
+    ta.attention_backward_lse2(q, k, v, o, lse2, do, causal=True, scale=0.25, counts=None, values=None, shadow=False)
     assert calls == []  # without dropout the two kernels are the faster way: the default
     seed = torch.tensor([3, 4], dtype=torch.int64)
-    o, lse2 = ta.attention_forward(q, k, v, causal=True, scale=0.25, stabilize=None, beta=2.0, eps=1e-3,
+    o, lse2 = ta.attention_forward_lse2(q, k, v, causal=True, scale=0.25, stabilize=None, beta=2.0, eps=1e-3,
                                    counts=None, values=None, dropout_p=0.25, seed=seed)
     kw = dict(causal=True, scale=0.25, counts=None, values=None, shadow=False, dropout_p=0.25, seed=seed)
-    default = ta.attention_backward(q, k, v, o, lse2, do, **kw)
+    default = ta.attention_backward_lse2(q, k, v, o, lse2, do, **kw)
     assert len(calls) == 1
     torch.use_deterministic_algorithms(True)
     try:
-        det = ta.attention_backward(q, k, v, o, lse2, do, **kw)
+        det = ta.attention_backward_lse2(q, k, v, o, lse2, do, **kw)
     finally:
         torch.use_deterministic_algorithms(False)
     assert len(calls) == 1  # deterministic: the two kernels

@@ -8,7 +8,6 @@ one op whichever backend runs.
 """
 from __future__ import annotations
 
-import contextlib
 import importlib.util
 import math
 import os
@@ -18,28 +17,27 @@ from typing import Optional, Union
 import torch
 
 from ..probe import Probe, probe_buffers
-from .ops import HIGH_PRECISION_DELTA, FlashAttention
+from .ops import FlashAttention
 from .reference import (
     DEFAULT_BETA,
     DEFAULT_EPS,
     FLOAT32_MAX,
     MAX_BETA,
-    attention_backward,
-    attention_forward,
+    attention_backward_lse,
+    attention_forward_lse,
     dropout_mask,
     dropout_seed,
 )
 
 __all__ = [
     "flash_attention",
-    "attention_forward",
-    "attention_backward",
+    "attention_forward_lse",
+    "attention_backward_lse",
     "SUPPORTED_DTYPES",
     "MAX_HEAD_DIM",
     "dropout_mask",
     "dropout_seed",
     "BACKENDS",
-    "high_precision_delta",
     "unsupported",
 ]
 
@@ -94,60 +92,107 @@ def resolve_backend(q: torch.Tensor, backend: str) -> str:
     return "reference"
 
 
-def _check_tensor(name: str, t) -> None:
+def _tensor_error(name: str, t) -> Optional[Exception]:
     if not isinstance(t, torch.Tensor):
-        raise TypeError(f"{name} must be a torch.Tensor of shape (B, H, N, D), got {type(t).__name__}")
+        return TypeError(f"{name} must be a torch.Tensor of shape (B, H, N, D), got {type(t).__name__}")
     if t.dim() != 4:
-        raise ValueError(f"{name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
+        return ValueError(f"{name} must be 4-D (B, H, N, D), got shape {tuple(t.shape)}")
+    return None
 
 
-def _check_mask(attn_mask, q, k) -> None:
+def _mask_error(attn_mask, q, k) -> Optional[Exception]:
     if not isinstance(attn_mask, torch.Tensor):
-        raise TypeError(f"attn_mask must be None or a torch.Tensor, got {type(attn_mask).__name__}")
+        return TypeError(f"attn_mask must be None or a torch.Tensor, got {type(attn_mask).__name__}")
     if not (attn_mask.dtype == torch.bool or attn_mask.is_floating_point()):
-        raise TypeError(f"attn_mask must be boolean (True = attend) or floating point (added to the scores), "
-                        f"got {attn_mask.dtype}")
+        return TypeError(f"attn_mask must be boolean (True = attend) or floating point (added to the scores), "
+                         f"got {attn_mask.dtype}")
     if attn_mask.device != q.device:
-        raise ValueError(f"attn_mask must be on q's device {q.device}, got {attn_mask.device}")
+        return ValueError(f"attn_mask must be on q's device {q.device}, got {attn_mask.device}")
     full = (q.shape[0], q.shape[1], q.shape[2], k.shape[2])
     if attn_mask.dim() > 4 or any(a not in (1, b) for a, b in zip(attn_mask.shape[::-1], full[::-1])):
-        raise ValueError(f"attn_mask must broadcast to (B, H, N, N_kv) = {full}, got shape {tuple(attn_mask.shape)}")
+        return ValueError(f"attn_mask must broadcast to (B, H, N, N_kv) = {full}, got shape {tuple(attn_mask.shape)}")
+    return None
+
+
+def _number_in(x, lo: float, hi: float, *, lo_open: bool, hi_open: bool) -> bool:
+    """Whether ``x`` is a real number (not a bool) in the interval from lo to hi."""
+    if isinstance(x, bool) or not isinstance(x, (int, float)):
+        return False
+    return (lo < x if lo_open else lo <= x) and (x < hi if hi_open else x <= hi)
+
+
+def _call_error(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa) -> Optional[Exception]:
+    """The rules of what the kernels can serve: the first one a call breaks, as the exception
+    the public API raises for it (its message names the argument, what is allowed and what was
+    given), or None."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        error = _tensor_error(name, t)
+        if error is not None:
+            return error
+    for name, t in (("k", k), ("v", v)):
+        if t.dtype != q.dtype:
+            return TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
+        if t.device != q.device:
+            return ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if q.dtype not in SUPPORTED_DTYPES:
+        allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
+        return TypeError(f"q, k, v dtype must be one of {allowed}; got {q.dtype}")
+    B, H, N, D = q.shape
+    if not 1 <= D <= MAX_HEAD_DIM:
+        return ValueError(f"head dim D (q.shape[-1]) must be in [1, {MAX_HEAD_DIM}], got {D}")
+    if k.shape[3] != D or v.shape[3] != D:
+        return ValueError(f"head dims q {D}, k {k.shape[3]}, v {v.shape[3]} (supported: equal, at most {MAX_HEAD_DIM})")
+    if k.shape != v.shape:
+        return ValueError(f"k and v must have the same shape (B, H_kv, N_kv, D), got {tuple(k.shape)} and {tuple(v.shape)}")
+    if k.shape[0] != B:
+        return ValueError(f"k batch size must equal q's ({B}), got {k.shape[0]}")
+    h_kv = k.shape[1]
+    if h_kv < 1 or H % h_kv != 0:
+        return ValueError(f"q heads H must be divisible by k/v heads H_kv (grouped-query attention), got H={H}, H_kv={h_kv}")
+    if h_kv != H and not enable_gqa:
+        return ValueError(f"k/v heads H_kv must equal q heads H without enable_gqa, got H={H}, H_kv={h_kv}")
+    if N < 1 or k.shape[2] < 1:
+        return ValueError(f"sequence lengths must be >= 1, got N={N} (q) and N_kv={k.shape[2]} (k, v)")
+    if B < 1:
+        return ValueError(f"batch size must be >= 1, got {B}")
+    if scale is not None and not _number_in(scale, 0, FLOAT32_MAX, lo_open=True, hi_open=False):
+        return ValueError(f"scale must be None or a number in (0, {FLOAT32_MAX:.4g}] (the largest float32: "
+                          f"scores are float32), got {scale!r}")
+    if attn_mask is not None:
+        error = _mask_error(attn_mask, q, k)
+        if error is not None:
+            return error
+        if is_causal:
+            return ValueError("attn_mask and causal=True cannot be combined (as in SDPA): put the causal mask into attn_mask")
+    if not _number_in(dropout_p, 0, 1, lo_open=False, hi_open=True):
+        return ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
+    return None
+
+
+def unsupported(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+                enable_gqa=False) -> Optional[str]:
+    """Why :func:`flash_attention` cannot serve this ``F.scaled_dot_product_attention`` call (``None`` if it can).
+
+    The arguments are SDPA's, after autocast's cast: q (B, H, N, D), k and v (B, H_kv, N_kv, D)
+    tensors of one dtype (bfloat16, float16, float32 or float64) and device, D <= 256, ``attn_mask``
+    None or a bool/float tensor broadcastable to (B, H, N, N_kv). The one source of these rules:
+    :func:`flash_attention` raises with the same message (as TypeError or ValueError); the watch
+    keeps such calls on PyTorch's SDPA and says why.
+    """
+    error = _call_error(q, k, v, attn_mask, dropout_p, is_causal, scale, enable_gqa)
+    return None if error is None else str(error)
 
 
 def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend, attn_mask=None, dropout_p=0.0,
                 generator=None, seed=None) -> None:
-    for name, t in (("q", q), ("k", k), ("v", v)):
-        _check_tensor(name, t)
-    for name, t in (("k", k), ("v", v)):
-        if t.dtype != q.dtype:
-            raise TypeError(f"{name} must have q's dtype {q.dtype}, got {t.dtype}")
-        if t.device != q.device:
-            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
-    if q.dtype not in SUPPORTED_DTYPES:
-        allowed = ", ".join(str(d) for d in SUPPORTED_DTYPES)
-        raise TypeError(f"q, k, v dtype must be one of {allowed}; got {q.dtype}")
-    B, H, N, D = q.shape
-    if not 1 <= D <= MAX_HEAD_DIM:
-        raise ValueError(f"head dim D (q.shape[-1]) must be in [1, {MAX_HEAD_DIM}], got {D}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape (B, H_kv, N_kv, D), got {tuple(k.shape)} and {tuple(v.shape)}")
-    if k.shape[0] != B:
-        raise ValueError(f"k batch size must equal q's ({B}), got {k.shape[0]}")
-    if k.shape[3] != D:
-        raise ValueError(f"k head dim must equal q's ({D}), got {k.shape[3]}")
-    h_kv = k.shape[1]
-    if h_kv < 1 or H % h_kv != 0:
-        raise ValueError(f"q heads H must be divisible by k/v heads H_kv (grouped-query attention), got H={H}, H_kv={h_kv}")
-    if N < 1 or k.shape[2] < 1:
-        raise ValueError(f"sequence lengths must be >= 1, got N={N} (q) and N_kv={k.shape[2]} (k, v)")
-    if B < 1:
-        raise ValueError(f"batch size must be >= 1, got {B}")
+    """Raise for arguments :func:`flash_attention` cannot take: the call rules of :func:`unsupported`,
+    then the options only the public API has."""
+    error = _call_error(q, k, v, attn_mask, dropout_p, causal, scale, enable_gqa=True)
+    if error is not None:
+        raise error
+    H = q.shape[1]
     if not isinstance(causal, bool):
         raise TypeError(f"causal must be a bool, got {causal!r}")
-    if scale is not None:
-        if isinstance(scale, bool) or not isinstance(scale, (int, float)) or not (0 < scale <= FLOAT32_MAX):
-            raise ValueError(f"scale must be None or a number in (0, {FLOAT32_MAX:.4g}] (the largest float32: "
-                             f"scores are float32), got {scale!r}")
     if stabilize is not None and not isinstance(stabilize, bool):
         if not isinstance(stabilize, torch.Tensor):
             raise TypeError(f"stabilize must be None, a bool, or a bool tensor of shape ({H},), got {type(stabilize).__name__}")
@@ -157,9 +202,9 @@ def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend, at
             raise ValueError(f"stabilize must have shape ({H},) (one flag per query head), got {tuple(stabilize.shape)}")
         if stabilize.device != q.device:
             raise ValueError(f"stabilize must be on q's device {q.device}, got {stabilize.device}")
-    if isinstance(beta, bool) or not isinstance(beta, (int, float)) or not (1 < beta <= MAX_BETA):
+    if not _number_in(beta, 1, MAX_BETA, lo_open=True, hi_open=False):
         raise ValueError(f"beta must be a number in (1, {MAX_BETA:g}] (the paper uses 2 to 8), got {beta!r}")
-    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not (0 <= eps <= FLOAT32_MAX):
+    if not _number_in(eps, 0, FLOAT32_MAX, lo_open=False, hi_open=False):
         raise ValueError(f"eps must be a number in [0, {FLOAT32_MAX:.4g}] (the largest float32), got {eps!r}")
     if probe is not None:
         if not isinstance(probe, Probe):
@@ -170,12 +215,6 @@ def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend, at
             raise ValueError(f"probe must be on q's device {q.device}, got {probe.device}")
     if backend not in BACKENDS:
         raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
-    if attn_mask is not None:
-        _check_mask(attn_mask, q, k)
-        if causal:
-            raise ValueError("attn_mask and causal=True cannot be combined (as in SDPA): put the causal mask into attn_mask")
-    if isinstance(dropout_p, bool) or not isinstance(dropout_p, (int, float)) or not (0 <= dropout_p < 1):
-        raise ValueError(f"dropout_p must be a number in [0, 1), got {dropout_p!r}")
     if generator is not None and not isinstance(generator, torch.Generator):
         raise TypeError(f"generator must be None or a torch.Generator, got {type(generator).__name__}")
     if seed is not None:
@@ -186,37 +225,6 @@ def _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend, at
             raise ValueError(f"seed must be on q's device {q.device}, got {seed.device}")
         if generator is not None:
             raise ValueError("seed and generator cannot both be given: the seed is what a generator would draw")
-
-
-def unsupported(q, k, v, *, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
-                enable_gqa=False) -> Optional[str]:
-    """Why :func:`flash_attention` cannot serve this ``F.scaled_dot_product_attention`` call (``None`` if it can).
-
-    The arguments are SDPA's, after autocast's cast. The watch keeps such calls
-    on PyTorch's SDPA and says why.
-    """
-    if not all(isinstance(t, torch.Tensor) for t in (q, k, v)) or q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
-        return "not 4-D (B, H, N, D)"
-    if q.dtype not in SUPPORTED_DTYPES or k.dtype != q.dtype or v.dtype != q.dtype:
-        return f"dtype {q.dtype}"
-    if not 1 <= q.shape[-1] <= MAX_HEAD_DIM or k.shape[-1] != q.shape[-1] or v.shape != k.shape:
-        return f"head dims q {q.shape[-1]}, k {k.shape[-1]}, v {v.shape[-1]} (supported: equal, at most {MAX_HEAD_DIM})"
-    if k.shape[1] != q.shape[1] and (not enable_gqa or q.shape[1] % k.shape[1]):
-        return "key/value heads differ from query heads without enable_gqa"
-    if k.shape[0] != q.shape[0] or q.shape[2] < 1 or k.shape[2] < 1:
-        return "shape"
-    if scale is not None and not (isinstance(scale, (int, float)) and 0 < scale <= FLOAT32_MAX):
-        return f"scale {scale!r}"
-    if not (isinstance(dropout_p, (int, float)) and 0 <= dropout_p < 1):
-        return f"dropout_p {dropout_p!r}"
-    if attn_mask is not None:
-        try:
-            _check_mask(attn_mask, q, k)
-        except (TypeError, ValueError) as exc:
-            return str(exc)
-        if is_causal:
-            return "attn_mask together with is_causal"
-    return None
 
 
 def flash_attention(
@@ -304,34 +312,3 @@ def flash_attention(
         q, k, v, attn_mask, seed, stabilize, counts, values, shadow, causal, scale, float(beta), float(eps),
         float(dropout_p), backend,
     )
-
-
-@contextlib.contextmanager
-def high_precision_delta(enabled: bool = True):
-    """The paper's control experiment: the backward's ``delta`` from a high-precision ``O``.
-
-    Calls to :func:`flash_attention` whose forward runs inside this context
-    (routed calls of a watched model included) compute, in their backward,
-    ``delta = rowsum(dO * O_hp)`` with ``O_hp = softmax(S) V`` recomputed by
-    PyTorch in float32, instead of ``rowsum(dO * O)`` from the stored BF16
-    ``O``. Everything else (the forward output, the rest of the backward) is
-    unchanged, so a training run inside it differs from a standard one only by
-    the rounding bias the paper blames (Claim 1). Costs one float32 attention
-    forward per call in the backward; eager only (ignored under ``torch.compile``).
-    A shadow step's ``delta`` drift then measures this ``delta`` against the
-    kernel's own ``delta_hp`` (about 0). A research tool, not a fix: use
-    ``stabilize`` for that.
-
-    Example::
-
-        with high_precision_delta():
-            loss = model(x).loss
-        loss.backward()
-    """
-    if not isinstance(enabled, bool):
-        raise TypeError(f"enabled must be a bool, got {enabled!r}")
-    token = HIGH_PRECISION_DELTA.set(enabled)
-    try:
-        yield
-    finally:
-        HIGH_PRECISION_DELTA.reset(token)

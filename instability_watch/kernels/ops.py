@@ -9,8 +9,9 @@ included. ``torch.library`` does not allow an autograd formula on an op that
 mutates its inputs, so the autograd glue is a ``torch.autograd.Function``
 calling the two ops (Dynamo traces those too).
 
-``lse`` is kept in each backend's own units (natural log for the reference,
-log2 for Triton) and only ever passed back to the same backend's backward.
+``lse`` is kept in each backend's own units (natural log for the reference's
+``attention_forward_lse``, log2 for Triton's ``attention_forward_lse2``) and only ever
+passed back to the same backend's backward.
 """
 from __future__ import annotations
 
@@ -41,7 +42,7 @@ ERROR_HANDLER: contextvars.ContextVar = contextvars.ContextVar("instability_watc
 # The paper's control experiment (its Claim 1): while True, the backward of an eager call
 # takes delta = rowsum(dO * O_hp), O_hp the exact softmax(S) V in float32, instead of
 # rowsum(dO * O) from the stored low-precision O. Read at the forward (the backward runs
-# on autograd's threads); set through ``kernels.high_precision_delta()``.
+# on autograd's threads); set through ``instability_watch.experimental.high_precision_delta()``.
 HIGH_PRECISION_DELTA: contextvars.ContextVar = contextvars.ContextVar(
     "instability_watch_high_precision_delta", default=False
 )
@@ -124,12 +125,12 @@ def _forward(
     causal: bool, scale: float, beta: float, eps: float, dropout_p: float, backend: str,
 ) -> Tuple[Tensor, Tensor]:
     if backend == "triton":
-        return _triton().attention_forward(
+        return _triton().attention_forward_lse2(
             q, k, v, causal=causal, scale=scale, stabilize=stabilize, beta=beta, eps=eps,
             counts=counts, values=values, attn_mask=attn_mask, dropout_p=dropout_p, seed=seed,
         )
     probe = None if counts is None else Probe.from_buffers(counts, values)
-    o, lse = reference.attention_forward(
+    o, lse = reference.attention_forward_lse(
         q, k, v, causal=causal, scale=scale, stabilize=stabilize, beta=beta, eps=eps, probe=probe,
         attn_mask=attn_mask, dropout_p=dropout_p, seed=seed,
     )
@@ -156,13 +157,13 @@ def _backward_impl(
     """``(dq, dk, dv, dmask)``; ``dmask`` is an empty tensor unless ``mask_grad``."""
     shadow = shadow and counts is not None
     if backend == "triton":
-        dq, dk, dv, dmask = _triton().attention_backward(
+        dq, dk, dv, dmask = _triton().attention_backward_lse2(
             q, k, v, o, lse, do, causal=causal, scale=scale, counts=counts, values=values, shadow=shadow,
             delta=delta, attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, mask_grad=mask_grad,
         )
     else:
         probe = Probe.from_buffers(counts, values) if shadow else None
-        dq, dk, dv, dmask = reference.attention_backward(
+        dq, dk, dv, dmask = reference.attention_backward_lse(
             q, k, v, o, lse, do, causal=causal, scale=scale, shadow_probe=probe, delta=delta,
             attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, mask_grad=mask_grad,
         )
@@ -194,6 +195,9 @@ class FlashAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, seed, stabilize, counts, values, shadow, causal, scale, beta, eps,
                 dropout_p, backend):
+        """o (B, H, N, D) in q's dtype, from q (B, H, N, D), k, v (B, H_kv, N_kv, D); ``attn_mask``
+        broadcastable to (B, H, N, N_kv) or None, ``seed`` int64 (2,) or None, ``stabilize`` bool (H,)
+        or None, ``counts``/``values`` the probe's buffers or None (arguments checked by the caller)."""
         # Eager calls skip the op dispatcher (tens of microseconds of host time per
         # call); under torch.compile the op is what gets traced.
         fwd = attention_fwd if torch.compiler.is_compiling() else _forward
@@ -213,6 +217,8 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, do):
+        """Gradients of q, k, v (their shapes and dtypes) and of a float ``attn_mask`` that requires
+        one, from ``do`` (B, H, N, D); on a failure with an error handler set, PyTorch's instead."""
         q, k, v, o, lse, attn_mask, seed = ctx.saved_tensors
         counts, values = ctx.probe_buffers
         mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])

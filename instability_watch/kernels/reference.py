@@ -121,7 +121,7 @@ def mask4(attn_mask: Optional[torch.Tensor], B: int, H: int, N: int, N_kv: int) 
 
 
 def mask_bias(block: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """What a block of ``attn_mask`` adds to the scaled scores, in ``dtype``.
+    """What a block of ``attn_mask`` adds to the scaled scores, in ``dtype``: a tensor of ``block``'s shape.
 
     Boolean: 0 where True (attend), ``-inf`` where False. Floating: the entries,
     with finite ones below :data:`MASK_FLOOR` raised to it (``-inf`` and NaN kept).
@@ -232,7 +232,7 @@ def dropout_mask(seed: torch.Tensor, B: int, H: int, N: int, N_kv: int, p: float
 
 
 def stabilized_shift(r: torch.Tensor, beta: float, max_shift: float) -> torch.Tensor:
-    """The stabilized variant's extra shift ``d >= 0`` (nats) for a row maximum ``r`` (nats).
+    """The stabilized variant's extra shift ``d >= 0`` (nats) for row maxima ``r`` (nats): a tensor of ``r``'s shape and dtype.
 
     ``m = r + d`` is the paper's ``beta * r`` for ``r > 0`` and ``0`` for ``r < 0``
     (``beta > 1``), and ``d`` is 0 at ``r == 0``. Capped in bits: ``d2 = d * log2(e)``
@@ -251,7 +251,7 @@ def _safe_shift(m: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def attention_forward(
+def attention_forward_lse(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -384,7 +384,7 @@ def attention_forward(
 
 
 @torch.no_grad()
-def attention_backward(
+def attention_backward_lse(
     q: torch.Tensor,
     k: torch.Tensor,
     v: torch.Tensor,
@@ -404,6 +404,9 @@ def attention_backward(
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """FA2's backward with its precision model. Unchanged by stabilization: it uses the LSE.
 
+    ``lse`` is :func:`attention_forward_lse`'s, in natural-log units ((B, H, N), or (2, B, H, N)
+    with an additive mask); q, do (B, H, N, D), k, v (B, H_kv, N_kv, D), o (B, H, N, D).
+
     ``delta = rowsum(dO * O)``, ``P = exp(S - lse)`` (float32), ``Z`` the dropout
     keep mask scaled by ``1/(1 - p)`` (all ones without dropout),
     ``dV += bf16(P * Z)^T dO``, ``dP = (dO V^T) * Z``, ``dS = P * (dP - delta)``,
@@ -418,7 +421,7 @@ def attention_backward(
 
     ``delta`` (B, H, N), if given, replaces ``rowsum(dO * O)`` (the paper's
     control computes it from a high-precision ``O``; see
-    :func:`~instability_watch.kernels.high_precision_delta`).
+    :func:`~instability_watch.experimental.high_precision_delta`).
 
     Returns:
         ``(dq, dk, dv, dmask)`` in the dtypes and shapes of ``q, k, v`` (GQA heads

@@ -120,7 +120,13 @@ def stats_reference(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor], o: Optional[Tensor], counts: Tensor, values: Tensor,
     *, causal: bool, scale: float, eps: float,
 ) -> None:
-    """The statistics pass in PyTorch (see the module docstring); adds into ``counts`` and ``values``."""
+    """The statistics pass in PyTorch (see the module docstring); adds into ``counts`` and ``values``.
+
+    q: (B, H, N, D), k: (B, H_kv, N_kv, D), bfloat16/float16/float32/float64, ``H % H_kv == 0``;
+    attn_mask: None, bool (True = attend) or float (additive), broadcastable to (B, H, N, N_kv);
+    counts: int64 (len(COUNT_FIELDS), H), values: float32 (len(VALUE_FIELDS), H) (the probe's buffers).
+    o: None, or the call's output (B, H, N, D_v): rows holding NaN/Inf count as non-finite.
+    """
     with torch.autocast(q.device.type, enabled=False):  # a caller's autocast would round S to BF16
         _stats_reference(q, k, attn_mask, o, counts, values, causal=causal, scale=scale, eps=eps)
 
@@ -169,7 +175,14 @@ def shadow_reference(
     counts: Tensor, values: Tensor, *, causal: bool, scale: float, dropout_p: float = 0.0,
     seed: Optional[Tensor] = None,
 ) -> None:
-    """The shadow pass in PyTorch (see the module docstring); adds into ``counts`` and ``values``."""
+    """The shadow pass in PyTorch (see the module docstring); adds into ``counts`` and ``values``.
+
+    q: (B, H, N, D), k: (B, H_kv, N_kv, D), bfloat16/float16/float32/float64, ``H % H_kv == 0``;
+    attn_mask: None, bool (True = attend) or float (additive), broadcastable to (B, H, N, N_kv);
+    counts: int64 (len(COUNT_FIELDS), H), values: float32 (len(VALUE_FIELDS), H) (the probe's buffers).
+    v: (B, H_kv, N_kv, D_v); o, do: (B, H, N, D_v), the call's output and its gradient;
+    seed: the call's dropout seed (int64 (2,)) when ``dropout_p > 0``.
+    """
     with torch.autocast(q.device.type, enabled=False):
         _shadow_reference(q, k, v, o, do, attn_mask, counts, values, causal=causal, scale=scale,
                           dropout_p=dropout_p, seed=seed)
@@ -277,7 +290,10 @@ def attention_stats(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor], o: Optional[Tensor], counts: Tensor, values: Tensor,
     *, causal: bool, scale: float, eps: float,
 ) -> None:
-    """The statistics pass (module docstring): Triton on CUDA, PyTorch elsewhere. Inputs assumed checked."""
+    """The statistics pass (module docstring): Triton on CUDA, PyTorch elsewhere. Inputs assumed checked.
+
+    Shapes and dtypes as :func:`stats_reference`'s; adds into ``counts`` and ``values``, no host sync.
+    """
     run = stats_op if torch.compiler.is_compiling() else _stats_impl  # eager calls skip the op dispatcher
     run(q, k, attn_mask, o, counts, values, bool(causal), float(scale), float(eps))
 
@@ -288,6 +304,8 @@ def attention_shadow(
     seed: Optional[Tensor] = None,
 ) -> None:
     """The shadow pass (module docstring): Triton on CUDA, PyTorch elsewhere. Inputs assumed checked.
+
+    Shapes and dtypes as :func:`shadow_reference`'s; adds into ``counts`` and ``values``, no host sync.
 
     ``dropout_p > 0`` needs the call's ``seed`` (int64 ``(2,)``, :func:`~instability_watch.kernels.dropout_seed`).
     """

@@ -2,7 +2,9 @@
 
 Reads top to bottom: helpers, the forward (inner loop, kernel), the backward
 (dQ kernel, which also computes delta and the shadow delta_hp, then dK/dV), then
-the launchers. The numerics are those of ``reference.py`` (the test oracle):
+the host functions that launch them. Elsewhere: the inline-PTX helpers (``_ptx.py``),
+the launch table (``configs.py``), the launch path and its Triton version pins
+(``_launch.py``). The numerics are those of ``reference.py`` (the test oracle):
 
 * ``S = q.k`` in float32 from the low-precision ``Q, K``; the softmax scale is
   applied in the exponent, in log2 units (``qk_scale = scale * log2(e)``);
@@ -24,8 +26,6 @@ feeds the probe's ``multi_max_rows``.
 """
 from __future__ import annotations
 
-import os
-import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -33,7 +33,9 @@ import triton
 import triton.language as tl
 
 from ..probe import COUNT_FIELDS, VALUE_FIELDS
-from . import interpreting as is_interpreter  # imported lazily, after the package itself
+from ._launch import INTERPRET, Launcher, cdiv, dot_precision
+from ._ptx import add_rows, at_least, max_rows
+from .configs import LaunchConfig, head_dim_tile, launch_config
 from .layout import empty_like_layout
 from .reference import (
     LOG2E,
@@ -49,10 +51,6 @@ from .reference import (
     max_shift_for,
     reduce_to,
 )
-
-# Triton decides at import whether @triton.jit kernels run in its interpreter, so the
-# launchers read the flag once too (an environment lookup per launch is host time).
-_INTERPRET = is_interpreter()
 
 # Rows of the probe buffers, as constexprs for the kernels.
 C_ROWS = tl.constexpr(COUNT_FIELDS.index("rows"))
@@ -85,17 +83,6 @@ def _stabilized_shift2(m_std, r, beta, max_shift2):
     """Extra shift (log2 units) above the shift m_std = r * qk_scale of a row maximum r; see reference.stabilized_shift."""
     d = tl.where(r > 0, beta - 1.0, -1.0) * m_std  # beta > 1: d >= 0
     return tl.minimum(d, (max_shift2 - 1.0) + (d - tl.floor(d)))
-
-
-@triton.jit
-def _at_least(x, thr, ASM: tl.constexpr):
-    """1.0 where x >= thr, else 0.0 (NaN: 0.0); on the GPU one ``set`` instruction per element."""
-    if ASM:
-        return tl.inline_asm_elementwise(
-            "set.ge.f32.f32 $0, $1, $2;", "=f,f,f", [x, thr], dtype=tl.float32, is_pure=True, pack=1
-        )
-    else:
-        return tl.where(x >= thr, 1.0, 0.0)
 
 
 @triton.jit
@@ -138,6 +125,21 @@ def _philox(k0, k1, c0, c1, c2, c3):
 
 
 @triton.jit
+def _dropout_key(Seed, drop_thr, DROPOUT: tl.constexpr):
+    """Philox's key ``(k0, k1)`` (uint32 scalars) from the call's seed (int64 (2,)), and the keep
+    threshold ``drop_thr`` as uint32; without ``DROPOUT``, zeros (unused)."""
+    if DROPOUT:
+        k0 = tl.load(Seed).to(tl.uint32)
+        k1 = tl.load(Seed + 1).to(tl.uint32)
+        thr = drop_thr.to(tl.uint32)
+    else:
+        k0 = 0
+        k1 = 0
+        thr = 0
+    return k0, k1, thr
+
+
+@triton.jit
 def _dropout_keep(k0, k1, thr, bh, offs_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Which entries dropout keeps in rows ``offs_m``, keys ``start_n + [0, BLOCK_N)``: (BLOCK_M, BLOCK_N) bool.
 
@@ -156,121 +158,6 @@ def _dropout_keep(k0, k1, thr, bh, offs_m, start_n, BLOCK_M: tl.constexpr, BLOCK
     hi = tl.join(tl.join(x0 >> 16, x2 >> 16), tl.join(x1 >> 16, x3 >> 16))
     bits = tl.reshape(tl.join(lo, hi), (BLOCK_M, BLOCK_N))
     return bits >= thr
-
-
-# Per-row statistics go to per-head counters in global memory. A tile-wide reduction in
-# Triton is a shared-memory round trip with barriers, and a per-row atomic makes Triton
-# move the operands to another layout through shared memory too; these two helpers can
-# reduce over each warp in registers instead, and one lane adds the warp's result.
-
-
-def _warp_row_count(i: int) -> str:
-    """PTX: n{i} = the warp's rows of element i (flag f{i}, row index operand 4 + i) with the
-    flag set, each counted once, by the lowest lane that ``match.any`` finds holding it."""
-    return f"""
-            match.any.sync.b32 same, ${4 + i}, 0xffffffff;
-            neg.s32 low, same;
-            and.b32 low, low, same;
-            setp.eq.and.u32 lead, low, eq, f{i};
-            vote.sync.ballot.b32 bal, lead, 0xffffffff;
-            popc.b32 n{i}, bal;"""
-
-
-_ADD_ROWS_PTX = tl.constexpr(
-    f"""
-            {{
-            .reg .pred f0, f1, any, lead;
-            .reg .b32 same, low, eq, bal, n0, n1;
-            .reg .b64 n64;
-            setp.ne.u32 f0, $2, 0;
-            setp.ne.u32 f1, $3, 0;
-            or.pred any, f0, f1;
-            vote.sync.any.pred any, any, 0xffffffff;
-            mov.u32 n0, 0;
-            @!any bra.uni skip;
-            mov.u32 eq, %lanemask_eq;{_warp_row_count(0)}{_warp_row_count(1)}
-            add.u32 n0, n0, n1;
-            setp.eq.u32 lead, eq, 1;
-            cvt.u64.u32 n64, n0;
-            @lead red.relaxed.gpu.global.add.u64 [$6], n64;
-            skip:
-            mov.u32 $0, n0;
-            mov.u32 $1, n0;
-            }}
-            """
-)
-
-
-@triton.jit
-def _add_rows(ptr, flag, row, WARP: tl.constexpr):
-    """Add to the int64 counter ``ptr`` the number of distinct rows ``row`` whose ``flag`` is set.
-
-    ``WARP`` (PTX, for layouts where each row lives in one warp): two rows per lane (the
-    forward's MMA layouts hold two); nothing but a vote when no lane of the warp has a flag
-    (the common case); else a row held by several lanes (the MMA layouts spread a row over a
-    quad) counts once, by the lowest of the lanes that ``match.any`` finds holding it, and
-    lane 0 adds the warp's count. Otherwise a masked atomic per row.
-    """
-    if WARP:
-        return tl.inline_asm_elementwise(
-            _ADD_ROWS_PTX, "=r,=r,r,r,r,r,l,l", [flag.to(tl.int32), row, ptr.to(tl.int64)],
-            dtype=tl.int32, is_pure=False, pack=2,
-        )
-    else:
-        tl.atomic_add(ptr + tl.zeros_like(row), tl.full(row.shape, 1, tl.int64), mask=flag, sem="relaxed")
-        return flag.to(tl.int32)
-
-
-@triton.jit
-def _max_rows(ptr, x, floor, WARP: tl.constexpr):
-    """Raise the float32 ``ptr`` to the maximum of ``x`` (NaN ignored) where that exceeds ``floor``.
-
-    ``WARP`` (PTX): two values per lane; nothing but a vote when no lane of the warp exceeds
-    ``floor``; else the warp's maximum through an order-preserving integer key of the float
-    (bits ^ ((bits >> 31) & 0x7fffffff), its own inverse) and ``redux.sync``, and lane 0
-    applies it with the integer atomics on the float's bits: signed max where >= +0,
-    unsigned min where negative. Otherwise a masked atomic per row.
-    """
-    if WARP:
-        return tl.inline_asm_elementwise(
-            """
-            {
-            .reg .pred p, pos, up, down;
-            .reg .b32 k, t, m, lane;
-            .reg .f32 a, b;
-            setp.num.f32 p, $2, $2;
-            selp.f32 a, $2, 0fFF800000, p;
-            setp.num.f32 p, $3, $3;
-            selp.f32 b, $3, 0fFF800000, p;
-            max.f32 a, a, b;
-            mov.f32 $0, a;
-            mov.f32 $1, a;
-            setp.gt.f32 p, a, $4;
-            vote.sync.any.pred p, p, 0xffffffff;
-            @!p bra.uni skip;
-            mov.b32 k, a;
-            shr.s32 t, k, 31;
-            and.b32 t, t, 0x7fffffff;
-            xor.b32 k, k, t;
-            redux.sync.max.s32 m, k, 0xffffffff;
-            shr.s32 t, m, 31;
-            and.b32 t, t, 0x7fffffff;
-            xor.b32 m, m, t;
-            mov.u32 lane, %laneid;
-            setp.eq.u32 p, lane, 0;
-            setp.ge.s32 pos, m, 0;
-            and.pred up, p, pos;
-            and.pred down, p, !pos;
-            @up red.relaxed.gpu.global.max.s32 [$6], m;
-            @down red.relaxed.gpu.global.min.u32 [$6], m;
-            skip:
-            }
-            """,
-            "=f,=f,f,f,f,f,l,l", [x, floor, ptr.to(tl.int64)], dtype=tl.float32, is_pure=False, pack=2,
-        )
-    else:
-        tl.atomic_max(ptr + tl.zeros_like(x).to(tl.int32), x, mask=x > floor, sem="relaxed")
-        return x
 
 
 # ---------------------------------------------------------------------------
@@ -332,7 +219,7 @@ def _fwd_inner(
                 #    too); a float count: one set-and-add per score
                 thr = r_new - eps_raw
                 c_new = tl.where(r_i >= thr, c_i, 0)
-                c_new += tl.sum(_at_least(qk, tl.broadcast_to(thr[:, None], qk.shape), ASM), 1).to(tl.int32)
+                c_new += tl.sum(at_least(qk, tl.broadcast_to(thr[:, None], qk.shape), ASM), 1).to(tl.int32)
                 if HAS_STAB:
                     # -- stabilized heads shift above a repeated maximum (paper Alg. 3)
                     # (no "any tie in this tile?" shortcut: that cross-warp reduction costs a
@@ -425,14 +312,7 @@ def _attn_fwd(
         m_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + offs_m[:, None] * stride_mn + offs_n[None, :] * stride_mk
     else:
         m_ptrs = Mask
-    if DROPOUT:
-        k0 = tl.load(Seed).to(tl.uint32)
-        k1 = tl.load(Seed + 1).to(tl.uint32)
-        thr = drop_thr.to(tl.uint32)
-    else:
-        k0 = 0
-        k1 = 0
-        thr = 0
+    k0, k1, thr = _dropout_key(Seed, drop_thr, DROPOUT)
 
     # -- KV range: causal (top-left) rows see keys <= row; split the blocks that
     #    need no causal mask from the ones on the diagonal. With a mask: the blocks
@@ -500,7 +380,7 @@ def _attn_fwd(
     if HAS_PROBE:
         # -- per-head statistics of this tile, relaxed atomics (no fences: the counters are
         #    only read after the step, behind a host sync), without tile-wide reductions:
-        #    with WARP_STATS each warp reduces its own rows (_add_rows, _max_rows), else
+        #    with WARP_STATS each warp reduces its own rows (add_rows, max_rows), else
         #    masked per-row atomics.
         n_rows = tl.minimum(N_Q - start_m * BLOCK_M, BLOCK_M).to(tl.int64)
         live = row_ok
@@ -514,14 +394,14 @@ def _attn_fwd(
         # a row sum is NaN/Inf iff some entry is (short of an overflow of the sum itself)
         row_sum = tl.sum(o, 1) + lse2
         row_finite = (row_sum == row_sum) & (tl.abs(row_sum) < float("inf"))
-        _add_rows(Counts + C_NONFINITE * H + off_h, live & ~row_finite, offs_m, WARP_STATS)
+        add_rows(Counts + C_NONFINITE * H + off_h, live & ~row_finite, offs_m, WARP_STATS)
         # the maximum score, skipped where it cannot beat the head's maximum as read at the
         # start of this program (the buffer only grows)
         score = tl.where(live, r_i * stat_scale, float("-inf"))
-        _max_rows(Values + V_MAXS * H + off_h, score, seen_max, WARP_STATS)
+        max_rows(Values + V_MAXS * H + off_h, score, seen_max, WARP_STATS)
         if track:  # only tracked programs counted near-maximum ties
             tl.atomic_add(Counts + C_TIE_ROWS * H + off_h, n_rows, sem="relaxed")
-            _add_rows(Counts + C_MULTI * H + off_h, live & (c_i > 1), offs_m, WARP_STATS)
+            add_rows(Counts + C_MULTI * H + off_h, live & (c_i > 1), offs_m, WARP_STATS)
 
 
 # ---------------------------------------------------------------------------
@@ -529,16 +409,28 @@ def _attn_fwd(
 
 
 @triton.jit
+def _program_ids(H, BLOCK: tl.constexpr):
+    """This backward program's place (grid: blocks of ``BLOCK`` along dim 0, batch x ``H`` heads
+    along dim 1): ``(start, off_bh, off_b, off_h)``, its block's first index and its (batch, head)."""
+    start = tl.program_id(0) * BLOCK
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    return start, off_bh, off_b, off_h
+
+
+@triton.jit
+def _tile_offsets(start, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """int32 offsets of a tile: ``start + [0, BLOCK)``, the other axis' ``[0, BLOCK_OTHER)``, the head dim's."""
+    return start + tl.arange(0, BLOCK), tl.arange(0, BLOCK_OTHER), tl.arange(0, HEAD_DIM)
+
+
+@triton.jit
 def _attn_bwd_dkdv(
     Q, K, V, DO, LSE2, Delta, DK, DV, DQacc, Mask, RangeLo, RangeHi, Seed,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_dob, stride_doh, stride_don,
-    stride_dkb, stride_dkh, stride_dkn,
-    stride_dvb, stride_dvh, stride_dvn,
-    stride_mb, stride_mh, stride_mn, stride_mk,
-    stride_rb, stride_rh, stride_rm,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    stride_mb, stride_mh, stride_mn, stride_mk, stride_rb, stride_rh, stride_rm,
     H, H_KV, N_Q, N_KV, D, lse_plane,
     qk_scale, scale, drop_thr, drop_scale,
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr,
@@ -551,15 +443,9 @@ def _attn_bwd_dkdv(
     added into ``DQacc`` (B, H, N, D) float32 with atomics: five products per tile where the
     two-kernel backward takes seven, and dropout's bits generated once, not twice. The order
     of those float32 additions varies from run to run: dQ is not bitwise deterministic."""
-    start_n = tl.program_id(0) * BLOCK_N
-    off_bhk = tl.program_id(1)
-    off_b = off_bhk // H_KV
-    off_hk = off_bhk % H_KV
+    start_n, off_bhk, off_b, off_hk = _program_ids(H_KV, BLOCK_N)
     group = H // H_KV
-
-    offs_n = start_n + tl.arange(0, BLOCK_N)
-    offs_m0 = tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n, offs_m0, offs_d = _tile_offsets(start_n, BLOCK_N, BLOCK_M, HEAD_DIM)
     d_ok = offs_d[None, :] < D
     kv_mask = (offs_n[:, None] < N_KV) & d_ok
     k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -567,10 +453,7 @@ def _attn_bwd_dkdv(
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
-    if DROPOUT:
-        k0 = tl.load(Seed).to(tl.uint32)
-        k1 = tl.load(Seed + 1).to(tl.uint32)
-        thr = drop_thr.to(tl.uint32)
+    k0, k1, thr = _dropout_key(Seed, drop_thr, DROPOUT)
     # Causal (top-left): only rows >= start_n see this block; rows from
     # start_n + BLOCK_N on see all of it and need no mask.
     lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
@@ -640,14 +523,9 @@ def _attn_bwd_dkdv(
 @triton.jit
 def _attn_bwd_dq(
     Q, K, V, O, DO, LSE2, Delta, DQ, Counts, Values, Mask, RangeLo, RangeHi, Seed, DMask,
-    stride_qb, stride_qh, stride_qn,
-    stride_kb, stride_kh, stride_kn,
-    stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_on,
-    stride_dob, stride_doh, stride_don,
-    stride_dqb, stride_dqh, stride_dqn,
-    stride_mb, stride_mh, stride_mn, stride_mk,
-    stride_rb, stride_rh, stride_rm,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
+    stride_mb, stride_mh, stride_mn, stride_mk, stride_rb, stride_rh, stride_rm,
     H, GROUP, N_Q, N_KV, D, lse_plane,
     qk_scale, scale, drop_thr, drop_scale,
     CAUSAL: tl.constexpr, SHADOW: tl.constexpr, DELTA_FROM_O: tl.constexpr,
@@ -659,15 +537,9 @@ def _attn_bwd_dq(
 
     With ``DELTA_FROM_O`` off, delta is read from ``Delta`` instead (a caller-supplied delta).
     """
-    start_m = tl.program_id(0) * BLOCK_M
-    off_bh = tl.program_id(1)
-    off_b = off_bh // H
-    off_h = off_bh % H
+    start_m, off_bh, off_b, off_h = _program_ids(H, BLOCK_M)
     off_hk = off_h // GROUP
-
-    offs_m = start_m + tl.arange(0, BLOCK_M)
-    offs_n0 = tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
+    offs_m, offs_n0, offs_d = _tile_offsets(start_m, BLOCK_M, BLOCK_N, HEAD_DIM)
     m_ok = offs_m < N_Q
     d_ok = offs_d[None, :] < D
     q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
@@ -692,10 +564,7 @@ def _attn_bwd_dq(
     v_base = V + off_b * stride_vb + off_hk * stride_vh
     if MASK_KIND != 0:
         m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_m[:, None] * stride_mn
-    if DROPOUT:
-        k0 = tl.load(Seed).to(tl.uint32)
-        k1 = tl.load(Seed + 1).to(tl.uint32)
-        thr = drop_thr.to(tl.uint32)
+    k0, k1, thr = _dropout_key(Seed, drop_thr, DROPOUT)
     lo = 0
     if MASK_KIND != 0:  # the keys any row of this tile may see (a pre-pass)
         r_off = off_b * stride_rb + off_h * stride_rh + (start_m // BLOCK_M) * stride_rm
@@ -773,162 +642,9 @@ def _attn_bwd_delta(
 # Launchers
 
 
-# Plain-Python integer helpers: triton.cdiv and triton.next_power_of_2 are constexpr
-# functions that cost ~1.5 us of host time per call.
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)
-
-
-def _head_dim_tile(d: int) -> int:
-    return max(16, 1 << (d - 1).bit_length())
-
-
-def _dot_precision(dtype: torch.dtype) -> str:
-    # float32 inputs: exact float32 products, not TF32 (the reference has no rounding there)
-    return "ieee" if dtype == torch.float32 else "tf32"
-
-
-# Launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim tile,
-# chosen with `python benchmarks/attention.py --sweep` on an H100 (see
-# benchmarks/RESULTS.md). A fixed table rather than triton.autotune: tuning at run
-# time would run the probe atomics several times and stall the first training step.
-# The forward's fifth entry caps registers: at D <= 64 the plain loop needs 128 and the
-# tie-tracking loop ~150, which would drop an SM from 4 resident programs to 3. The forward
-# with a stabilize mask or a probe (what the watch runs) has its own table: at D = 128 it
-# is fastest with larger tiles than the plain forward.
-FWD_CONFIGS = {16: (64, 64, 4, 3, 128), 32: (64, 64, 4, 3, 128), 64: (64, 64, 4, 3, 128), 128: (128, 64, 8, 3),
-               256: (64, 32, 4, 2)}
-FWD_CONFIGS_WATCHED = {**FWD_CONFIGS, 128: (128, 128, 8, 2)}
-# D = 256 backward: `benchmarks/attention.py --shapes d256 --sweep dkdv --sweep dq` (H100, 2026-11-24):
-# dK/dV (64, 64, 8, 2) and dQ (64, 64, 4, 2) were the fastest of 28 each.
-DKDV_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 128, 8, 3), 256: (64, 64, 8, 2)}
-DQ_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (128, 64, 8, 3), 256: (64, 64, 4, 2)}
-# The fused backward (one kernel, dQ by atomics; by default only for calls with dropout at
-# D <= 128): `benchmarks/attention.py --sweep fused` (H100, 2026-11-24), the fastest of 28 each
-# at GPT-2 small with dropout 0.1 (D = 64), Llama (D = 128) and D = 256 without dropout.
-FUSED_BWD_CONFIGS = {16: (64, 64, 4, 2), 32: (64, 64, 4, 2), 64: (64, 64, 4, 2), 128: (64, 128, 8, 2), 256: (32, 32, 4, 2)}
+_launch_fwd, _launch_dq, _launch_dkdv = Launcher(_attn_fwd), Launcher(_attn_bwd_dq), Launcher(_attn_bwd_dkdv)
+_launch_delta = Launcher(_attn_bwd_delta)
 TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
-_INTERPRETER_CONFIG = (16, 16, 4, 1)  # one program at a time on CPU: small tiles, odd sizes covered
-
-
-# float32 inputs: tiles twice the bytes, and tl.dot without tensor cores ("ieee"); the
-# tables above would ask for more shared memory than an SM has at D = 128.
-FP32_CONFIGS = {"fwd": (64, 32, 4, 2), "dkdv": (32, 64, 4, 2), "dq": (64, 32, 4, 2), "fused": (32, 64, 4, 2)}
-
-
-# ---------------------------------------------------------------------------
-# Launching. ``fn[grid](*args, **meta)`` costs 50-70 us of host time per launch on the
-# lent GPU machines' CPUs (Triton's argument binding and cache key, launch hooks, and a
-# CUDA driver call per tensor to check its pointer), more than a small attention call's
-# GPU time. After a kernel's first launch for a specialization, later launches with an
-# equal key call its compiled launcher directly, with the tensors' addresses as integers.
-# The key is finer than Triton's: every integer argument's value (Triton specializes
-# integers on ==1, %16 and their width), every tensor's dtype, 16-byte alignment and
-# device, the current device, and the constexprs and launch options. Only on the Triton
-# version it was checked against; otherwise, in the interpreter, with launch hooks
-# installed (profilers), or with INSTABILITY_WATCH_FAST_LAUNCH=0, every launch takes
-# Triton's own path.
-
-_FAST_LAUNCH_VERSIONS = ("3.6.",)
-_FAST_CACHE_MAX = 256  # keys per kernel; beyond that (shapes that never repeat), cleared
-
-
-def _fast_launch_enabled() -> bool:
-    return (
-        not _INTERPRET
-        and triton.__version__.startswith(_FAST_LAUNCH_VERSIONS)
-        and os.environ.get("INSTABILITY_WATCH_FAST_LAUNCH", "1") != "0"
-    )
-
-
-class _Launcher:
-    """``launcher(grid, tensors, scalars, meta)`` runs ``fn[grid](*tensors, *scalars, **meta)``.
-
-    ``tensors`` are the kernel's leading pointer arguments (tensors or None), ``scalars``
-    the integer and float arguments after them, ``meta`` the constexprs and launch options
-    (the constexprs are the kernel's last parameters).
-    """
-
-    enabled = _fast_launch_enabled()
-
-    def __init__(self, fn):
-        self.fn = fn
-        self.cache = {}
-        self._device = self._stream = None
-
-    def __call__(self, grid, tensors, scalars, meta):
-        if not self.enabled:
-            self.fn[grid](*tensors, *scalars, **meta)
-            return
-        ptrs = []
-        key = [tuple(meta.values())]
-        for t in tensors:
-            if t is None:
-                ptrs.append(None)
-                key.append(None)
-            else:
-                p = t.data_ptr()
-                ptrs.append(p)
-                key.append(t.dtype)
-                key.append(p % 16 == 0)
-                key.append(t.get_device())  # a tensor on another device (or the CPU): Triton's path and checks
-        if self._device is None:
-            self._bind_driver()
-        device = self._device()
-        key.append(device)
-        key.extend(scalars)
-        key = tuple(key)
-        entry = self.cache.get(key)
-        if entry is not None and self._hooks_empty():
-            launch, coop, pdl, function, packed, tail = entry
-            try:
-                launch(grid[0], grid[1], 1, self._stream(device), function, coop, pdl, None, None, packed, None, None,
-                       None, *ptrs, *scalars, *tail)
-                return
-            except Exception as exc:  # a launcher that does not take these arguments: Triton's path from now on
-                type(self).enabled = False
-                self.cache.clear()
-                warnings.warn(f"instability_watch: fast kernel launch failed ({exc!r}); using Triton's launch path")
-        compiled = self.fn[grid](*tensors, *scalars, **meta)
-        if entry is None:
-            self._remember(key, compiled, meta)
-
-    def _bind_driver(self):
-        active = triton.runtime.driver.active
-        self._device = active.get_current_device
-        self._stream = active.get_current_stream
-
-    @staticmethod
-    def _hooks_empty() -> bool:
-        enter, exit_ = triton.knobs.runtime.launch_enter_hook, triton.knobs.runtime.launch_exit_hook
-        return (enter is None or not enter.calls) and (exit_ is None or not exit_.calls)
-
-    def _remember(self, key, compiled, meta):
-        run = getattr(compiled, "run", None)
-        launch = getattr(run, "launch", None)
-        if launch is None or getattr(run, "global_scratch_size", 1) or getattr(run, "profile_scratch_size", 1):
-            return  # a launcher this path does not know: Triton's own path every time
-        if len(self.cache) >= _FAST_CACHE_MAX:
-            self.cache.clear()
-        # the constexprs, the kernel's last parameters: passed to the launcher, not read by it
-        tail = tuple(meta.get(p.name) for p in self.fn.params if p.is_constexpr)
-        self.cache[key] = (
-            launch, run.launch_cooperative_grid, run.launch_pdl, compiled.function, compiled.packed_metadata, tail,
-        )
-
-
-_launch_fwd, _launch_dq, _launch_dkdv = _Launcher(_attn_fwd), _Launcher(_attn_bwd_dq), _Launcher(_attn_bwd_dkdv)
-_launch_delta = _Launcher(_attn_bwd_delta)
-
-
-def _config(table, head_dim: int, override=None, dtype=None, kind="fwd"):
-    if override is not None:
-        return override
-    if _INTERPRET:
-        return _INTERPRETER_CONFIG
-    if dtype == torch.float32:
-        return FP32_CONFIGS[kind]
-    return table[head_dim]
 
 
 class _MaskArgs:
@@ -964,13 +680,13 @@ class _MaskArgs:
             B, H, N, n_kv = self._shape
             vis = self._vis
             if vis.shape[2] > 1:
-                n_blocks = _cdiv(N, block_m)
+                n_blocks = cdiv(N, block_m)
                 if n_blocks * block_m != N:
                     pad = vis.new_zeros((*vis.shape[:2], n_blocks * block_m - N, n_kv))
                     vis = torch.cat([vis, pad], dim=2)
                 vis = vis.reshape(*vis.shape[:2], n_blocks, block_m, n_kv).any(dim=3)
             else:
-                n_blocks = _cdiv(N, block_m)
+                n_blocks = cdiv(N, block_m)
             lo, hi = _first_last(vis, dim=-1, size=n_kv)
             self._ranges[key] = _expanded(lo, hi, (B, H, n_blocks))
         return self._ranges[key]
@@ -981,7 +697,7 @@ class _MaskArgs:
         if key not in self._ranges:
             B, H, N, n_kv = self._shape
             vis = self._vis
-            n_blocks = _cdiv(n_kv, block_n)
+            n_blocks = cdiv(n_kv, block_n)
             if n_blocks * block_n != n_kv:
                 vis = torch.cat([vis, vis.new_zeros((*vis.shape[:3], n_blocks * block_n - n_kv))], dim=3)
             vis = vis.reshape(*vis.shape[:3], n_blocks, block_n).any(dim=4)  # (Bm, Hm, Nm, blocks)
@@ -1014,13 +730,19 @@ def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor]):
     return seed, dropout_threshold(dropout_p), dropout_scale(dropout_p)
 
 
-def attention_forward(
+def attention_forward_lse2(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
     causal: bool, scale: float, stabilize: Optional[torch.Tensor], beta: float, eps: float,
     counts: Optional[torch.Tensor], values: Optional[torch.Tensor], config=None,
     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
-    """Launch the forward (``config`` overrides the launch configuration). Returns ``(o, lse2)``: o (B, H, N, D) in q's layout, lse2 (B, H, N) float32 in log2 units."""
+    """Launch the forward; ``config`` (a LaunchConfig or a tuple) overrides the launch configuration.
+
+    q (B, H, N, D), k, v (B, H_kv, N_kv, D), bfloat16/float16/float32; ``stabilize`` bool (H,)
+    or None; ``counts``/``values`` the probe's buffers or None. Returns ``(o, lse2)``: o
+    (B, H, N, D) in q's dtype and layout, lse2 (B, H, N) float32 in log2 units (with an
+    additive mask (2, B, H, N): the shift and log2(l) apart), for :func:`attention_backward_lse2`.
+    """
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
@@ -1029,16 +751,13 @@ def attention_forward(
     # an additive mask: (2, B, H, N), the shift and log2(l) (see the kernel's epilogue)
     lse_shape = (2, B, H, N) if mask.kind == MASK_ADD else (B, H, N)
     lse2 = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
-    head_dim = _head_dim_tile(D)
+    head_dim = head_dim_tile(D)
     watched = stabilize is not None or counts is not None
-    block_m, block_n, warps, stages, *extra = _config(
-        FWD_CONFIGS_WATCHED if watched else FWD_CONFIGS, head_dim, config, q.dtype, "fwd"
-    )
-    maxnreg = extra[0] if extra else None
-    launch = dict(maxnreg=maxnreg) if (maxnreg and not _INTERPRET) else {}
+    cfg = launch_config("fwd", head_dim, q.dtype, watched=watched, override=config)
+    block_m, block_n = cfg.block_m, cfg.block_n
     # Query tiles per head in this call; sample about a quarter of them for the
     # multi-max statistic, at most 1 in TIE_SAMPLE_MAX (small calls: all of them).
-    tiles = B * _cdiv(N, block_m)
+    tiles = B * cdiv(N, block_m)
     tie_stride = max(1, min(TIE_SAMPLE_MAX, tiles // 4))
     stab = stabilize.view(torch.uint8) if stabilize is not None else None
     has_probe = counts is not None
@@ -1047,7 +766,7 @@ def attention_forward(
     # an additive mask is added to the scaled scores, which the loop then takes in log2 units
     raw_scale = 1.0 / LOG2E if mask.kind == MASK_ADD else scale
     _launch_fwd(
-        (_cdiv(N, block_m), B * H),
+        (cdiv(N, block_m), B * H),
         (q, k, v, o, lse2, stab, counts, values, mask.tensor, lo, hi, seed),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *mask.strides, *r_strides,
          H, H // h_kv, N, n_kv, D, B * H * N,
@@ -1059,24 +778,28 @@ def attention_forward(
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
             # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
             EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
-            DOT_PRECISION=_dot_precision(q.dtype), ASM=not _INTERPRET,
+            DOT_PRECISION=dot_precision(q.dtype), ASM=not INTERPRET,
             # the probe's warp-level statistics count a row once per warp: only where each row
             # lives in one warp (tensor-core tiles with the warps stacked along the rows)
-            WARP_STATS=has_probe and not _INTERPRET and q.dtype != torch.float32 and block_m >= 16 * warps,
-            num_warps=warps, num_stages=stages, **launch,
+            WARP_STATS=has_probe and not INTERPRET and q.dtype != torch.float32 and block_m >= 16 * cfg.num_warps,
+            **cfg.options(),
         ),
     )
     return o, lse2
 
 
-def attention_backward(
+def attention_backward_lse2(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor, do: torch.Tensor, *,
     causal: bool, scale: float, counts: Optional[torch.Tensor], values: Optional[torch.Tensor], shadow: bool,
     config_dkdv=None, config_dq=None, delta: Optional[torch.Tensor] = None,
     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
     mask_grad: bool = False, fused: Optional[bool] = None, config_fused=None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
-    """Launch the backward. Two ways, with the same results up to float32 summation order:
+    """Launch the backward. Two ways, with the same results up to float32 summation order.
+
+    ``lse2`` is :func:`attention_forward_lse2`'s, in log2 units ((B, H, N) float32, or
+    (2, B, H, N) with an additive mask); q, o, do (B, H, N, D), k, v (B, H_kv, N_kv, D),
+    bfloat16/float16/float32; gradients in their inputs' dtype and layout. The two ways:
 
     * fused (FA2's): a pre-pass for delta = rowsum(dO * O), then one kernel per KV block that
       computes dK, dV and adds each query block's dQ into a float32 buffer with atomics;
@@ -1096,8 +819,8 @@ def attention_backward(
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
     q, k, v, o, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, o, do))
-    head_dim = _head_dim_tile(D)
-    dot_precision = _dot_precision(q.dtype)
+    head_dim = head_dim_tile(D)
+    precision = dot_precision(q.dtype)
     delta_from_o = delta is None
     if delta_from_o:
         delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
@@ -1114,52 +837,47 @@ def attention_backward(
                  and not (shadow or mask_grad or torch.are_deterministic_algorithms_enabled()))
     elif fused and (shadow or mask_grad):
         raise ValueError("fused=True: the fused backward computes neither the shadow statistics nor a mask's gradient")
+    qk_scale = 1.0 if mask.kind == MASK_ADD else scale * LOG2E
+
+    def dkdv(cfg: LaunchConfig, dq_acc: Optional[torch.Tensor]) -> None:
+        """The dK/dV kernel; with ``dq_acc`` (B, H, N, D) float32, the fused backward's (dQ added there)."""
+        lo, hi, r_strides = mask.cols(cfg.block_n) if mask.kind else (None, None, (0, 0, 0))
+        _launch_dkdv(
+            (cdiv(n_kv, cfg.block_n), B * h_kv),
+            (q, k, v, do, lse2, delta, dk, dv, dq_acc, mask.tensor, lo, hi, seed),
+            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+             *mask.strides, *r_strides, H, h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
+            dict(CAUSAL=causal, MASK_KIND=mask.kind, DROPOUT=seed is not None, FUSED_DQ=dq_acc is not None,
+                 HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
+                 **cfg.options()),
+        )
+
     if fused:
         if delta_from_o:
-            bm = 16 if _INTERPRET else (64 if head_dim <= 128 else 32)
+            bm = 16 if INTERPRET else (64 if head_dim <= 128 else 32)
             _launch_delta(
-                (_cdiv(N, bm), B * H), (o, do, delta),
+                (cdiv(N, bm), B * H), (o, do, delta),
                 (*o.stride()[:3], *do.stride()[:3], H, N, D),
                 dict(HEAD_DIM=head_dim, BLOCK_M=bm, num_warps=4, num_stages=1),
             )
         dq_acc = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
-        block_m, block_n, warps, stages = _config(FUSED_BWD_CONFIGS, head_dim, config_fused, q.dtype, "fused")
-        lo, hi, r_strides = mask.cols(block_n) if mask.kind else (None, None, (0, 0, 0))
-        _launch_dkdv(
-            (_cdiv(n_kv, block_n), B * h_kv),
-            (q, k, v, do, lse2, delta, dk, dv, dq_acc, mask.tensor, lo, hi, seed),
-            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-             *mask.strides, *r_strides, H, h_kv, N, n_kv, D, B * H * N, 1.0 if mask.kind == MASK_ADD else scale * LOG2E,
-             scale, drop_thr, drop_scale),
-            dict(CAUSAL=causal, MASK_KIND=mask.kind, DROPOUT=seed is not None, FUSED_DQ=True, HEAD_DIM=head_dim,
-                 BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages),
-        )
+        dkdv(launch_config("fused", head_dim, q.dtype, override=config_fused), dq_acc)
         dq.copy_(dq_acc)
         return dq, dk, dv, None
     # dQ first: its programs write delta, which every dK/dV program reads
-    block_m, block_n, warps, stages = _config(DQ_CONFIGS, head_dim, config_dq, q.dtype, "dq")
+    cfg = launch_config("dq", head_dim, q.dtype, override=config_dq)
+    block_m, block_n = cfg.block_m, cfg.block_n
     lo, hi, r_strides = mask.rows(block_m) if mask.kind else (None, None, (0, 0, 0))
     _launch_dq(
-        (_cdiv(N, block_m), B * H),
+        (cdiv(N, block_m), B * H),
         (q, k, v, o, do, lse2, delta, dq, counts, values, mask.tensor, lo, hi, seed, dmask),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-         *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, 1.0 if mask.kind == MASK_ADD else scale * LOG2E, scale, drop_thr,
-         drop_scale),
+         *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
         dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, MASK_KIND=mask.kind, DROPOUT=seed is not None,
              MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
-             BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages),
+             BLOCK_N=block_n, DOT_PRECISION=precision, **cfg.options()),
     )
-    block_m, block_n, warps, stages = _config(DKDV_CONFIGS, head_dim, config_dkdv, q.dtype, "dkdv")
-    lo, hi, r_strides = mask.cols(block_n) if mask.kind else (None, None, (0, 0, 0))
-    _launch_dkdv(
-        (_cdiv(n_kv, block_n), B * h_kv),
-        (q, k, v, do, lse2, delta, dk, dv, None, mask.tensor, lo, hi, seed),
-        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-         *mask.strides, *r_strides, H, h_kv, N, n_kv, D, B * H * N, 1.0 if mask.kind == MASK_ADD else scale * LOG2E, scale, drop_thr,
-         drop_scale),
-        dict(CAUSAL=causal, MASK_KIND=mask.kind, DROPOUT=seed is not None, FUSED_DQ=False, HEAD_DIM=head_dim,
-             BLOCK_M=block_m, BLOCK_N=block_n, DOT_PRECISION=dot_precision, num_warps=warps, num_stages=stages),
-    )
+    dkdv(launch_config("dkdv", head_dim, q.dtype, override=config_dkdv), None)
     if dmask is not None:
         dmask = reduce_to(dmask, attn_mask.shape).to(attn_mask.dtype)
     return dq, dk, dv, dmask

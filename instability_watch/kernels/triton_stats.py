@@ -38,9 +38,9 @@ import triton.language as tl
 from ..probe import COUNT_FIELDS, VALUE_FIELDS
 from .stats import MASK_FLOOR, _mask4
 from .reference import dropout_scale, dropout_threshold
-from .triton_attention import (
-    _INTERPRET, _INTERPRETER_CONFIG, _Launcher, _cdiv, _dot_precision, _dropout_keep, _head_dim_tile,
-)
+from ._launch import INTERPRET, Launcher, cdiv, dot_precision
+from .configs import head_dim_tile, launch_config
+from .triton_attention import _dropout_key, _dropout_keep
 
 # Rows of the probe buffers, as constexprs for the kernel.
 C_ROWS = tl.constexpr(COUNT_FIELDS.index("rows"))
@@ -66,6 +66,19 @@ FLOOR = tl.constexpr(MASK_FLOOR)
 
 
 @triton.jit
+def _load_block(blk, start_n, stride_n, cols, offs_d, N_KV, D, MASK_KV: tl.constexpr, EVEN_D: tl.constexpr):
+    """The (BLOCK_N, HEAD_DIM) block of keys or values ``cols = start_n + offs_n``, ``blk``
+    pointing at the block of ``start_n = 0``: rows past ``N_KV`` (with ``MASK_KV``) and padded
+    head dims (``offs_d >= D``) read as 0."""
+    if MASK_KV:
+        return tl.load(blk + start_n * stride_n, mask=(cols[:, None] < N_KV) & (offs_d[None, :] < D), other=0.0)
+    elif EVEN_D:
+        return tl.load(blk + start_n * stride_n)
+    else:
+        return tl.load(blk + start_n * stride_n, mask=offs_d[None, :] < D, other=0.0)
+
+
+@triton.jit
 def _scores(
     q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale,
     stride_kn, stride_mn,
@@ -80,12 +93,7 @@ def _scores(
     """
     cols = start_n + offs_n
     # -- the K block; keys past N_KV and padded head dims read as 0
-    if MASK_KV:
-        k = tl.load(K_blk + start_n * stride_kn, mask=(cols[:, None] < N_KV) & (offs_d[None, :] < D), other=0.0)
-    elif EVEN_D:
-        k = tl.load(K_blk + start_n * stride_kn)
-    else:
-        k = tl.load(K_blk + start_n * stride_kn, mask=offs_d[None, :] < D, other=0.0)
+    k = _load_block(K_blk, start_n, stride_kn, cols, offs_d, N_KV, D, MASK_KV, EVEN_D)
     # -- q.k in float32 (tensor cores for bf16/fp16, exact products for float32), then the scale
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if SCALED:
@@ -126,11 +134,8 @@ def _stats_inner(
     # (repeats counted), -inf until seen; per row a NaN flag.
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        s = _scores(
-            q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
-            MASK_CAUSAL=MASK_CAUSAL, MASK_KV=MASK_KV, MASK_KIND=MASK_KIND, SCALED=SCALED,
-            EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-        )
+        s = _scores(q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
+                    MASK_CAUSAL, MASK_KV, MASK_KIND, SCALED, EVEN_D, DOT_PRECISION)
         # -- NaN flag: a visible NaN makes the row's sum NaN. So does +inf beside a -inf
         #    (masked) entry, harmlessly: such a row's t1 is +inf, non-finite anyway, and
         #    not masked either way.
@@ -159,19 +164,11 @@ def _shadow_inner(
     # when m moves).
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
-        s = _scores(
-            q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
-            MASK_CAUSAL=MASK_CAUSAL, MASK_KV=MASK_KV, MASK_KIND=MASK_KIND, SCALED=True,
-            EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-        )
+        s = _scores(q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
+                    MASK_CAUSAL, MASK_KV, MASK_KIND, True, EVEN_D, DOT_PRECISION)
         # -- the V block
         cols = start_n + offs_n
-        if MASK_KV:
-            v = tl.load(V_blk + start_n * stride_vn, mask=(cols[:, None] < N_KV) & (offs_dv[None, :] < DV), other=0.0)
-        elif EVEN_DV:
-            v = tl.load(V_blk + start_n * stride_vn)
-        else:
-            v = tl.load(V_blk + start_n * stride_vn, mask=offs_dv[None, :] < DV, other=0.0)
+        v = _load_block(V_blk, start_n, stride_vn, cols, offs_dv, N_KV, DV, MASK_KV, EVEN_DV)
         # -- online softmax in float32. The shift is 0 while a row has seen nothing but
         #    -inf (masked keys give P = 0, not NaN); a NaN score gives P = NaN, so l and a
         #    turn NaN (as the reference's row); a +inf score gives exp(inf - inf) = NaN too.
@@ -256,14 +253,7 @@ def _attn_stats(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         a_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        if DROPOUT:
-            k0 = tl.load(Seed).to(tl.uint32)
-            k1 = tl.load(Seed + 1).to(tl.uint32)
-            thr = drop_thr.to(tl.uint32)
-        else:
-            k0 = 0
-            k1 = 0
-            thr = 0
+        k0, k1, thr = _dropout_key(Seed, drop_thr, DROPOUT)
         m_i, l_i, a_i = _shadow_inner(
             m_i, l_i, a_i, q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
             stride_kn, stride_vn, stride_mn, 0, n_full, k0, k1, thr, off_bh,
@@ -346,33 +336,7 @@ def _attn_stats(
 # ---------------------------------------------------------------------------
 # Launchers
 
-# Launch configurations (BLOCK_M, BLOCK_N, num_warps, num_stages) per head-dim tile
-# (shadow: the larger of D's and D_v's; statistics: D's). A fixed table, not triton.autotune: tuning runs would
-# repeat the atomics. Picked from a small sweep on one H100, 2026-11-24 (torch 2.11, triton 3.6;
-# bf16, causal; triton.testing.do_bench per call against PyTorch's flash forward on the same inputs):
-#   GPT-2  B16 H12 N1024 D64:         flash 135 us, statistics  79 us, shadow 136 us
-#   Llama  B4 H32/4 N2048 D128 (GQA): flash 479 us, statistics 204 us, shadow 492 us
-#   Gemma  B4 H8/4 N2048 D256:        flash 286 us, statistics 127 us, shadow 318 us
-# To be tuned further on the GPU (other shapes, fp16, masks; float32 not measured).
-# - statistics: no P V and no exponentials; the per-lane top two are two (BLOCK_M, BLOCK_N)
-#   float32 tiles (32 registers each at 64 x 64 with 4 warps). 64 x 64 with 4 warps beat
-#   128 x 64 with 8 (+40% time) and 128 x 128 at every head dim tried.
-# - shadow: the forward's work (two dots per block, one exp per score) with Q and dO in
-#   registers; narrow KV blocks (32) were fastest at every head dim tried.
-STATS_CONFIGS = {16: (64, 64, 4, 3), 32: (64, 64, 4, 3), 64: (64, 64, 4, 3), 128: (64, 64, 4, 3), 256: (64, 64, 4, 2)}
-SHADOW_CONFIGS = {16: (64, 32, 4, 3), 32: (64, 32, 4, 3), 64: (64, 32, 4, 3), 128: (128, 32, 8, 3), 256: (128, 32, 8, 2)}
-# float32 inputs: twice the bytes per tile and no tensor cores ("ieee" dots); not tuned
-FP32_CONFIGS = {16: (64, 32, 4, 2), 32: (64, 32, 4, 2), 64: (64, 32, 4, 2), 128: (64, 32, 4, 2), 256: (32, 32, 4, 2)}
-
-_launch_stats = _Launcher(_attn_stats)
-
-
-def _config(table, head_dim: int, dtype: torch.dtype):
-    if _INTERPRET:
-        return _INTERPRETER_CONFIG  # one program at a time on CPU: small tiles, odd sizes covered
-    if dtype == torch.float32:
-        return FP32_CONFIGS[head_dim]
-    return table[head_dim]
+_launch_stats = Launcher(_attn_stats)
 
 
 def _strides(t: Optional[torch.Tensor]):
@@ -395,24 +359,24 @@ def _launch(q, k, v, o, do, attn_mask, counts, values, *, shadow: bool, causal: 
             mask = mask.view(torch.uint8)
     # without P or an additive mask, the statistics track raw q.k and scale t1, t2 at the end
     scaled = shadow or kind == 2 or not (0.0 < scale < math.inf)
-    head_dim, head_dv = _head_dim_tile(D), _head_dim_tile(dv)
+    head_dim, head_dv = head_dim_tile(D), head_dim_tile(dv)
     if shadow:
-        block_m, block_n, warps, stages = _config(SHADOW_CONFIGS, max(head_dim, head_dv), q.dtype)
+        cfg = launch_config("shadow", max(head_dim, head_dv), q.dtype)
     else:  # O is read once, after the loop
-        block_m, block_n, warps, stages = _config(STATS_CONFIGS, head_dim, q.dtype)
+        cfg = launch_config("stats", head_dim, q.dtype)
     # the statistics compare scores exactly: scale * q.k and + mask rounded separately (no FMA)
-    options = {} if (_INTERPRET or shadow) else dict(enable_fp_fusion=False)
+    options = {} if (INTERPRET or shadow) else dict(enable_fp_fusion=False)
     _launch_stats(
-        (_cdiv(N, block_m), B * H),
+        (cdiv(N, cfg.block_m), B * H),
         (q, k, v, o, do, mask, counts, values, seed if dropout_p else None),
         (*q.stride()[:3], *k.stride()[:3], *_strides(v), *_strides(o), *_strides(do), *mask_strides,
          H, H // h_kv, N, n_kv, D, dv, scale, eps,
          dropout_threshold(dropout_p) if dropout_p else 0, dropout_scale(dropout_p) if dropout_p else 1.0),
         dict(
             SHADOW=shadow, CAUSAL=causal, MASK_KIND=kind, DROPOUT=bool(dropout_p), SCALED=scaled, HAS_O=o is not None,
-            HEAD_DIM=head_dim, HEAD_DV=head_dv, BLOCK_M=block_m, BLOCK_N=block_n,
-            EVEN_D=D == head_dim, EVEN_DV=dv == head_dv, DOT_PRECISION=_dot_precision(q.dtype),
-            num_warps=warps, num_stages=stages, **options,
+            HEAD_DIM=head_dim, HEAD_DV=head_dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+            EVEN_D=D == head_dim, EVEN_DV=dv == head_dv, DOT_PRECISION=dot_precision(q.dtype),
+            **cfg.options(), **options,
         ),
     )
 

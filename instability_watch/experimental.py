@@ -1,0 +1,45 @@
+"""Research tools: not fixes, and not part of the stable API.
+
+:func:`high_precision_delta` is the paper's control experiment (its Claim 1), kept for
+reproducing it (``benchmarks/reproduce.py``'s control arm). To fix a run, use
+``stabilize`` (:func:`~instability_watch.flash_attention`) or the watch's switching.
+"""
+from __future__ import annotations
+
+import contextlib
+
+from .kernels.ops import HIGH_PRECISION_DELTA
+
+__all__ = ["high_precision_delta"]
+
+
+@contextlib.contextmanager
+def high_precision_delta(enabled: bool = True):
+    """The paper's control experiment: the backward's ``delta`` from a high-precision ``O``.
+
+    Calls to :func:`~instability_watch.flash_attention` whose forward runs inside this context
+    (routed calls of a watched model included) compute, in their backward,
+    ``delta = rowsum(dO * O_hp)`` with ``O_hp = softmax(S) V`` recomputed by
+    PyTorch in float32, instead of ``rowsum(dO * O)`` from the stored BF16
+    ``O``. Everything else (the forward output, the rest of the backward) is
+    unchanged, so a training run inside it differs from a standard one only by
+    the rounding bias the paper blames (Claim 1). Costs one float32 attention
+    forward per call in the backward (``O_hp`` (B, H, N, D) and ``delta`` (B, H, N) in
+    float32, float64 for float64 inputs); eager only (ignored under ``torch.compile``).
+    A shadow step's ``delta`` drift then measures this ``delta`` against the
+    kernel's own ``delta_hp`` (about 0). A research tool, not a fix: use
+    ``stabilize`` for that.
+
+    Example::
+
+        with high_precision_delta():
+            loss = model(x).loss
+        loss.backward()
+    """
+    if not isinstance(enabled, bool):
+        raise TypeError(f"enabled must be a bool, got {enabled!r}")
+    token = HIGH_PRECISION_DELTA.set(enabled)
+    try:
+        yield
+    finally:
+        HIGH_PRECISION_DELTA.reset(token)
