@@ -5,10 +5,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Optional, Tuple
 
-from .detectors import KINDS
-
-# The alert kinds that the stabilized kernel addresses (the paper's mechanism).
-STABILIZABLE = ("multi_max", "delta_drift", "spectral_growth")
+from .alerts import KINDS, STABILIZABLE  # STABILIZABLE: the kinds the stabilized kernel addresses
 
 
 @dataclass(frozen=True)
