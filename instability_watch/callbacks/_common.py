@@ -11,7 +11,7 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 from ..config import WatchConfig
 from ..console import ConsoleReporter
@@ -115,9 +115,20 @@ class WatchAdapter:
 
     error: Type[Exception] = ValueError
 
-    def __init__(self, config: Any = None, *, layers: Any = None, run_dir: Any = None, overwrite: bool = False,
-                 write_csv: bool = True, console: Any = None, alerts: bool = True, live_table: bool = False,
-                 top: int = 8, log_scalars: bool = True) -> None:
+    def __init__(
+        self,
+        config: Optional[Union[WatchConfig, Dict[str, Any]]] = None,
+        *,
+        layers: Any = None,
+        run_dir: Optional[Union[str, os.PathLike]] = None,
+        overwrite: bool = False,
+        write_csv: bool = True,
+        console: Any = None,
+        alerts: bool = True,
+        live_table: bool = False,
+        top: int = 8,
+        log_scalars: bool = True,
+    ) -> None:
         config, layers = check_arguments(config, layers, run_dir, top, console)
         self.config: WatchConfig = config
         self.layers = layers
@@ -134,6 +145,10 @@ class WatchAdapter:
         self.writer: Optional[RunWriter] = None
         self.reporter: Optional[ConsoleReporter] = None
         self._finished = True  # no run, or its end was handled
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """A subclass's own state, set up after the arguments are checked."""
 
     def _start_run(self) -> None:
         """Forget the previous run (a callback reused for another fit starts clean)."""

@@ -40,7 +40,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -56,7 +56,6 @@ except ImportError as exc:  # transformers is an optional dependency
     ) from exc
 
 from .._sharding import _fsdp1_class, fsdp1_units, full_params, innermost_unit, zero3_parameters
-from ..config import WatchConfig
 from ..export import RUN_DIR_NAME, broadcast_from_rank_zero, run_dir_under
 from ..locate import AttentionLayer, find_attention_layers, not_found_message
 from ..watch import InstabilityWatch, StepMetrics
@@ -64,7 +63,6 @@ from ._common import WatchAdapter, scalars
 
 log = logging.getLogger("instability_watch")
 
-LayersArg = Union[None, Sequence[AttentionLayer], Callable[[nn.Module], Sequence[AttentionLayer]]]
 
 STATE_FILE = "instability_watch.pt"  # in each checkpoint directory
 _STATE_VERSION = 1
@@ -296,7 +294,7 @@ def _fsdp1_layers(layers: List[AttentionLayer], model: nn.Module, wrapper: nn.Mo
     return out
 
 
-class InstabilityWatchTrainerCallback(TrainerCallback, WatchAdapter):
+class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
     """Watch every attention head while a Hugging Face ``transformers.Trainer`` trains.
 
     Args:
@@ -348,22 +346,8 @@ class InstabilityWatchTrainerCallback(TrainerCallback, WatchAdapter):
         # then: instability-watch report out/instability_watch
     """
 
-    def __init__(
-        self,
-        config: Optional[Union[WatchConfig, Dict[str, Any]]] = None,
-        *,
-        layers: LayersArg = None,
-        run_dir: Optional[Union[str, os.PathLike]] = None,
-        overwrite: bool = False,
-        write_csv: bool = True,
-        console: Any = None,
-        alerts: bool = True,
-        live_table: bool = False,
-        top: int = 8,
-        log_scalars: bool = True,
-    ) -> None:
-        WatchAdapter.__init__(self, config, layers=layers, run_dir=run_dir, overwrite=overwrite, write_csv=write_csv,
-                              console=console, alerts=alerts, live_table=live_table, top=top, log_scalars=log_scalars)
+    def _init_state(self) -> None:
+        """The adapter's own state (called by ``WatchAdapter.__init__``, after the arguments are checked)."""
         self.model: Optional[nn.Module] = None
         self.sharding: Optional[str] = None
         self._last_step = 0

@@ -13,9 +13,8 @@ same step.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -28,7 +27,6 @@ except ImportError as exc:  # pragma: no cover - lightning is a dependency
         "InstabilityWatchCallback needs PyTorch Lightning: pip install 'lightning>=2.4'"
     ) from exc
 
-from ..config import WatchConfig
 from ..export import run_dir_under
 from ..locate import AttentionLayer
 from ..watch import InstabilityWatch, StepMetrics
@@ -36,7 +34,6 @@ from ._common import WatchAdapter, scalars
 
 log = logging.getLogger("instability_watch")
 
-LayersArg = Union[None, Sequence[AttentionLayer], Callable[["pl.LightningModule"], Sequence[AttentionLayer]]]
 
 _STATE_VERSION = 1
 
@@ -61,7 +58,7 @@ def _unsupported_strategy(strategy: Any) -> Optional[str]:
             "ModelParallelStrategy, DeepSpeed ZeRO 1-2)")
 
 
-class InstabilityWatchCallback(Callback, WatchAdapter):
+class InstabilityWatchCallback(WatchAdapter, Callback):
     """Watch every attention head while a Lightning ``Trainer`` fits.
 
     Args:
@@ -104,22 +101,8 @@ class InstabilityWatchCallback(Callback, WatchAdapter):
 
     error = MisconfigurationException
 
-    def __init__(
-        self,
-        config: Optional[Union[WatchConfig, Dict[str, Any]]] = None,
-        *,
-        layers: LayersArg = None,
-        run_dir: Optional[Union[str, os.PathLike]] = None,
-        overwrite: bool = False,
-        write_csv: bool = True,
-        console: Any = None,
-        alerts: bool = True,
-        live_table: bool = False,
-        top: int = 8,
-        log_scalars: bool = True,
-    ) -> None:
-        WatchAdapter.__init__(self, config, layers=layers, run_dir=run_dir, overwrite=overwrite, write_csv=write_csv,
-                              console=console, alerts=alerts, live_table=live_table, top=top, log_scalars=log_scalars)
+    def _init_state(self) -> None:
+        """The adapter's own state (called by ``WatchAdapter.__init__``, after the arguments are checked)."""
         self._trainer: Optional["pl.Trainer"] = None
         self._pending_state: Optional[dict] = None  # loaded before the watch existed
         self._restored = False  # the watch state came from the checkpoint being resumed
