@@ -169,6 +169,7 @@ class WatchConfig:
             )
 
     def to_dict(self) -> dict:
+        """The fields as a plain ``dict`` (tuples as lists: JSON-ready, as in ``meta.json``)."""
         d = asdict(self)
         for f in fields(self):
             if isinstance(d[f.name], tuple):

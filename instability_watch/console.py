@@ -172,6 +172,7 @@ class HeadTracker:
         self.step = 0
 
     def update(self, metrics: Sequence["StepMetrics"]) -> None:
+        """Take in a read-back's steps (each metric float64 ``(L, H)``): the last values, the first sigma(W_Q)."""
         if not metrics:
             return
         with np.errstate(all="ignore"):

@@ -176,6 +176,7 @@ class _Sustained(_WithBaseline):
         raise NotImplementedError
 
     def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        """See :meth:`Detector.update`: ``x`` is float64 ``(L, H)``, ``NaN`` where not observed."""
         seen = np.isfinite(x)
         if step <= self.warmup_steps:
             self._base.add(x)
@@ -234,6 +235,7 @@ class DeltaDrift(Detector):
         self.n_obs = np.zeros(self.shape)
 
     def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        """See :meth:`Detector.update`: ``x`` is float64 ``(L, H)``, ``NaN`` where not observed."""
         seen = np.isfinite(x)
         if not seen.any():
             return []
@@ -261,6 +263,7 @@ class SpectralGrowth(_WithBaseline):
         self.abs_factor = None if abs_factor is None else float(abs_factor)
 
     def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        """See :meth:`Detector.update`: ``x`` is float64 ``(L, H)``, ``NaN`` where not observed."""
         seen = np.isfinite(x) & (x > 0)
         if not seen.any():
             return []
@@ -291,6 +294,7 @@ class NonFinite(Detector):
     metric = "nonfinite"
 
     def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        """See :meth:`Detector.update`: ``x`` is float64 ``(L, H)``, ``NaN`` where not observed."""
         hit = np.isfinite(x) & (x > 0)
         return self._trips(hit, np.where(hit, x, 0.0), np.zeros(self.shape))
 

@@ -89,6 +89,7 @@ class Event:
     layer_name: str = ""
 
     def to_dict(self) -> dict:
+        """The fields as a plain ``dict`` (JSON-ready)."""
         return asdict(self)
 
 
@@ -137,7 +138,8 @@ class RingLayout:
         self.width = self.clip.stop
 
     def max_columns(self) -> torch.Tensor:
-        """Columns reduced by max across ranks (the largest logit and sigma); the rest are summed."""
+        """A ``(width,)`` bool CPU tensor: the columns reduced by max across ranks (the largest logit, sigma,
+        the clip multipliers); the rest are summed."""
         cols = torch.zeros(self.width, dtype=torch.bool)
         i_max = VALUE_FIELDS.index("max_score")
         offset = self.values.start
@@ -149,7 +151,7 @@ class RingLayout:
         return cols
 
     def per_head(self, flat: np.ndarray) -> np.ndarray:
-        """A ``(total heads,)`` vector as ``(L, H_max)``, NaN in padded heads."""
+        """A ``(total heads,)`` vector as a float64 ``(L, H_max)`` array, NaN in padded heads."""
         L, Hm = len(self.head_counts), max(self.head_counts, default=0)
         out = np.full((L, Hm), np.nan)
         o = 0
@@ -159,7 +161,8 @@ class RingLayout:
         return out
 
     def unpack(self, row: np.ndarray) -> Dict[str, np.ndarray]:
-        """Every probe field and ``sigma_wq`` of one row as an ``(L, H_max)`` array (NaN in padded heads)."""
+        """Every probe field and ``sigma_wq`` of one float64 ``(width,)`` row as a float64 ``(L, H_max)`` array
+        (NaN in padded heads)."""
         L, Hm = len(self.head_counts), max(self.head_counts, default=0)
         nc, nv = len(COUNT_FIELDS), len(VALUE_FIELDS)
         out = {name: np.full((L, Hm), np.nan) for name in COUNT_FIELDS + VALUE_FIELDS + ("sigma_wq",)}
@@ -335,6 +338,7 @@ class InstabilityWatch:
 
     @property
     def shape(self) -> Tuple[int, int]:
+        """``(L, H)``: watched layers x the widest layer's heads, the shape of every per-head array."""
         return (len(self.head_counts), max(self.head_counts) if self.head_counts else 0)
 
     @property

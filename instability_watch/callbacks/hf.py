@@ -552,6 +552,7 @@ class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
         return total / len(parts)
 
     def on_step_end(self, args, state, control, **kwargs):
+        """One ``watch.step(loss)`` per optimizer step (the mean of the step's micro-batch losses)."""
         watch = self.watch
         if watch is None or self._finished:
             return
@@ -573,6 +574,7 @@ class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
         self._pending_scalars = scalars(watch, metrics) or {}
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """Add the latest read-back's scalars to ``logs`` (and to the entry just appended to ``log_history``)."""
         if not self._pending_scalars or logs is None:
             return
         scalars, self._pending_scalars = self._pending_scalars, {}
@@ -607,6 +609,8 @@ class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
         }
 
     def on_save(self, args, state, control, **kwargs):
+        """Write :meth:`state_dict` into the checkpoint directory as ``instability_watch.pt`` (every rank
+        computes it; the saving process writes it)."""
         if self.watch is None or self._finished:
             return
         payload = self.state_dict()  # on every rank (a collective under DDP)
@@ -631,6 +635,7 @@ class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
     # ------------------------------------------------------------------ end
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Read back the pending steps, restore the model, close the console and the run directory."""
         self._finish(crashed=False)
 
     def close(self) -> None:
