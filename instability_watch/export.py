@@ -535,19 +535,13 @@ def run_dir_under(base: str | os.PathLike, *, new_version: bool = False,
     return root / f"version_{broadcast(n)}"
 
 
-def writer_for_rank(run_dir: str | os.PathLike, *, overwrite: bool, write: bool = True) -> Optional[RunWriter]:
-    """The run directory's writer on rank 0 (the only rank that writes it); ``None`` on the other ranks, or
-    when ``write`` is off."""
-    return RunWriter(run_dir, overwrite=overwrite) if write and rank() == 0 else None
-
-
 def open_on_rank_zero(writer: Optional[RunWriter], watch: "InstabilityWatch", *, resume_step: Optional[int] = None,
                       extra_meta: Optional[dict] = None,
                       broadcast: Broadcast = broadcast_from_rank_zero) -> Optional[RunWriter]:
     """Open the run directory for a run of one or more processes; call it on every rank, after the watch state
     was restored (``resume_step``: the step a restored run continues from, ``None`` for a new run).
 
-    Only rank 0 holds a ``writer`` (:func:`writer_for_rank`). It checks the directory
+    Only rank 0 holds a ``writer`` (the other ranks pass ``None``). It checks the directory
     (:meth:`RunWriter.conflict`) and every rank raises the same ``FileExistsError``, so no rank trains alone.
     A directory that cannot be written (``OSError``, ``ValueError``: a read-only disk, a run of other layers)
     does not stop training: it is logged, ``writer`` is removed from ``watch.listeners`` and ``None`` is
