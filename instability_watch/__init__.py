@@ -12,10 +12,14 @@ Public API (grows with each milestone):
 * :class:`InstabilityWatchCallback` -- the watch in a Lightning ``Trainer``
   (imported on first use, so ``import instability_watch`` does not load Lightning).
 * :func:`load_run` -- a run directory's CSVs as pandas DataFrames.
+* :data:`ALERT_KINDS` -- what each kind of alert means and what to do about it.
 """
+import importlib
+
 from .locate import AttentionLayer
 from .config import WatchConfig
-from .detectors import KINDS, Alert
+from .alerts import ALERT_KINDS, KINDS
+from .detectors import Alert
 from .kernels import flash_attention
 from .probe import Probe
 from .watch import Event, InstabilityWatch, StepMetrics, WatchError
@@ -24,17 +28,16 @@ __version__ = "0.1.0"
 
 __all__ = [
     "flash_attention", "Probe", "InstabilityWatch", "WatchConfig", "Alert", "Event", "StepMetrics",
-    "WatchError", "AttentionLayer", "KINDS", "InstabilityWatchCallback", "load_run", "__version__",
+    "WatchError", "AttentionLayer", "KINDS", "ALERT_KINDS", "InstabilityWatchCallback", "load_run", "__version__",
 ]
 
 
+# imported on first use: Lightning and pandas load only when asked for
+_LAZY = {"InstabilityWatchCallback": ".callbacks.lightning", "load_run": ".export"}
+
+
 def __getattr__(name):
-    if name == "InstabilityWatchCallback":
-        from .callbacks.lightning import InstabilityWatchCallback
-
-        return InstabilityWatchCallback
-    if name == "load_run":
-        from .export import load_run
-
-        return load_run
+    """The lazily imported names (PEP 562)."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -5,10 +5,7 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Optional, Tuple
 
-from .detectors import KINDS
-
-# The alert kinds that the stabilized kernel addresses (the paper's mechanism).
-STABILIZABLE = ("multi_max", "delta_drift", "spectral_growth")
+from .alerts import KINDS, STABILIZABLE  # STABILIZABLE: the kinds the stabilized kernel addresses
 
 
 @dataclass(frozen=True)
@@ -172,6 +169,7 @@ class WatchConfig:
             )
 
     def to_dict(self) -> dict:
+        """The fields as a plain ``dict`` (tuples as lists: JSON-ready, as in ``meta.json``)."""
         d = asdict(self)
         for f in fields(self):
             if isinstance(d[f.name], tuple):

@@ -32,34 +32,12 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from .alerts import ALERT_KINDS
 from .detectors import Alert
 
 if TYPE_CHECKING:  # pragma: no cover
     from .observe import LayerCoverage
     from .watch import InstabilityWatch, StepMetrics
-
-# One line per alert kind: what tripped, in words.
-KIND_TITLES: Dict[str, str] = {
-    "multi_max": "repeated row maxima became frequent",
-    "delta_drift": "delta error keeps one sign (biased backward)",
-    "spectral_growth": "sigma(W_Q) grows faster than the other heads",
-    "logit_growth": "attention logits grew",
-    "nonfinite": "non-finite values",
-}
-
-KIND_SHORT: Dict[str, str] = {  # for the table's state column
-    "multi_max": "multi-max", "delta_drift": "δ-drift", "spectral_growth": "σ-growth",
-    "logit_growth": "logits", "nonfinite": "non-finite",
-}
-
-KIND_UNITS: Dict[str, str] = {
-    "multi_max": "fraction of rows whose maximum repeats",
-    "delta_drift": "sign CUSUM of sum(delta_lp - delta_hp)",
-    "spectral_growth": "sigma(W_Q) growth since warm-up",
-    "logit_growth": "largest attention logit",
-    "nonfinite": "count",
-}
-
 
 def coverage_line(coverage: Sequence["LayerCoverage"], head_counts: Sequence[int]) -> str:
     """One line on what the watch observes, e.g. ``12 layers × 12 heads observed; 0 calls unobserved``."""
@@ -114,8 +92,9 @@ class AlertPanel:
         grid.add_column()
         grid.add_row("layer", Text(f"{a.layer_name or a.layer} (#{a.layer})"))
         grid.add_row("head", str(a.head))
-        grid.add_row("kind", escape(f"{a.kind}: {KIND_TITLES.get(a.kind, a.kind)}"))
-        grid.add_row("value", f"{_fmt(a.value)} vs threshold {_fmt(a.threshold)}  ({KIND_UNITS.get(a.kind, '')})")
+        known = ALERT_KINDS.get(a.kind)
+        grid.add_row("kind", escape(f"{a.kind}: {known.title if known else a.kind}"))
+        grid.add_row("value", f"{_fmt(a.value)} vs threshold {_fmt(a.threshold)}  ({known.units if known else ''})")
         grid.add_row("action", Text(a.action, style="bold green" if switched else ""))
         grid.add_row("why", Text(a.message, style="dim"))
         yield Panel(
@@ -193,6 +172,7 @@ class HeadTracker:
         self.step = 0
 
     def update(self, metrics: Sequence["StepMetrics"]) -> None:
+        """Take in a read-back's steps (each metric float64 ``(L, H)``): the last values, the first sigma(W_Q)."""
         if not metrics:
             return
         with np.errstate(all="ignore"):
@@ -237,7 +217,7 @@ class HeadTracker:
                 if stab:
                     state.append(f"stabilized@{watch.switched[(layer, head)]}")
                 if kinds:
-                    state.append(",".join(KIND_SHORT.get(k, k) for k in dict.fromkeys(kinds)))
+                    state.append(",".join(ALERT_KINDS[k].short if k in ALERT_KINDS else k for k in dict.fromkeys(kinds)))
                 out.append({
                     "layer": layer, "layer_name": watch.layer_names[layer], "head": head,
                     "multi_max_freq": float(mmf[layer, head]), "max_score": float(score[layer, head]),

@@ -1,28 +1,18 @@
 """Early-warning rules: per-head metric streams in, :class:`Alert` records out.
 
-Every detector sees one step at a time, as an array ``(L, H)`` (layers x
-heads) in which ``NaN`` marks "no observation this step" (a head that does not
-exist in a narrower layer, a step without a shadow or spectral computation).
-All arithmetic is vectorised over heads with numpy on the host; the watch runs
-the detectors once per logging step over the steps it has just read back.
+Every detector sees one step at a time, as an array ``(L, H)`` of float64
+(layers x heads) in which ``NaN`` marks "no observation this step" (a head that
+does not exist in a narrower layer, a step without a shadow or spectral
+computation). All arithmetic is vectorised over heads with numpy on the host;
+the watch runs the detectors once per logging step over the steps it has just
+read back.
 
 Each kind alerts at most once per head (the alert is latched); the metric keeps
 going to the CSV. Baselines come from the warm-up window ``step <=
-warmup_steps``; no baseline-relative alert fires inside it.
-
-==================  ===========================================================
-``multi_max``       multi-max frequency above ``max(factor * baseline,
-                    baseline + min_rise)`` for ``sustain`` consecutive steps
-``delta_drift``     the shadow steps' ``sum(delta_lp - delta_hp)`` keeps one
-                    sign: a two-sided CUSUM of the signs (+1 / -1 per shadow
-                    step, allowance ``k``) exceeds ``h``
-``spectral_growth`` sigma(W_Q[h]) / its warm-up baseline exceeds ``rel_factor``
-                    times the median head's growth (or ``abs_factor``, if set)
-                    for ``sustain`` consecutive spectral steps
-``logit_growth``    the max attention logit above ``max(min_logit, factor *
-                    baseline)`` for ``sustain`` consecutive steps
-``nonfinite``       a non-finite output row, logit or sigma(W_Q): at once
-==================  ===========================================================
+warmup_steps``; no baseline-relative alert fires inside it. What each kind
+means, its message and what to do about it are in
+:data:`~instability_watch.alerts.ALERT_KINDS`; each detector class states its
+rule in terms of its ``WatchConfig`` fields.
 """
 from __future__ import annotations
 
@@ -31,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-KINDS = ("multi_max", "delta_drift", "spectral_growth", "logit_growth", "nonfinite")
+from .alerts import ALERT_KINDS, KINDS
 
 
 @dataclass(frozen=True)
@@ -42,7 +32,7 @@ class Alert:
         step: optimizer step at which the rule tripped.
         layer, head: the watched layer's index (module order) and query head.
         kind: one of :data:`KINDS`.
-        value: the metric that tripped (see the table above for its units).
+        value: the metric that tripped (its units: ``ALERT_KINDS[kind].units``).
         threshold: what it was compared against.
         message: one plain sentence.
         layer_name: the layer's module name.
@@ -60,10 +50,14 @@ class Alert:
     action: str = "reported"
 
     def to_dict(self) -> dict:
+        """The fields as a plain ``dict`` (JSON-ready)."""
         return asdict(self)
 
 
 Trip = Tuple[int, int, float, float, str]  # (layer, head, value, threshold, message)
+
+__all__ = ["KINDS", "Alert", "Trip", "Detector", "MultiMaxRise", "LogitGrowth", "DeltaDrift", "SpectralGrowth",
+           "NonFinite", "build_detectors"]
 
 
 def _as_list(a: Optional[np.ndarray]):
@@ -82,38 +76,52 @@ def _from_list(x, shape, fill=np.nan) -> np.ndarray:
 class Detector:
     """Base: latching, warm-up bookkeeping and plain-type state.
 
+    Args:
+        shape: ``(L, H)``: watched layers x the widest layer's heads.
+        warmup_steps: the last step of the warm-up window (baselines form inside it).
+
     ``metric`` names the per-step metric the rule reads (a key of
-    ``StepMetrics.values``; see ``watch.derive_metrics``).
+    ``StepMetrics.values``; see ``watch.derive_metrics``); ``kind`` is its key
+    in :data:`~instability_watch.alerts.ALERT_KINDS`.
     """
 
     kind = ""
     metric = ""
+    sustain = 0
     _state_arrays: Tuple[str, ...] = ()
 
     def __init__(self, shape: Tuple[int, int], warmup_steps: int) -> None:
         self.shape = tuple(shape)
         self.warmup_steps = int(warmup_steps)
-        self.fired = np.zeros(self.shape, dtype=bool)
+        self.fired = np.zeros(self.shape, dtype=bool)  # (L, H) bool: latched heads
 
     def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        """Feed step ``step``'s metric ``x`` (float64 ``(L, H)``, ``NaN``: not observed); return the new trips
+        as ``(layer, head, value, threshold, message)``."""
         raise NotImplementedError
 
-    def _trips(self, hit: np.ndarray, value: np.ndarray, threshold: np.ndarray, fmt) -> List[Trip]:
+    def message(self, value: float, threshold: float) -> str:
+        """One trip's sentence, from :data:`~instability_watch.alerts.ALERT_KINDS`."""
+        return ALERT_KINDS[self.kind].describe(value, threshold, self.sustain)
+
+    def _trips(self, hit: np.ndarray, value: np.ndarray, threshold: np.ndarray) -> List[Trip]:
         hit = hit & ~self.fired
         self.fired |= hit
         out = []
         for layer, head in zip(*np.nonzero(hit)):
             v, t = float(value[layer, head]), float(threshold[layer, head])
-            out.append((int(layer), int(head), v, t, fmt(v, t)))
+            out.append((int(layer), int(head), v, t, self.message(v, t)))
         return out
 
     def state_dict(self) -> dict:
+        """The detector's state as plain lists and numbers (``(L, H)`` arrays as nested lists)."""
         state = {"fired": self.fired.tolist(), "warmup_steps": self.warmup_steps}
         for name in self._state_arrays:
             state[name] = _as_list(getattr(self, name))
         return state
 
     def load_state_dict(self, state: dict) -> None:
+        """Restore :meth:`state_dict`'s output; ``ValueError`` if its arrays are not ``(L, H)``."""
         # the warm-up's end moves when a watch starts on a resumed model (InstabilityWatch.start_at)
         self.warmup_steps = int(state.get("warmup_steps", self.warmup_steps))
         self.fired = _from_list(state["fired"], self.shape).astype(bool)
@@ -155,15 +163,20 @@ class _WithBaseline(Detector):
 
 
 class _Sustained(_WithBaseline):
-    """Baseline-relative level rule: ``x > threshold(baseline)`` for ``sustain`` observations."""
+    """Baseline-relative level rule: ``x > threshold(baseline)`` for ``sustain`` observations.
+
+    ``factor`` scales the baseline; ``floor`` is the rule's other bound (see :meth:`threshold`).
+    """
+
+    def __init__(self, shape, warmup_steps: int, sustain: int, factor: float, floor: float) -> None:
+        super().__init__(shape, warmup_steps, sustain)
+        self.factor, self.floor = float(factor), float(floor)
 
     def threshold(self, base: np.ndarray) -> np.ndarray:
         raise NotImplementedError
 
-    def message(self, v: float, t: float) -> str:
-        raise NotImplementedError
-
     def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        """See :meth:`Detector.update`: ``x`` is float64 ``(L, H)``, ``NaN`` where not observed."""
         seen = np.isfinite(x)
         if step <= self.warmup_steps:
             self._base.add(x)
@@ -177,44 +190,38 @@ class _Sustained(_WithBaseline):
         thr = self.threshold(base)
         above = seen & (x > thr)
         self.run = np.where(above, self.run + 1, np.where(seen, 0, self.run))
-        return self._trips(self.run >= self.sustain, x, thr, self.message)
+        return self._trips(self.run >= self.sustain, x, thr)
 
 
 class MultiMaxRise(_Sustained):
+    """``multi_max``: the multi-max frequency (float64 ``(L, H)``, a fraction of rows) above
+    ``min(max(factor * baseline, baseline + floor), baseline + (1 - baseline) / 2)`` for ``sustain``
+    consecutive probe steps (``factor = multi_max_factor``, ``floor = multi_max_min_rise``)."""
+
     kind = "multi_max"
     metric = "multi_max_freq"
 
-    def __init__(self, shape, warmup_steps: int, sustain: int, factor: float, min_rise: float) -> None:
-        super().__init__(shape, warmup_steps, sustain)
-        self.factor, self.min_rise = float(factor), float(min_rise)
-
-    def threshold(self, base):
+    def threshold(self, base: np.ndarray) -> np.ndarray:
+        """The level per head (float64 ``(L, H)``) for a baseline ``base`` (float64 ``(L, H)``)."""
         # capped halfway between the baseline and 1, so a head that starts high can still alert
-        return np.minimum(np.maximum(self.factor * base, base + self.min_rise), base + (1.0 - base) / 2)
-
-    def message(self, v, t):
-        return (f"{100 * v:.2f}% of rows have a repeated maximum score (threshold {100 * t:.2f}%, "
-                f"sustained {self.sustain} steps): BF16 rounds their P to 1 together and biases O")
+        return np.minimum(np.maximum(self.factor * base, base + self.floor), base + (1.0 - base) / 2)
 
 
 class LogitGrowth(_Sustained):
+    """``logit_growth``: the largest attention logit (float64 ``(L, H)``) above ``max(floor, factor *
+    |baseline|)`` for ``sustain`` consecutive probe steps (``factor = logit_factor``, ``floor = logit_min``)."""
+
     kind = "logit_growth"
     metric = "max_score"
 
-    def __init__(self, shape, warmup_steps: int, sustain: int, factor: float, min_logit: float) -> None:
-        super().__init__(shape, warmup_steps, sustain)
-        self.factor, self.min_logit = float(factor), float(min_logit)
-
-    def threshold(self, base):
-        return np.maximum(self.min_logit, self.factor * np.abs(base))
-
-    def message(self, v, t):
-        return (f"max attention logit {v:.4g} above {t:.4g} for {self.sustain} steps: attention-logit growth "
-                f"(consider QK-norm or a lower learning rate; the stabilized kernel does not address this)")
+    def threshold(self, base: np.ndarray) -> np.ndarray:
+        """The level per head (float64 ``(L, H)``) for a baseline ``base`` (float64 ``(L, H)``)."""
+        return np.maximum(self.floor, self.factor * np.abs(base))
 
 
 class DeltaDrift(Detector):
-    """Two-sided CUSUM of the signs of the per-shadow-step ``sum(delta_lp - delta_hp)``."""
+    """``delta_drift``: a two-sided CUSUM of the signs of the per-shadow-step ``sum(delta_lp - delta_hp)``
+    (float64 ``(L, H)``; +1 / -1 per shadow step, allowance ``k``) exceeds ``h``."""
 
     kind = "delta_drift"
     metric = "delta_err_sum"
@@ -228,6 +235,7 @@ class DeltaDrift(Detector):
         self.n_obs = np.zeros(self.shape)
 
     def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        """See :meth:`Detector.update`: ``x`` is float64 ``(L, H)``, ``NaN`` where not observed."""
         seen = np.isfinite(x)
         if not seen.any():
             return []
@@ -239,16 +247,12 @@ class DeltaDrift(Detector):
             return []
         stat = np.maximum(self.pos, self.neg)
         thr = np.full(self.shape, self.h)
-
-        def fmt(v, t):
-            return (f"sum(delta_lp - delta_hp) keeps one sign over the shadow steps (sign CUSUM {v:.1f} > {t:.1f}): "
-                    f"the backward's delta is biased, and the error adds up along one direction of W_Q")
-
-        return self._trips(seen & (stat > self.h), stat, thr, fmt)
+        return self._trips(seen & (stat > self.h), stat, thr)
 
 
 class SpectralGrowth(_WithBaseline):
-    """sigma(W_Q[h]) growth vs warm-up baseline, relative to the median head (and optionally absolute)."""
+    """``spectral_growth``: sigma(W_Q[h]) (float64 ``(L, H)``) over its warm-up baseline exceeds ``rel_factor``
+    times the median head's growth (or ``abs_factor``, if set and lower) for ``sustain`` spectral steps."""
 
     kind = "spectral_growth"
     metric = "sigma_wq"
@@ -259,6 +263,7 @@ class SpectralGrowth(_WithBaseline):
         self.abs_factor = None if abs_factor is None else float(abs_factor)
 
     def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        """See :meth:`Detector.update`: ``x`` is float64 ``(L, H)``, ``NaN`` where not observed."""
         seen = np.isfinite(x) & (x > 0)
         if not seen.any():
             return []
@@ -279,32 +284,24 @@ class SpectralGrowth(_WithBaseline):
             thr = np.minimum(thr, self.abs_factor)
         above = ok & (growth > thr)
         self.run = np.where(above, self.run + 1, np.where(ok, 0, self.run))
-
-        def fmt(v, t):
-            return (f"sigma(W_Q) grew {v:.2f}x since warm-up (threshold {t:.2f}x, sustained {self.sustain} "
-                    f"spectral steps): the head's query weights are growing along one direction")
-
-        return self._trips(self.run >= self.sustain, np.where(ok, growth, np.nan), thr, fmt)
+        return self._trips(self.run >= self.sustain, np.where(ok, growth, np.nan), thr)
 
 
 class NonFinite(Detector):
-    """Any non-finite attention row, logit or sigma(W_Q), at once."""
+    """``nonfinite``: any non-finite attention row, logit or sigma(W_Q) (a count, float64 ``(L, H)``), at once."""
 
     kind = "nonfinite"
     metric = "nonfinite"
 
     def update(self, step: int, x: np.ndarray) -> List[Trip]:
+        """See :meth:`Detector.update`: ``x`` is float64 ``(L, H)``, ``NaN`` where not observed."""
         hit = np.isfinite(x) & (x > 0)
-        thr = np.zeros(self.shape)
-
-        def fmt(v, t):
-            return f"{v:.0f} non-finite attention rows/values: the run is already numerically broken at this head"
-
-        return self._trips(hit, np.where(hit, x, 0.0), thr, fmt)
+        return self._trips(hit, np.where(hit, x, 0.0), np.zeros(self.shape))
 
 
 def build_detectors(config, shape: Tuple[int, int]) -> Dict[str, Detector]:
-    """The detectors ``config.detectors`` names, configured from a :class:`~instability_watch.WatchConfig`."""
+    """The detectors ``config.detectors`` names, configured from a :class:`~instability_watch.WatchConfig`,
+    for ``shape = (L, H)`` (layers x the widest layer's heads)."""
     c = config
     make = {
         "multi_max": lambda: MultiMaxRise(shape, c.warmup_steps, c.sustain, c.multi_max_factor, c.multi_max_min_rise),

@@ -72,6 +72,7 @@ from typing import TYPE_CHECKING, Callable, Dict, Iterator, List, NamedTuple, Op
 
 import numpy as np
 
+from ._dist import rank
 from .watch import METRICS, StepMetrics
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -84,6 +85,7 @@ FORMAT_VERSION = 1
 META_FILE = "meta.json"
 METRICS_FILE = "metrics.csv"
 EVENTS_FILE = "events.csv"
+RUN_DIR_NAME = "instability_watch"  # the run directory's name under a trainer's output or log directory
 
 log = logging.getLogger("instability_watch")
 
@@ -265,7 +267,20 @@ class RunWriter:
 
     @property
     def is_open(self) -> bool:
+        """:meth:`open` succeeded and :meth:`close` was not called."""
         return self._metrics_f is not None
+
+    def holds_run(self) -> bool:
+        """``run_dir`` already holds a run (its ``metrics.csv`` or ``meta.json`` exists)."""
+        return (self.run_dir / METRICS_FILE).exists() or (self.run_dir / META_FILE).exists()
+
+    def conflict(self, *, resuming: bool = False) -> Optional[str]:
+        """Why :meth:`open` would refuse ``run_dir`` (``None`` if it would not): it holds a run, and
+        neither ``overwrite`` nor ``resuming`` (continuing that run from a checkpoint) was given."""
+        if self.overwrite or resuming or not self.holds_run():
+            return None
+        return (f"run_dir {str(self.run_dir)!r} already holds a run; pass overwrite=True to replace it, "
+                "or choose another directory")
 
     def open(self, watch: "InstabilityWatch", *, resume_step: Optional[int] = None, extra_meta: Optional[dict] = None) -> None:
         """Create (or, with ``resume_step``, continue) the run directory for ``watch``'s layers."""
@@ -275,7 +290,7 @@ class RunWriter:
         self._head_counts = list(watch.head_counts)
         d = self.run_dir
         meta_path, metrics_path, events_path = d / META_FILE, d / METRICS_FILE, d / EVENTS_FILE
-        exists = metrics_path.exists() or meta_path.exists()
+        exists = self.holds_run()
         d.mkdir(parents=True, exist_ok=True)
         meta = {
             "format": FORMAT_VERSION,
@@ -309,10 +324,7 @@ class RunWriter:
                             resume_step)
             mode = "a"
         elif exists and not self.overwrite:
-            raise FileExistsError(
-                f"run_dir {str(d)!r} already holds a run; pass overwrite=True to replace it, "
-                "or choose another directory"
-            )
+            raise FileExistsError(self.conflict())
         else:
             mode = "w"
         _write_json(meta_path, meta)
@@ -372,7 +384,7 @@ class RunWriter:
                 _write_json(self.run_dir / META_FILE, self._meta)
             except OSError as exc:  # the CSV files go on; meta.json keeps the coverage it had
                 self._meta_failed = True
-                watch._fail(f"run directory {META_FILE}", RunWriteError(
+                watch.fail(f"run directory {META_FILE}", RunWriteError(
                     f"run directory {self.run_dir}: updating {META_FILE} failed ({_why(exc)}); "
                     "its coverage stays that of an earlier step", exc))
 
@@ -492,7 +504,67 @@ class RunWriter:
         error = RunWriteError(self._failed, exc)
         if self._watch is None:
             raise error
-        self._watch._fail("run directory", error)  # reported once; raises with strict
+        self._watch.fail("run directory", error)  # reported once; raises with strict
+
+
+def broadcast_from_rank_zero(obj):
+    """Rank 0's ``obj`` on every rank under ``torch.distributed`` (``obj`` itself without it)."""
+    import torch.distributed as dist
+
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
+Broadcast = Callable[[object], object]
+
+
+def run_dir_under(base: str | os.PathLike, *, new_version: bool = False,
+                  broadcast: Broadcast = broadcast_from_rank_zero) -> Path:
+    """Where a run directory goes by default: ``<base>/instability_watch``, or with ``new_version`` its first
+    ``version_N`` that does not exist yet (rank 0 looks; every rank gets its answer: call it on every rank)."""
+    root = Path(base) / RUN_DIR_NAME
+    if not new_version:
+        return root
+    n = 0
+    if rank() == 0:
+        while (root / f"version_{n}").exists():
+            n += 1
+    return root / f"version_{broadcast(n)}"
+
+
+def open_on_rank_zero(writer: Optional[RunWriter], watch: "InstabilityWatch", *, resume_step: Optional[int] = None,
+                      extra_meta: Optional[dict] = None,
+                      broadcast: Broadcast = broadcast_from_rank_zero) -> Optional[RunWriter]:
+    """Open the run directory for a run of one or more processes; call it on every rank, after the watch state
+    was restored (``resume_step``: the step a restored run continues from, ``None`` for a new run).
+
+    Only rank 0 holds a ``writer`` (the other ranks pass ``None``). It checks the directory
+    (:meth:`RunWriter.conflict`) and every rank raises the same ``FileExistsError``, so no rank trains alone.
+    A directory that cannot be written (``OSError``, ``ValueError``: a read-only disk, a run of other layers)
+    does not stop training: it is logged, ``writer`` is removed from ``watch.listeners`` and ``None`` is
+    returned (raised with ``watch.config.strict``). Returns the open writer otherwise.
+    """
+    problem = writer.conflict(resuming=resume_step is not None) if writer is not None else None
+    problem = broadcast(problem)
+    if problem:
+        raise FileExistsError(problem)
+    if writer is None:
+        return None
+    try:
+        writer.open(watch, resume_step=resume_step, extra_meta=extra_meta)
+    except FileExistsError:
+        raise
+    except (OSError, ValueError) as exc:
+        if watch.config.strict:
+            raise
+        log.error("instability_watch: cannot write the run directory %s (%s); no CSV for this run",
+                  writer.run_dir, exc)
+        watch.listeners = [f for f in watch.listeners if f is not writer]
+        return None
+    return writer
 
 
 def _kept(steps: List[int], ends: List[int], stop: int) -> int:

@@ -92,7 +92,8 @@ class QKLayout:
         return self.num_kv < self.num_heads
 
     def factors(self, gamma: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
-        """``(fq, fk)`` from the per-query-head logit multipliers ``gamma`` (the module docstring's rule)."""
+        """``(fq, fk)`` from the per-query-head logit multipliers ``gamma`` (float ``(H,)``, on the device), by
+        the module docstring's rule: ``fq`` is ``(H,)``, ``fk`` is ``(KV,)``, both of ``gamma``'s dtype and device."""
         if self.grouped:
             return gamma, torch.ones(self.num_kv, dtype=gamma.dtype, device=gamma.device)
         root = gamma.sqrt()
@@ -100,7 +101,8 @@ class QKLayout:
 
     @torch.no_grad()
     def apply(self, gamma: torch.Tensor) -> None:
-        """Scale the layer's parameters in place so head ``h``'s logits are multiplied by ``gamma[h]``."""
+        """Scale the layer's parameters in place so head ``h``'s logits are multiplied by ``gamma[h]``
+        (``gamma``: ``(H,)``, any float dtype, on the parameters' device; the parameters keep their dtype)."""
         fq, fk = self.factors(gamma.float())
         for get, dim, multiplier in self.targets:
             p = get()
@@ -113,7 +115,7 @@ class QKLayout:
                 v.mul_(f.to(v.device, v.dtype).view(-1, *([1] * (v.dim() - 1))))
 
     def parameters(self) -> List[torch.Tensor]:
-        """The tensors it scales (for checks)."""
+        """The tensors it scales (parameters or views of them, any shape and dtype; for checks)."""
         out = [get() for get, _, _ in self.targets] + [get() for get, _ in self.views]
         return [t for t in out if t is not None]
 

@@ -63,7 +63,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-from .detectors import KINDS
+from .alerts import ALERT_KINDS, KINDS
 from .export import BLOCK_BYTES, HeadIndex, Run, stream_run
 
 if TYPE_CHECKING:  # pragma: no cover
@@ -94,14 +94,7 @@ PLOT_POINTS = 1000
 """Points per head and metric at most (an even number): a run of more steps is drawn from buckets of steps.
 A 1100-pixel-wide figure shows no more; a run of up to this many steps is drawn exactly."""
 
-# alert marks: one colour per kind; switches: dashed dark gray. The heads' colours avoid all of them.
-KIND_COLORS = {
-    "multi_max": "tab:pink",
-    "delta_drift": "tab:red",
-    "spectral_growth": "tab:purple",
-    "logit_growth": "tab:olive",
-    "nonfinite": "black",
-}
+# alert marks: one colour per kind (ALERT_KINDS[kind].color); switches: dashed dark gray. The heads' colours avoid all of them.
 SWITCH_COLOR = "0.3"
 CLIP_COLOR = "darkmagenta"
 GRAY = "0.7"
@@ -581,6 +574,22 @@ class SummaryView:
         if hidden:
             yield Text(f"{hidden} more head{'s' if hidden != 1 else ''} not shown (use --top to show more)",
                        style="dim")
+        advice = self.advice()
+        if advice.plain:
+            yield advice
+
+    def advice(self) -> Text:
+        """One line per alert kind the run raised: what it means and what to do (from
+        :data:`~instability_watch.alerts.ALERT_KINDS`); empty without alerts."""
+        text = Text()
+        seen = [k for k in KINDS if len(self.summary) and self.summary[f"first_{k}"].notna().any()]
+        if seen:
+            text.append("what the alerts mean:", style="bold")
+        for kind in seen:
+            k = ALERT_KINDS[kind]
+            text.append(f"\n  {kind}: ", style="bold")
+            text.append(f"{k.plain(k.meaning)}; {k.plain(k.action)}")
+        return text
 
 
 # --------------------------------------------------------------------------- plots
@@ -661,7 +670,8 @@ def _mark_events(axes: Sequence["Axes"], run: RunDigest, *, legend: bool) -> Non
             label = None
             if legend and i == 0 and kind not in labelled:
                 label, _ = f"alert: {kind}", labelled.add(kind)
-            ax.axvline(step, color=KIND_COLORS.get(kind, "tab:gray"), linewidth=1.2, alpha=0.8, label=label)
+            color = ALERT_KINDS[kind].color if kind in ALERT_KINDS else "tab:gray"
+            ax.axvline(step, color=color, linewidth=1.2, alpha=0.8, label=label)
         for j, step in enumerate(switch_marks):
             label = "switch to stabilized" if legend and i == 0 and j == 0 else None
             ax.axvline(step, color=SWITCH_COLOR, linestyle="--", linewidth=1.2, label=label)

@@ -89,6 +89,7 @@ class Event:
     layer_name: str = ""
 
     def to_dict(self) -> dict:
+        """The fields as a plain ``dict`` (JSON-ready)."""
         return asdict(self)
 
 
@@ -137,7 +138,8 @@ class RingLayout:
         self.width = self.clip.stop
 
     def max_columns(self) -> torch.Tensor:
-        """Columns reduced by max across ranks (the largest logit and sigma); the rest are summed."""
+        """A ``(width,)`` bool CPU tensor: the columns reduced by max across ranks (the largest logit, sigma,
+        the clip multipliers); the rest are summed."""
         cols = torch.zeros(self.width, dtype=torch.bool)
         i_max = VALUE_FIELDS.index("max_score")
         offset = self.values.start
@@ -149,7 +151,7 @@ class RingLayout:
         return cols
 
     def per_head(self, flat: np.ndarray) -> np.ndarray:
-        """A ``(total heads,)`` vector as ``(L, H_max)``, NaN in padded heads."""
+        """A ``(total heads,)`` vector as a float64 ``(L, H_max)`` array, NaN in padded heads."""
         L, Hm = len(self.head_counts), max(self.head_counts, default=0)
         out = np.full((L, Hm), np.nan)
         o = 0
@@ -159,7 +161,8 @@ class RingLayout:
         return out
 
     def unpack(self, row: np.ndarray) -> Dict[str, np.ndarray]:
-        """Every probe field and ``sigma_wq`` of one row as an ``(L, H_max)`` array (NaN in padded heads)."""
+        """Every probe field and ``sigma_wq`` of one float64 ``(width,)`` row as a float64 ``(L, H_max)`` array
+        (NaN in padded heads)."""
         L, Hm = len(self.head_counts), max(self.head_counts, default=0)
         nc, nv = len(COUNT_FIELDS), len(VALUE_FIELDS)
         out = {name: np.full((L, Hm), np.nan) for name in COUNT_FIELDS + VALUE_FIELDS + ("sigma_wq",)}
@@ -230,6 +233,8 @@ class InstabilityWatch:
             (:mod:`~instability_watch.locate`), or :class:`AttentionLayer`
             descriptions (or a function of the model returning them).
         listeners: callables ``f(metrics, alerts, watch)`` run after each read-back.
+        check_step_calls: warn once when :meth:`step` runs more often than the optimizer updates the
+            model (a framework callback that counts optimizer steps itself turns this off).
 
     Raises:
         TypeError, ValueError: bad arguments; a model with no attention layer
@@ -262,6 +267,7 @@ class InstabilityWatch:
         *,
         layers: Optional[Layers] = None,
         listeners: Sequence[Listener] = (),
+        check_step_calls: bool = True,
     ) -> None:
         if config is None:
             config = WatchConfig()
@@ -295,7 +301,7 @@ class InstabilityWatch:
         self._armed: Tuple[bool, bool] = (False, False)
         # step() once per optimizer step: a trained parameter's version counter moves with every
         # optimizer update (a host-side integer: reading it costs no device work)
-        self._tracked = next((p for p in model.parameters() if p.requires_grad), None)
+        self._tracked = next((p for p in model.parameters() if p.requires_grad), None) if check_step_calls else None
         self._tracked_version = self._tracked._version if self._tracked is not None else 0
         self._calls_updated = self._calls_idle = 0
         self.spectral = SpectralNorms()
@@ -304,12 +310,12 @@ class InstabilityWatch:
         except (TypeError, ValueError):
             raise  # bad input: the user has to fix it
         except Exception as exc:  # noqa: BLE001 - a user's locator function failed: train on without the watch
-            self._fail("attach", exc)
+            self.fail("attach", exc)
             return
         # qk_clip: where each layer's query and key rows are (a model it cannot act on is refused here)
         self.qk_layouts = build_layouts(found, model) if config.qk_clip else []
         self.observation = observe(model, found, beta=config.beta, eps=config.eps)
-        self.observation.on_error = self._fail
+        self.observation.on_error = self.fail
         self.observation.on_note = self._on_note
         self.layer_names = [s.name for s in self.observation.sites]
         self.head_counts = self.observation.head_counts
@@ -332,14 +338,37 @@ class InstabilityWatch:
 
     @property
     def shape(self) -> Tuple[int, int]:
+        """``(L, H)``: watched layers x the widest layer's heads, the shape of every per-head array."""
         return (len(self.head_counts), max(self.head_counts) if self.head_counts else 0)
 
-    def detach(self) -> None:
-        """Read back the pending steps (alerts go to the listeners), then restore the model exactly."""
-        if self.observation is None or not self.observation.attached:
+    @property
+    def attached(self) -> bool:
+        """The model's attention calls are observed: attaching succeeded and :meth:`detach` was not called."""
+        return self.observation is not None and self.observation.attached
+
+    @property
+    def sharding_roots(self) -> List[nn.Module]:
+        """Modules outside the model that may hold FSDP1 units wrapping its layers (a framework's FSDP1 root);
+        the engine gathers a layer's ``W_Q`` inside the unit holding it. Empty by default."""
+        return list(self.observation.sharding_roots) if self.observation is not None else []
+
+    @sharding_roots.setter
+    def sharding_roots(self, roots: Sequence[nn.Module]) -> None:
+        if self.observation is not None:
+            self.observation.sharding_roots = list(roots)
+
+    def detach(self, read_back: bool = True) -> None:
+        """Read back the pending steps (alerts go to the listeners), then restore the model exactly.
+
+        ``read_back=False`` restores the model at once and drops the pending steps: no collective runs,
+        for use after a crash under ``torch.distributed`` (the other ranks may never reach one again).
+        The model is restored even when the read-back fails.
+        """
+        if not self.attached:
             return
         try:
-            self.flush()
+            if read_back:
+                self.flush()
         finally:
             self.observation.detach()
 
@@ -383,8 +412,12 @@ class InstabilityWatch:
 
     # ------------------------------------------------------------------ failures
 
-    def _fail(self, component: str, exc: BaseException) -> None:
-        """Turn ``component`` off and report it once; re-raise with ``strict``."""
+    def fail(self, component: str, exc: BaseException) -> None:
+        """A part of the watch failed: turn ``component`` off and report it once; re-raise ``exc`` with ``strict``.
+
+        ``component`` names the part (``"statistics"``, ``"routing"``, ``"shadow"``, ``"run directory"``,
+        ``"listener NAME"``, ...); it is recorded in :attr:`disabled`. Training goes on without it.
+        """
         if self.config.strict:
             raise exc
         if component in self.disabled:
@@ -488,7 +521,7 @@ class InstabilityWatch:
                 try:
                     self._record(s, loss)
                 except Exception as exc:  # noqa: BLE001
-                    self._fail("statistics", exc)
+                    self.fail("statistics", exc)
             self._pending_steps.append(s)  # in lockstep with the other ranks, recorded or not
             if self.config.qk_clip and _due(s, self.config.probe_every):
                 self._qk_clip()
@@ -571,14 +604,14 @@ class InstabilityWatch:
                 sigmas = self.spectral.of_grams(self.observation.grams())
                 sig.copy_(torch.cat(sigmas).to(sig.device))
             except GatheredReadError as exc:
-                if self._distributed():
+                if self.distributed:
                     # turning spectral off on this rank alone would leave the others waiting in the next
                     # spectral step's FSDP gathers: this step's sigma is left to the other ranks (max-reduced)
                     self._problem("spectral-gather", f"rank {rank()}: {exc}; sigma comes from the other ranks")
                 else:
-                    self._fail("spectral", exc)
+                    self.fail("spectral", exc)
             except Exception as exc:  # noqa: BLE001
-                self._fail("spectral", exc)
+                self.fail("spectral", exc)
         if isinstance(loss, torch.Tensor):
             row[lay.loss: lay.loss + 1].copy_(loss.detach().reshape(1))
         else:
@@ -606,7 +639,7 @@ class InstabilityWatch:
         """
         smax, self._smax = self._smax, None
         healthy = smax is not None and "statistics" not in self.disabled and "qk_clip" not in self.disabled
-        distributed = self._distributed()
+        distributed = self.distributed
         if not healthy and not distributed:
             return
         dev = self.observation.bank.device
@@ -631,7 +664,7 @@ class InstabilityWatch:
                 row = self._ring[len(self._pending_steps) - 1]
                 row[self.layout.clip].copy_(gamma if ok is None else torch.where(ok, gamma, float("nan")))
         except Exception as exc:  # noqa: BLE001
-            self._fail("qk_clip", exc)
+            self.fail("qk_clip", exc)
 
     def _apply_clip(self, gamma: torch.Tensor) -> None:
         """Each layer's in-place scaling (FSDP1 layers inside their unit's full parameters, written back)."""
@@ -686,8 +719,8 @@ class InstabilityWatch:
         """The clips recorded in one read-back row (its logit multipliers below 1)."""
         gamma = self.layout.per_head(row[self.layout.clip])
         if np.isnan(gamma[~self._pad]).any() and _due(step, self.config.probe_every) and "qk_clip" not in self.disabled:
-            if self._distributed():  # another rank could not clip: every rank skipped it; now turn it off everywhere
-                self._fail("qk_clip", WatchError("qk_clip failed on another rank; turned off on every rank"))
+            if self.distributed:  # another rank could not clip: every rank skipped it; now turn it off everywhere
+                self.fail("qk_clip", WatchError("qk_clip failed on another rank; turned off on every rank"))
         out = []
         for layer, head in np.argwhere(gamma < 1.0):
             layer, head = int(layer), int(head)
@@ -705,7 +738,7 @@ class InstabilityWatch:
         """
         if self.observation is None:
             return []
-        distributed = self._distributed()
+        distributed = self.distributed
         if self.step_count <= self._flushed_through:
             return []
         steps = list(self._pending_steps)
@@ -729,11 +762,11 @@ class InstabilityWatch:
                 data = self._reduce(data)
             host = data.cpu().numpy()  # the one host sync
         except Exception as exc:  # noqa: BLE001
-            self._fail("statistics", exc)
+            self.fail("statistics", exc)
             return []
         healthy = self._world() if distributed else 1
         if len(host) and not (host[:, self.layout.ok] == healthy).all():
-            self._fail("statistics", WatchError("statistics failed on another rank; turned off on every rank"))
+            self.fail("statistics", WatchError("statistics failed on another rank; turned off on every rank"))
             return []
         self._count_calls(host)
         alerts: List[Alert] = []
@@ -749,7 +782,7 @@ class InstabilityWatch:
         except WatchError:
             raise
         except Exception as exc:  # noqa: BLE001
-            self._fail("detectors", exc)
+            self.fail("detectors", exc)
             return alerts
         self.last_metrics = metrics
         self.last_clips = clips
@@ -760,10 +793,13 @@ class InstabilityWatch:
                 self.listeners.remove(listener)  # a failing listener is dropped, with strict too (it raises once)
                 if self.config.strict:
                     raise
-                self._fail(f"listener {getattr(listener, '__name__', type(listener).__name__)}", exc)
+                self.fail(f"listener {getattr(listener, '__name__', type(listener).__name__)}", exc)
         return alerts
 
-    def _distributed(self) -> bool:
+    @property
+    def distributed(self) -> bool:
+        """Whether the statistics are reduced across ranks: ``torch.distributed`` is initialised with more than
+        one rank and ``config.sync_distributed`` is on. Then :meth:`flush` (and every read-back) is a collective."""
         dist = torch.distributed
         return bool(
             self.config.sync_distributed and dist.is_available() and dist.is_initialized()
@@ -908,7 +944,7 @@ class InstabilityWatch:
         and Hugging Face callbacks do this).
         """
         pending: List[List[float]] = []
-        if self._pending_steps and self._distributed():
+        if self._pending_steps and self.distributed:
             # this rank's rows, not yet reduced: resumed on every rank, rank 0's would count world-size times
             self._problem("state_dict", "state_dict() under torch.distributed with steps not yet read back: call "
                           "watch.flush() on every rank first (the callbacks do), or those steps are counted wrongly "

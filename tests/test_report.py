@@ -192,6 +192,12 @@ def test_summary_view_header_table_and_hidden_heads(real_run):
     assert {r[1] for r in table_rows[:2]} == {"h0", "h1"}
     assert table_rows[0][2:4] == ["27", "delta_drift"] and table_rows[2][2] == "-"  # no alert: "-"
     assert "note:" not in text  # a clean run: the reader has nothing to say
+    # below the table: what the kinds that alerted mean and what to do (from alerts.ALERT_KINDS), one line each
+    advice = " ".join(text[text.index("what the alerts mean:"):].split())  # the last lines, maybe wrapped
+    assert advice == ("what the alerts mean: delta_drift: the backward's δ is biased and the error adds up along "
+                      "one direction of W_Q (paper Fig. 5a); switch the head; the drift flattens after the switch "
+                      "(tested)")
+    assert "multi_max:" not in text and "logit_growth:" not in text
 
 
 def test_summary_view_missing_values_and_resumes(tmp_path):
@@ -200,7 +206,7 @@ def test_summary_view_missing_values_and_resumes(tmp_path):
     text = render(run_dir, plots=False)
     assert "resumed at step 2" in text
     assert "loss 10 -> 2.5" in text
-    assert "more head" not in text
+    assert "more head" not in text and "what the alerts mean" not in text  # no alert, no advice
     rows = [line.split() for line in text.splitlines() if line.strip()[:2] in ("a ", "b ")]
     assert len(rows) == 5
     assert all(r[-1] == "-" for r in rows)  # sigma(W_Q) never observed

@@ -6,15 +6,15 @@
 """
 
 
+import importlib
+
+_LAZY = {"InstabilityWatchCallback": ".lightning", "InstabilityWatchTrainerCallback": ".hf"}  # imported on first use
+
+
 def __getattr__(name):
-    if name == "InstabilityWatchCallback":
-        from .lightning import InstabilityWatchCallback
-
-        return InstabilityWatchCallback
-    if name == "InstabilityWatchTrainerCallback":
-        from .hf import InstabilityWatchTrainerCallback
-
-        return InstabilityWatchTrainerCallback
+    """The lazily imported names (PEP 562)."""
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 

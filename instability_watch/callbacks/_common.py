@@ -1,18 +1,28 @@
-"""What the framework callbacks share: their arguments' checks and the scalars they log."""
+"""What the framework callbacks share: their arguments, the watch's outputs, the run directory and the end.
+
+:class:`WatchAdapter` is the framework-free part of a callback; the Lightning and
+Hugging Face callbacks add their framework's hooks to it. It uses only public
+names of the engine (:class:`~instability_watch.InstabilityWatch`) and of the
+run directory (:mod:`~instability_watch.export`, which holds its policy).
+"""
 from __future__ import annotations
 
 import logging
 import math
 import os
-from typing import Any, Dict, List, Optional, Tuple
+from pathlib import Path
+from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
 from ..config import WatchConfig
-from ..locate import AttentionLayer
+from ..console import ConsoleReporter
+from ..export import Broadcast, RunWriter, open_on_rank_zero
+from ..locate import AttentionLayer, find_attention_layers
 
 log = logging.getLogger("instability_watch")
 
 
 def check_bool(name: str, value: Any) -> bool:
+    """``value`` if it is a ``bool``, else a ``TypeError`` naming the argument ``name``."""
     if not isinstance(value, bool):
         raise TypeError(f"{name} must be True or False, got {value!r}")
     return value
@@ -58,17 +68,14 @@ def finish(watch, reporter, writer, *, strict: bool, crashed: bool) -> None:
     restore the model, stop the console, close the run directory. Failures are logged (raised with
     ``strict``, never after a crash)."""
     try:
-        if crashed and watch._distributed():
-            if watch.observation is not None:  # the other ranks may never reach a collective again
-                watch.observation.detach()
-        else:
-            watch.detach()  # reads back the steps still on the device, so the CSV has them
+        # after a crash under torch.distributed the other ranks may never reach a collective again: no read-back;
+        # else read back the steps still on the device, so the CSV has them
+        watch.detach(read_back=not (crashed and watch.distributed))
     except Exception as exc:  # noqa: BLE001
         if strict and not crashed:
             raise
         log.error("instability_watch: detaching failed (%s)", exc, exc_info=exc)
-        if watch.observation is not None and watch.observation.attached:
-            watch.observation.detach()
+        watch.detach(read_back=False)
     finally:
         try:
             if reporter is not None:
@@ -88,3 +95,104 @@ def close_writer(writer, *, strict: bool, crashed: bool) -> None:
         if strict and not crashed:
             raise
         log.error("instability_watch: closing the run directory failed (%s)", exc)
+
+
+class WatchAdapter:
+    """The framework-free part of a callback that runs an :class:`~instability_watch.InstabilityWatch`.
+
+    Takes the callbacks' common arguments (see the callbacks' docs), checks them, and then for one training
+    run: builds the listeners (console panels and the run directory on rank 0; the scalars on every rank),
+    opens the run directory (:func:`~instability_watch.export.open_on_rank_zero`), and ends the run
+    (:func:`finish`). A subclass adds the framework's hooks and sets :attr:`error`, the exception its
+    framework shows for a run it cannot start.
+
+    Attributes:
+        watch: the engine (from the start of training on).
+        writer: the run directory's :class:`~instability_watch.export.RunWriter` (rank 0, while writable).
+        reporter: the :class:`~instability_watch.console.ConsoleReporter` (rank 0, with alerts or live_table).
+        run_dir: the run directory (the argument until training starts, then where the run is written).
+    """
+
+    error: Type[Exception] = ValueError
+
+    def __init__(
+        self,
+        config: Optional[Union[WatchConfig, Dict[str, Any]]] = None,
+        *,
+        layers: Any = None,
+        run_dir: Optional[Union[str, os.PathLike]] = None,
+        overwrite: bool = False,
+        write_csv: bool = True,
+        console: Any = None,
+        alerts: bool = True,
+        live_table: bool = False,
+        top: int = 8,
+        log_scalars: bool = True,
+    ) -> None:
+        config, layers = check_arguments(config, layers, run_dir, top, console)
+        self.config: WatchConfig = config
+        self.layers = layers
+        self.run_dir_arg: Optional[Path] = Path(run_dir) if run_dir is not None else None
+        self.run_dir: Optional[Path] = self.run_dir_arg
+        self.overwrite = check_bool("overwrite", overwrite)
+        self.write_csv = check_bool("write_csv", write_csv)
+        self.console = console
+        self.alerts = check_bool("alerts", alerts)
+        self.live_table = check_bool("live_table", live_table)
+        self.top = top
+        self.log_scalars = check_bool("log_scalars", log_scalars)
+        self.watch = None
+        self.writer: Optional[RunWriter] = None
+        self.reporter: Optional[ConsoleReporter] = None
+        self._finished = True  # no run, or its end was handled
+        self._init_state()
+
+    def _init_state(self) -> None:
+        """A subclass's own state, set up after the arguments are checked."""
+
+    def _start_run(self) -> None:
+        """Forget the previous run (a callback reused for another fit starts clean)."""
+        self.watch, self.writer, self.reporter = None, None, None
+        self.run_dir = self.run_dir_arg
+        self._finished = False
+
+    def _find_layers(self, model: Any) -> List[AttentionLayer]:
+        """The ``layers`` argument applied to ``model``: its list, its function's list, or the locators' finds."""
+        if callable(self.layers):
+            return list(self.layers(model))
+        if self.layers is not None:
+            return list(self.layers)
+        return find_attention_layers(model)
+
+    def _listeners(self, run_dir: Path, *, is_zero: bool, scalars: Callable) -> List[Callable]:
+        """The watch's listeners: on rank 0 the console reporter and the run directory's writer (kept in
+        :attr:`reporter` and :attr:`writer`); ``scalars`` on every rank with ``log_scalars``."""
+        listeners: List[Callable] = []
+        if is_zero and (self.alerts or self.live_table):
+            self.reporter = ConsoleReporter(self.console, alerts=self.alerts, live_table=self.live_table, top=self.top)
+            listeners.append(self.reporter)
+        if is_zero and self.write_csv:
+            self.writer = RunWriter(run_dir, overwrite=self.overwrite)
+            listeners.append(self.writer)
+        if self.log_scalars:
+            listeners.append(scalars)
+        return listeners
+
+    def _open_run_dir(self, *, restored: bool, extra_meta: Dict[str, Any], broadcast: Broadcast) -> None:
+        """Open the run directory on rank 0 (every rank calls this); a run already there raises :attr:`error`
+        on every rank, a directory that cannot be written leaves the run without one."""
+        try:
+            self.writer = open_on_rank_zero(
+                self.writer, self.watch, resume_step=self.watch.flushed_through if restored else None,
+                extra_meta=extra_meta, broadcast=broadcast)
+        except FileExistsError as exc:
+            raise self.error(str(exc)) from None
+        if self.writer is not None:
+            self.run_dir = self.writer.run_dir
+
+    def _finish(self, *, crashed: bool) -> None:
+        """End the run once: read back (not after a crash under torch.distributed), detach, close the outputs."""
+        if self.watch is None or self._finished:
+            return
+        self._finished = True
+        finish(self.watch, self.reporter, self.writer, strict=self.config.strict, crashed=crashed)

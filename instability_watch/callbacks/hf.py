@@ -27,7 +27,7 @@ FSDP2 (``fsdp_config["version"] = 2``, the default: ``fully_shard`` in place,
 (``FullyShardedDataParallel``, which the Trainer hands to callbacks as the
 model) inside ``summon_full_params`` of the unit holding each layer; the
 callback unwraps FSDP1's root to find the layers and gives the root to the
-engine (``observation.sharding_roots``). See :mod:`instability_watch._sharding`.
+engine (``watch.sharding_roots``). See :mod:`instability_watch._sharding`.
 Refused with a ``ValueError`` at train begin: DeepSpeed ZeRO-3 (partitioned
 parameters), DeepSpeed ZeRO 1/2 (not tested with this callback), tensor,
 context, sequence and pipeline parallelism.
@@ -40,7 +40,7 @@ import logging
 import os
 import sys
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.nn as nn
@@ -56,19 +56,15 @@ except ImportError as exc:  # transformers is an optional dependency
     ) from exc
 
 from .._sharding import _fsdp1_class, fsdp1_units, full_params, innermost_unit, zero3_parameters
-from ..config import WatchConfig
-from ..console import ConsoleReporter
-from ..export import RunWriter
+from ..export import RUN_DIR_NAME, broadcast_from_rank_zero, run_dir_under
 from ..locate import AttentionLayer, find_attention_layers, not_found_message
 from ..watch import InstabilityWatch, StepMetrics
-from ._common import check_arguments, check_bool, finish, scalars
+from ._common import WatchAdapter, scalars
 
 log = logging.getLogger("instability_watch")
 
-LayersArg = Union[None, Sequence[AttentionLayer], Callable[[nn.Module], Sequence[AttentionLayer]]]
 
 STATE_FILE = "instability_watch.pt"  # in each checkpoint directory
-RUN_DIR_NAME = "instability_watch"  # under TrainingArguments.output_dir
 _STATE_VERSION = 1
 
 
@@ -239,15 +235,6 @@ def _distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
-def _from_rank_zero(obj: Any) -> Any:
-    """Rank 0's ``obj`` on every rank (``obj`` itself without torch.distributed)."""
-    if not _distributed():
-        return obj
-    box = [obj]
-    torch.distributed.broadcast_object_list(box, src=0)
-    return box[0]
-
-
 def _all_true(flag: bool) -> bool:
     """Whether ``flag`` holds on every rank."""
     if not _distributed():
@@ -307,7 +294,7 @@ def _fsdp1_layers(layers: List[AttentionLayer], model: nn.Module, wrapper: nn.Mo
     return out
 
 
-class InstabilityWatchTrainerCallback(TrainerCallback):
+class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
     """Watch every attention head while a Hugging Face ``transformers.Trainer`` trains.
 
     Args:
@@ -345,6 +332,8 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
     Attributes:
         watch: the :class:`~instability_watch.InstabilityWatch` (from train begin on).
         run_dir: the run directory (on the main process, once opened).
+        model: the module the Trainer trains, without its wrappers (from train begin on).
+        sharding: ``"fsdp1"``, ``"fsdp2"`` or ``None`` (whole weights on every rank), from train begin on.
 
     Example::
 
@@ -357,62 +346,29 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
         # then: instability-watch report out/instability_watch
     """
 
-    def __init__(
-        self,
-        config: Optional[Union[WatchConfig, Dict[str, Any]]] = None,
-        *,
-        layers: LayersArg = None,
-        run_dir: Optional[Union[str, os.PathLike]] = None,
-        overwrite: bool = False,
-        write_csv: bool = True,
-        console: Any = None,
-        alerts: bool = True,
-        live_table: bool = False,
-        top: int = 8,
-        log_scalars: bool = True,
-    ) -> None:
-        config, layers = check_arguments(config, layers, run_dir, top, console)
-        self.config = config
-        self.layers = layers
-        self._run_dir_given: Optional[Path] = Path(run_dir) if run_dir is not None else None
-        self.run_dir: Optional[Path] = self._run_dir_given
-        self.overwrite = check_bool("overwrite", overwrite)
-        self.write_csv = check_bool("write_csv", write_csv)
-        self.console = console
-        self.alerts = check_bool("alerts", alerts)
-        self.live_table = check_bool("live_table", live_table)
-        self.top = top
-        self.log_scalars = check_bool("log_scalars", log_scalars)
-
-        self.watch: Optional[InstabilityWatch] = None
-        self.writer: Optional[RunWriter] = None
-        self.reporter: Optional[ConsoleReporter] = None
+    def _init_state(self) -> None:
+        """The adapter's own state (called by ``WatchAdapter.__init__``, after the arguments are checked)."""
         self.model: Optional[nn.Module] = None
-        self._is_zero = True
+        self.sharding: Optional[str] = None
         self._last_step = 0
-        self._restored = False
-        self._finished = True
-        self._pending_scalars: Dict[str, float] = {}
-        self._save_failed = False
-        self._placed = False  # moved before the reporting integrations in the Trainer's callback list
-        self._hook = None
+        self._pending_scalars: Dict[str, float] = {}  # the latest read-back's, for the Trainer's next log
+        self._save_failed = False  # reported once
+        self._hook = None  # the forward hook on the model that keeps its loss
         self._loss_parts: List[torch.Tensor] = []
         self._loss_summed = False  # the model normalised its loss by the step's token count (num_items_in_batch)
         self._loss_ranks = 1  # ... counted over this many ranks (average_tokens_across_devices)
-        self._sharding: Optional[str] = None  # "fsdp1", "fsdp2" or None (whole weights on every rank)
 
     # ------------------------------------------------------------------ the callback's place
 
-    def _place(self) -> None:
+    def _place(self) -> bool:
         """Run right after ``DefaultFlowCallback``, before the reporting integrations.
 
         The Trainer puts the ``report_to`` integrations (W&B, TensorBoard, ...)
         before the user's callbacks, and each ``on_log`` sees the same ``logs``
         dict in that order: to reach them, the scalars must be added before them.
         The callback list is the Trainer's ``callback_handler.callbacks``, found
-        as the object calling this callback.
+        as the object calling this callback. Returns whether it was found.
         """
-        self._placed = False
         frame = sys._getframe(1)
         handler = None
         try:
@@ -427,31 +383,30 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
         finally:
             del frame
         if handler is None:
-            return
+            return False
         callbacks = handler.callbacks
         flow = [i for i, cb in enumerate(callbacks) if isinstance(cb, DefaultFlowCallback)]
         target = flow[-1] + 1 if flow else 0
         i = next(i for i, cb in enumerate(callbacks) if cb is self)
         if i > target:  # callbacks after us keep their index: an event being dispatched reaches each once
             callbacks.insert(target, callbacks.pop(i))
-        self._placed = True
+        return True
 
     def on_init_end(self, args, state, control, **kwargs):
+        """Take the callback's place in the Trainer's list (see :meth:`_place`)."""
         self._place()
 
     # ------------------------------------------------------------------ attach
 
     def on_train_begin(self, args, state, control, model=None, **kwargs):
-        self._place()
-        if not self._placed and self.log_scalars:
+        """Attach to the model the Trainer trains, restore the checkpoint's watch state, open the run directory."""
+        if not self._place() and self.log_scalars:
             log.warning("instability_watch: could not find the Trainer's callback list; the scalars reach "
                         "state.log_history and the callbacks after this one, but not the report_to integrations")
         if self.watch is not None and not self._finished:
             self.close()  # a callback reused for another train() without its end: start clean
-        self.watch, self.writer, self.reporter = None, None, None
-        self._pending_scalars, self._loss_parts = {}, []
-        self._restored, self._finished, self._save_failed = False, False, False
-        self.run_dir = self._run_dir_given
+        self._start_run()
+        self._pending_scalars, self._loss_parts, self._save_failed = {}, [], False
         if model is None:
             raise ValueError("InstabilityWatchTrainerCallback: the Trainer passed no model to on_train_begin")
         wrapper = model  # under FSDP1 the Trainer's FullyShardedDataParallel root
@@ -460,56 +415,47 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
         if why is not None:
             self._finished = True
             raise ValueError(f"InstabilityWatchTrainerCallback cannot watch this run: {why}.")
-        self._sharding = _sharding(model, wrapper)
+        self.sharding = _sharding(model, wrapper)
         layers = self._resolve_layers(model)
-        if self._sharding == "fsdp1":
+        if self.sharding == "fsdp1":
             layers = _fsdp1_layers(layers, model, wrapper, relocate=self.layers is None)
         self.model = model
-        self._is_zero = bool(state.is_world_process_zero)
         self._last_step = state.global_step
         self._loss_ranks = args.world_size if getattr(args, "average_tokens_across_devices", False) else 1
-        run_dir = self._run_dir_given or Path(args.output_dir) / RUN_DIR_NAME
-        listeners = []
-        if self._is_zero:
-            if self.alerts or self.live_table:
-                self.reporter = ConsoleReporter(self.console, alerts=self.alerts, live_table=self.live_table,
-                                                top=self.top)
-                listeners.append(self.reporter)
-            if self.write_csv:
-                self.writer = RunWriter(run_dir, overwrite=self.overwrite)
-                listeners.append(self._write)
-        if self.log_scalars:
-            listeners.append(self._collect_scalars)
+        run_dir = self.run_dir_arg or run_dir_under(args.output_dir)
+        listeners = self._listeners(run_dir, is_zero=bool(state.is_world_process_zero), scalars=self._collect_scalars)
 
         def make() -> InstabilityWatch:
             watch = InstabilityWatch(model, self.config, layers=layers, listeners=listeners)
-            if watch.observation is not None and wrapper is not model:
+            if wrapper is not model:
                 # FSDP1: the root unit wraps the model from outside; the engine looks for the unit holding
                 # each layer (to gather its W_Q) under the model and under these modules
-                watch.observation.sharding_roots = [wrapper]
+                watch.sharding_roots = [wrapper]
             return watch
 
         try:
             self.watch = make()
-            if state.global_step > 0:
-                self._resume(args, state, make)
-            self._open_run_dir(args, state)
+            restored = self._resume(args, state, make) if state.global_step > 0 else False
+            self._open_run_dir(restored=restored, broadcast=broadcast_from_rank_zero, extra_meta={"trainer": {
+                "library": "transformers",
+                "world_size": args.world_size,
+                "gradient_accumulation_steps": args.gradient_accumulation_steps,
+                "per_device_train_batch_size": args.per_device_train_batch_size,
+                "bf16": bool(args.bf16), "fp16": bool(args.fp16),
+                "sharding": self.sharding,
+                "output_dir": str(args.output_dir),
+            }})
         except BaseException:
             self._finished = True
-            if self.watch is not None and self.watch.observation is not None:
-                self.watch.observation.detach()
+            if self.watch is not None:
+                self.watch.detach(read_back=False)
             if self.reporter is not None:
                 self.reporter.close()
             raise
         self._hook = model.register_forward_hook(self._capture_loss, with_kwargs=True)
 
     def _resolve_layers(self, model: nn.Module) -> List[AttentionLayer]:
-        if callable(self.layers):
-            layers = list(self.layers(model))
-        elif self.layers is not None:
-            layers = list(self.layers)
-        else:
-            layers = find_attention_layers(model)
+        layers = self._find_layers(model)
         if not layers:
             raise ValueError(f"InstabilityWatchTrainerCallback, in {type(model).__name__}: {not_found_message(model)}")
         # the names of the user's model: without the wrappers' own levels (FSDP1's auto-wrapped units,
@@ -517,14 +463,15 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
         return [dataclasses.replace(x, name=_clean_name(x.name)) if _clean_name(x.name) != x.name else x
                 for x in layers]
 
-    def _resume(self, args, state, fresh: Callable[[], InstabilityWatch]) -> None:
-        """Load the watch state of the checkpoint being resumed; without it, count on from its step."""
+    def _resume(self, args, state, fresh: Callable[[], InstabilityWatch]) -> bool:
+        """Load the watch state of the checkpoint being resumed; without it, count on from its step.
+        Returns whether every rank restored it."""
         payload = self._read_state(args, state)
         loaded = False
         if payload is not None:
             try:
                 self.watch.load_state_dict(payload["watch"])  # checks everything first: a misfit changes nothing
-                loaded = self.watch.observation is not None
+                loaded = self.watch.attached
             except (KeyError, TypeError, ValueError) as exc:  # other layers (another model): start fresh
                 if self.config.strict:
                     raise
@@ -533,13 +480,13 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
         ok = _all_true(loaded)  # every rank restores, or every rank starts fresh: the ranks stay in lockstep
         if not ok:
             if loaded:  # restored here but not on another rank: drop it
-                self.watch.observation.detach()
+                self.watch.detach(read_back=False)
                 self.watch = fresh()
-            if self._is_zero:
+            if state.is_world_process_zero:
                 log.info("instability_watch: resuming at step %d without watch state; the warm-up starts again",
                          state.global_step)
             self.watch.start_at(state.global_step)
-        self._restored = ok
+        return ok
 
     def _read_state(self, args, state) -> Optional[dict]:
         """The watch state saved in the checkpoint at ``state.global_step``, or ``None``.
@@ -575,44 +522,6 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
             return payload
         return None
 
-    def _open_run_dir(self, args, state) -> None:
-        problem = None
-        if self.writer is not None and not self.overwrite and not self._restored:
-            d = self.writer.run_dir
-            if (d / "metrics.csv").exists() or (d / "meta.json").exists():
-                problem = (f"run_dir {str(d)!r} already holds a run; pass overwrite=True to replace it, "
-                           "or choose another directory (or output_dir)")
-        problem = _from_rank_zero(problem)  # every rank raises the same error: no rank trains alone
-        if problem:
-            raise ValueError(problem)
-        if self.writer is None:
-            return
-        try:
-            self.writer.open(
-                self.watch,
-                resume_step=self.watch.flushed_through if self._restored else None,
-                extra_meta={"trainer": {
-                    "library": "transformers",
-                    "world_size": args.world_size,
-                    "gradient_accumulation_steps": args.gradient_accumulation_steps,
-                    "per_device_train_batch_size": args.per_device_train_batch_size,
-                    "bf16": bool(args.bf16), "fp16": bool(args.fp16),
-                    "sharding": self._sharding,
-                    "output_dir": str(args.output_dir),
-                }},
-            )
-        except FileExistsError as exc:
-            raise ValueError(str(exc)) from None
-        except (OSError, ValueError) as exc:  # cannot write there (main process only): train on without the CSV
-            if self.config.strict:
-                raise
-            log.error("instability_watch: cannot write the run directory %s (%s); no CSV for this run",
-                      self.writer.run_dir, exc)
-            self.watch.listeners = [f for f in self.watch.listeners if f != self._write]
-            self.writer = None
-            return
-        self.run_dir = self.writer.run_dir
-
     # ------------------------------------------------------------------ the step
 
     def _capture_loss(self, module, args, kwargs, output) -> None:
@@ -643,6 +552,7 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
         return total / len(parts)
 
     def on_step_end(self, args, state, control, **kwargs):
+        """One ``watch.step(loss)`` per optimizer step (the mean of the step's micro-batch losses)."""
         watch = self.watch
         if watch is None or self._finished:
             return
@@ -658,15 +568,13 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
 
     # ------------------------------------------------------------------ outputs
 
-    def _write(self, metrics: List[StepMetrics], alerts, watch: InstabilityWatch) -> None:
-        self.writer(metrics, alerts, watch)
-
     def _collect_scalars(self, metrics: List[StepMetrics], alerts, watch: InstabilityWatch) -> None:
         if not metrics:
             return
         self._pending_scalars = scalars(watch, metrics) or {}
 
     def on_log(self, args, state, control, logs=None, **kwargs):
+        """Add the latest read-back's scalars to ``logs`` (and to the entry just appended to ``log_history``)."""
         if not self._pending_scalars or logs is None:
             return
         scalars, self._pending_scalars = self._pending_scalars, {}
@@ -701,6 +609,8 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
         }
 
     def on_save(self, args, state, control, **kwargs):
+        """Write :meth:`state_dict` into the checkpoint directory as ``instability_watch.pt`` (every rank
+        computes it; the saving process writes it)."""
         if self.watch is None or self._finished:
             return
         payload = self.state_dict()  # on every rank (a collective under DDP)
@@ -725,6 +635,7 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
     # ------------------------------------------------------------------ end
 
     def on_train_end(self, args, state, control, **kwargs):
+        """Read back the pending steps, restore the model, close the console and the run directory."""
         self._finish(crashed=False)
 
     def close(self) -> None:
@@ -733,17 +644,15 @@ class InstabilityWatchTrainerCallback(TrainerCallback):
         self._finish(crashed=True)
 
     def _finish(self, *, crashed: bool) -> None:
-        watch = self.watch
-        if watch is None or self._finished:
+        if self.watch is None or self._finished:
             return
-        self._finished = True
         try:
             if self._hook is not None:
                 self._hook.remove()
                 self._hook = None
         finally:
-            finish(watch, self.reporter, self.writer, strict=self.config.strict, crashed=crashed)
             self._pending_scalars = {}
+            WatchAdapter._finish(self, crashed=crashed)
 
 
 __all__ = ["InstabilityWatchTrainerCallback", "STATE_FILE", "RUN_DIR_NAME"]

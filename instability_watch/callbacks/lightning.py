@@ -1,7 +1,8 @@
 """``InstabilityWatchCallback``: the watch in a Lightning ``Trainer``.
 
-A thin adapter over :class:`~instability_watch.InstabilityWatch` (all logic
-lives in the engine): it attaches in ``setup``, calls ``watch.step`` once per
+An adapter over :class:`~instability_watch.InstabilityWatch` (all logic lives
+in the engine, the run-directory policy in :mod:`~instability_watch.export`,
+what both framework callbacks share in :class:`._common.WatchAdapter`): it attaches in ``setup``, calls ``watch.step`` once per
 optimizer step, pauses the statistics during validation and sanity checking,
 sends a few scalars to the trainer's loggers, keeps the watch's state in
 checkpoints and detaches on teardown. Rank 0 prints alert panels (and the live
@@ -12,9 +13,8 @@ same step.
 from __future__ import annotations
 
 import logging
-import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Sequence, Union
+from typing import Any, Dict, List, Optional
 
 import torch
 
@@ -27,16 +27,13 @@ except ImportError as exc:  # pragma: no cover - lightning is a dependency
         "InstabilityWatchCallback needs PyTorch Lightning: pip install 'lightning>=2.4'"
     ) from exc
 
-from ..locate import AttentionLayer, find_attention_layers
-from ..config import WatchConfig
-from ..console import ConsoleReporter
-from ..export import RunWriter
+from ..export import run_dir_under
+from ..locate import AttentionLayer
 from ..watch import InstabilityWatch, StepMetrics
-from ._common import check_arguments, finish, scalars
+from ._common import WatchAdapter, scalars
 
 log = logging.getLogger("instability_watch")
 
-LayersArg = Union[None, Sequence[AttentionLayer], Callable[["pl.LightningModule"], Sequence[AttentionLayer]]]
 
 _STATE_VERSION = 1
 
@@ -61,7 +58,7 @@ def _unsupported_strategy(strategy: Any) -> Optional[str]:
             "ModelParallelStrategy, DeepSpeed ZeRO 1-2)")
 
 
-class InstabilityWatchCallback(Callback):
+class InstabilityWatchCallback(WatchAdapter, Callback):
     """Watch every attention head while a Lightning ``Trainer`` fits.
 
     Args:
@@ -102,82 +99,42 @@ class InstabilityWatchCallback(Callback):
         # then: instability-watch report <trainer.log_dir>/instability_watch
     """
 
-    def __init__(
-        self,
-        config: Optional[Union[WatchConfig, Dict[str, Any]]] = None,
-        *,
-        layers: LayersArg = None,
-        run_dir: Optional[Union[str, os.PathLike]] = None,
-        overwrite: bool = False,
-        write_csv: bool = True,
-        console: Any = None,
-        alerts: bool = True,
-        live_table: bool = False,
-        top: int = 8,
-        log_scalars: bool = True,
-    ) -> None:
-        config, layers = check_arguments(config, layers, run_dir, top, console)
-        self.config = config
-        self.layers = layers
-        self.run_dir: Optional[Path] = Path(run_dir) if run_dir is not None else None
-        self._run_dir_given = run_dir is not None
-        self.overwrite = bool(overwrite)
-        self.write_csv = bool(write_csv)
-        self.console = console
-        self.alerts = bool(alerts)
-        self.live_table = bool(live_table)
-        self.top = top
-        self.log_scalars = bool(log_scalars)
+    error = MisconfigurationException
 
-        self.watch: Optional[InstabilityWatch] = None
-        self.writer: Optional[RunWriter] = None
-        self.reporter: Optional[ConsoleReporter] = None
+    def _init_state(self) -> None:
+        """The adapter's own state (called by ``WatchAdapter.__init__``, after the arguments are checked)."""
         self._trainer: Optional["pl.Trainer"] = None
         self._pending_state: Optional[dict] = None  # loaded before the watch existed
-        self._restored = False
+        self._restored = False  # the watch state came from the checkpoint being resumed
         self._last_global_step = 0
-        self._loss_sum: Optional[torch.Tensor] = None
+        self._loss_sum: Optional[torch.Tensor] = None  # the recorded step's micro-batch losses, on the device
         self._loss_n = 0
-        self._crashed = False
-        self._finished = False
-        self._deferred = False
-        self._ckpt_run_dir: Optional[Path] = None
 
     # ------------------------------------------------------------------ attach / detach
 
     def setup(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        """Check the strategy and attach (or, for layers built in ``configure_model``, wait for fit start)."""
         if stage != "fit":
             return
         why = _unsupported_strategy(trainer.strategy)
         if why is not None:
             raise MisconfigurationException(f"InstabilityWatchCallback cannot watch this run: {why}.")
-        if self.watch is not None and self.watch.observation is not None:
-            self.watch.observation.detach()  # a callback reused for another fit: start clean
+        if self.watch is not None:
+            self.watch.detach(read_back=False)  # a callback reused for another fit: start clean
+        self._start_run()
         self._trainer = trainer
-        self.watch, self.writer, self.reporter = None, None, None
-        self._pending_state, self._restored, self._deferred = None, False, False
-        self._crashed = self._finished = False
-        self._ckpt_run_dir = None
-        if not self._run_dir_given:
-            self.run_dir = None
-        layers = self._resolve_layers(pl_module)
-        if layers is None:  # the model's layers are built in configure_model: attach at fit start
-            self._deferred = True
-            return
-        self._attach(trainer, pl_module, layers)
+        self._pending_state, self._restored = None, False
+        layers = self._resolve_layers(pl_module, may_wait=True)
+        if layers is not None:  # else the model's layers are built in configure_model: attach at fit start
+            self._attach(trainer, pl_module, layers)
 
-    def _resolve_layers(self, pl_module: "pl.LightningModule") -> Optional[List[AttentionLayer]]:
-        if callable(self.layers):
-            layers = list(self.layers(pl_module))
-        elif self.layers is not None:
-            layers = list(self.layers)
-        else:
-            layers = find_attention_layers(pl_module)
+    def _resolve_layers(self, pl_module: "pl.LightningModule", *, may_wait: bool) -> Optional[List[AttentionLayer]]:
+        layers = self._find_layers(pl_module)
         if layers:
             return layers
         from lightning.pytorch.utilities.model_helpers import is_overridden
 
-        if not self._deferred and is_overridden("configure_model", pl_module, pl.LightningModule):
+        if may_wait and is_overridden("configure_model", pl_module, pl.LightningModule):
             return None
         from ..locate import not_found_message
 
@@ -185,72 +142,41 @@ class InstabilityWatchCallback(Callback):
             f"InstabilityWatchCallback, in {type(pl_module).__name__}: {not_found_message(pl_module)}")
 
     def _attach(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", layers: List[AttentionLayer]) -> None:
-        listeners = []
         run_dir = self._default_run_dir(trainer)  # on every rank: trainer.log_dir is a collective under DDP
-        if trainer.is_global_zero:
-            if self.alerts or self.live_table:
-                self.reporter = ConsoleReporter(self.console, alerts=self.alerts, live_table=self.live_table,
-                                                top=self.top)
-                listeners.append(self.reporter)
-            if self.write_csv:
-                self.writer = RunWriter(run_dir, overwrite=self.overwrite)
-                listeners.append(self._write)
-        if self.log_scalars:
-            listeners.append(self._log_scalars)
-        self.watch = InstabilityWatch(pl_module, self.config, layers=layers, listeners=listeners)
-        self.watch._tracked = None  # the callback steps the watch once per optimizer step (global_step): no check
+        listeners = self._listeners(run_dir, is_zero=trainer.is_global_zero, scalars=self._log_scalars)
+        # the callback steps the watch once per optimizer step (global_step): no check of the step() calls
+        self.watch = InstabilityWatch(pl_module, self.config, layers=layers, listeners=listeners,
+                                      check_step_calls=False)
         if self._pending_state is not None:
             self._load_watch_state(self._pending_state)
             self._pending_state = None
 
     def _default_run_dir(self, trainer: "pl.Trainer") -> Path:
         """``run_dir``, else the logger's version directory, else a new ``version_N`` (every rank calls it)."""
-        if self.run_dir is not None:
-            return self.run_dir
+        if self.run_dir_arg is not None:
+            return self.run_dir_arg
         from lightning.pytorch.loggers import CSVLogger, TensorBoardLogger
 
         if trainer.loggers and isinstance(trainer.loggers[0], (CSVLogger, TensorBoardLogger)):
-            return Path(trainer.log_dir) / "instability_watch"  # log_dir is per run (version_N) and broadcast
-        root = Path(trainer.default_root_dir) / "instability_watch"
-        n = 0
-        if trainer.is_global_zero:
-            while (root / f"version_{n}").exists():
-                n += 1
-        return root / f"version_{trainer.strategy.broadcast(n)}"
-
-    def _check_run_dir(self, trainer: "pl.Trainer") -> None:
-        """Rank 0 looks at the run directory; every rank raises the same error (no rank trains alone).
-
-        Runs at fit start, after a checkpoint's state was loaded: a resumed run continues its directory.
-        """
-        problem = None
-        if self.writer is not None and not self.overwrite and not self._restored:
-            d = self.writer.run_dir
-            if (d / "metrics.csv").exists() or (d / "meta.json").exists():
-                problem = (f"run_dir {str(d)!r} already holds a run; pass overwrite=True to replace it, "
-                           "or choose another directory")
-        problem = trainer.strategy.broadcast(problem)
-        if problem:
-            raise MisconfigurationException(problem)
+            return run_dir_under(trainer.log_dir)  # log_dir is per run (version_N) and broadcast
+        return run_dir_under(trainer.default_root_dir, new_version=True, broadcast=trainer.strategy.broadcast)
 
     def on_fit_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
-        if self._deferred and self.watch is None:
-            self._attach(trainer, pl_module, self._resolve_layers(pl_module))
-        if self.watch is not None:
-            if self._restored and not self._run_dir_given and self._ckpt_run_dir is not None and self.writer:
-                self.writer.run_dir = self._ckpt_run_dir  # continue the directory of the checkpointed run
-            self._check_run_dir(trainer)
+        """Attach now if the model's layers were built in ``configure_model``."""
+        if self.watch is None and not self._finished:
+            self._attach(trainer, pl_module, self._resolve_layers(pl_module, may_wait=False))
 
     def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Line the watch's step up with the trainer's and open the run directory (rank 0)."""
         watch = self.watch
         if watch is None:
             return
         self._last_global_step = trainer.global_step
         self._loss_sum, self._loss_n = None, 0
         wrapper = getattr(trainer.strategy, "model", None)
-        if watch.observation is not None and isinstance(wrapper, torch.nn.Module) and wrapper is not pl_module:
+        if isinstance(wrapper, torch.nn.Module) and wrapper is not pl_module:
             # FSDPStrategy wraps the LightningModule itself: its FSDP1 units may sit above pl_module
-            watch.observation.sharding_roots = [wrapper]
+            watch.sharding_roots = [wrapper]
         if watch.step_count != trainer.global_step:
             # a checkpoint without our state (or of another run): count on from the trainer's step
             if trainer.is_global_zero:
@@ -258,33 +184,21 @@ class InstabilityWatchCallback(Callback):
                          trainer.global_step)
             watch.start_at(trainer.global_step)
             self._restored = False
-        if self.writer is not None:
-            try:
-                self.writer.open(
-                    watch,
-                    resume_step=watch.flushed_through if self._restored else None,
-                    extra_meta={"trainer": {
-                        "precision": str(trainer.precision), "world_size": trainer.world_size,
-                        "accumulate_grad_batches": trainer.accumulate_grad_batches,
-                        "strategy": type(trainer.strategy).__name__,
-                    }},
-                )
-            except FileExistsError as exc:
-                raise MisconfigurationException(str(exc)) from None
-            except (OSError, ValueError) as exc:  # cannot write there (rank 0 only): train on without the CSV
-                if self.config.strict:
-                    raise
-                log.error("instability_watch: cannot write the run directory %s (%s); no CSV for this run",
-                          self.writer.run_dir, exc)
-                self.watch.listeners = [f for f in self.watch.listeners if f != self._write]
-                self.writer = None
-                return
-            self.run_dir = self.writer.run_dir
+        if not self._restored:
+            self.run_dir = self.run_dir_arg  # not the checkpoint's directory: this run is not that run
+        elif self.run_dir_arg is None and self.run_dir is not None and self.writer is not None:
+            self.writer.run_dir = self.run_dir  # continue the directory of the checkpointed run
+        self._open_run_dir(restored=self._restored, broadcast=trainer.strategy.broadcast, extra_meta={"trainer": {
+            "precision": str(trainer.precision), "world_size": trainer.world_size,
+            "accumulate_grad_batches": trainer.accumulate_grad_batches,
+            "strategy": type(trainer.strategy).__name__,
+        }})
 
     # ------------------------------------------------------------------ the step
 
     def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any,
                            batch: Any, batch_idx: int) -> None:
+        """Keep the loss of a recorded step; call ``watch.step`` once per optimizer step."""
         watch = self.watch
         if watch is None:
             return
@@ -307,17 +221,16 @@ class InstabilityWatchCallback(Callback):
             watch.step(mean if i == stepped - 1 else None)
 
     def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Pause the statistics: validation and sanity checking are not training steps."""
         if self.watch is not None:
-            self.watch.pause_statistics()  # validation and sanity checking are not training steps
+            self.watch.pause_statistics()
 
     def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Resume the statistics."""
         if self.watch is not None:
             self.watch.resume_statistics()
 
     # ------------------------------------------------------------------ outputs
-
-    def _write(self, metrics: List[StepMetrics], alerts, watch: InstabilityWatch) -> None:
-        self.writer(metrics, alerts, watch)
 
     def _log_scalars(self, metrics: List[StepMetrics], alerts, watch: InstabilityWatch) -> None:
         trainer = self._trainer
@@ -330,33 +243,29 @@ class InstabilityWatchCallback(Callback):
     # ------------------------------------------------------------------ end
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """Read back the pending steps (every rank: a collective under DDP) and stop the live table."""
         if self.watch is not None:
-            self.watch.flush()  # every rank: under DDP this is a collective
+            self.watch.flush()
         if self.reporter is not None:
             self.reporter.close()  # stop the live table before the progress bar stops
 
     def on_exception(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", exception: BaseException) -> None:
-        # Lightning does not call the callbacks' teardown after an exception: clean up here
+        """Detach and close (Lightning does not call ``teardown`` after an exception)."""
         self._finish(crashed=True)
 
     def teardown(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", stage: str) -> None:
+        """Read back what is pending, restore the model, close the console and the run directory."""
         if stage == "fit":
             self._finish(crashed=False)
-
-    def _finish(self, *, crashed: bool) -> None:
-        """Read back what is pending (not after a crash under DDP: no collectives), restore the model, close."""
-        if self.watch is None or self._finished:
-            return
-        self._finished = True
-        finish(self.watch, self.reporter, self.writer, strict=self.config.strict, crashed=crashed)
 
     # ------------------------------------------------------------------ checkpoints
 
     def state_dict(self) -> Dict[str, Any]:
+        """The watch state and the run directory, for the checkpoint (after reading back the pending steps)."""
         if self.watch is None:
             watch_state = self._pending_state
         else:
-            if self.watch._distributed() and not self._finished:
+            if self.watch.distributed and not self._finished:
                 # every rank saves (Lightning calls this on all ranks): read back first, so the
                 # checkpoint holds no rank-local pending rows (rank 0's would be summed world-size times)
                 self.watch.flush()
@@ -369,10 +278,12 @@ class InstabilityWatchCallback(Callback):
         }
 
     def load_state_dict(self, state_dict: Dict[str, Any]) -> None:
+        """Restore the watch state of a checkpoint (into the watch, or kept until it exists); without a
+        ``run_dir`` argument the run continues the checkpoint's directory."""
         watch_state = state_dict.get("watch")
         run_dir = state_dict.get("run_dir")
-        if run_dir and not self._run_dir_given:
-            self._ckpt_run_dir = Path(run_dir)
+        if run_dir and self.run_dir_arg is None:
+            self.run_dir = Path(run_dir)
         if watch_state is None:
             return
         if self.watch is None:
@@ -390,4 +301,4 @@ class InstabilityWatchCallback(Callback):
                         "the watch starts fresh at the resumed step", exc)
             self._restored = False
             return
-        self._restored = self.watch.observation is not None
+        self._restored = self.watch.attached

@@ -166,7 +166,7 @@ def _leg(mode: str, out_dir: str, resume, report: str, name: Optional[str] = Non
             # what the Trainer hands the callbacks, and what the watch made of it
             seen["model"] = type(model).__name__
             seen["watched"] = type(cb.watch.model).__name__
-            seen["roots"] = [type(m).__name__ for m in cb.watch.observation.sharding_roots]
+            seen["roots"] = [type(m).__name__ for m in cb.watch.sharding_roots]
 
         def on_step_end(self, args, state, control, **kwargs):
             # RoPE leaves Llama few repeated maxima to switch on: a manual switch (every rank)
@@ -200,7 +200,7 @@ def _leg(mode: str, out_dir: str, resume, report: str, name: Optional[str] = Non
         "detached": not any("forward" in vars(m) for m in model.modules() if m is not model)
         and not any(getattr(h, "__self__", None) is cb for h in model._forward_hooks.values()),
         "seen": seen,
-        "sharding": cb._sharding,
+        "sharding": cb.sharding,
         "trainer_model": type(trainer.model).__name__,
         "param_types": sorted({type(p).__name__ for p in model.parameters()}),
     }
