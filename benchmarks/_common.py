@@ -144,7 +144,7 @@ class ExplosionDetector:
 
 def explosion_step(losses: Iterable[Tuple[int, float]], ema: float = 0.05, jump: float = 1.0,
                    start: int = 0) -> Optional[int]:
-    """The explosion step of a loss series ``[(step, loss), ...]`` (``None`` if none); see :class:`ExplosionDetector`."""
+    """The explosion step of a loss series ``[(step, loss), ...]``, ``None`` if none (:class:`ExplosionDetector`)."""
     det = ExplosionDetector(ema, jump, start)
     for step, loss in losses:
         if det.update(int(step), float(loss)) is not None:
