@@ -16,19 +16,18 @@ computes delta_hp), PyTorch SDPA flash, PyTorch SDPA cuDNN. TFLOP/s count
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from instability_watch import Probe, flash_attention  # noqa: E402
-from instability_watch.kernels import triton_attention as ta  # noqa: E402
+from instability_watch import Probe, flash_attention
+from instability_watch.kernels import triton_attention as ta
+
+from _common import bench, header, warm_gpu, write_json
 
 SHAPES = {
     "gpt2": dict(B=16, H=12, N=1024, D=64, causal=True),
@@ -42,10 +41,6 @@ def flops(shape, backward=False):
     if shape["causal"]:
         f //= 2
     return f * (2.5 if backward else 1.0)
-
-
-def bench(fn, warmup=25, rep=100):
-    return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
 def inputs(shape, seed=0):
@@ -101,21 +96,6 @@ def time_variant(fn, q, k, v, do, graph=True):
     o = fn(qq, kk, vv)
     bwd = bench(lambda: torch.autograd.grad(o, (qq, kk, vv), do, retain_graph=True))
     return fwd, bwd
-
-
-def warm_gpu(seconds=1.0):
-    """Bring the clocks up before the first measurement (an idle H100 sits at a few hundred MHz)."""
-    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
-    start = torch.cuda.Event(enable_timing=True)
-    end = torch.cuda.Event(enable_timing=True)
-    start.record()
-    while True:
-        for _ in range(10):
-            a @ a
-        end.record()
-        end.synchronize()
-        if start.elapsed_time(end) > seconds * 1e3:
-            return
 
 
 def run_table(shape_names, rounds=3, graph=True):
@@ -346,15 +326,8 @@ def main(argv=None):
     for n in names:
         if n not in SHAPES:
             ap.error(f"--shapes: unknown shape {n!r}; known: {', '.join(SHAPES)}")
-    header = {
-        "device": torch.cuda.get_device_name(),
-        "date": datetime.date.today().isoformat(),
-        "torch": torch.__version__,
-        "triton": triton.__version__,
-        "command": "python " + " ".join([sys.argv[0]] + (argv if argv is not None else sys.argv[1:])),
-    }
-    print(json.dumps(header))
-    result = dict(header)
+    result = header(argv)
+    print(json.dumps(result))
     if args.sweep or args.host:
         warm_gpu()
         if args.host:
@@ -369,7 +342,7 @@ def main(argv=None):
         result["forward_kernels"] = kernel_resources()
         print("compiled forward variants: " + "; ".join(result["forward_kernels"]))
     if args.json:
-        Path(args.json).write_text(json.dumps(result, indent=1, default=str))
+        write_json(args.json, result)
     return 0
 
 

@@ -24,7 +24,6 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import json
 import statistics
 import sys
 import tempfile
@@ -37,6 +36,8 @@ from torch.utils.data import DataLoader
 
 from instability_watch import InstabilityWatchCallback, WatchConfig
 from instability_watch.corpus import stdlib_text, train_val_split
+
+from _common import device_name, write_json
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt2.py"
 
@@ -163,7 +164,7 @@ def main() -> int:
                  if gpu else "") + f"; gc plain {gcs['plain'][-1]} watch {gcs['watch'][-1]}",
               flush=True)
     out = {"preset": args.preset, "compile": args.compile, "steps": args.steps, "skip": args.skip,
-           "device": torch.cuda.get_device_name() if gpu else "cpu", **results, "ratios": ratios,
+           "device": device_name(), **results, "ratios": ratios,
            "ratio_median": statistics.median(ratios), "attributed": attributed,
            "other_step_ms": other, "torch_function_modes_seen": max(modes), "gc_collections": gcs}
     if args.compile:
@@ -171,7 +172,7 @@ def main() -> int:
 
         out["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
     if args.json:
-        Path(args.json).write_text(json.dumps(out, indent=1))
+        write_json(args.json, out)
     print(f"\n{'compile' if args.compile else 'eager'}: plain {statistics.median(results['plain']):.2f} steps/s, "
           f"watch {statistics.median(results['watch']):.2f} steps/s, ratio (median of {args.rounds} rounds) "
           f"{out['ratio_median']:.4f}, range {min(ratios):.4f}-{max(ratios):.4f}; attributed within the watched "

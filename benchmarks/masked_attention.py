@@ -82,9 +82,10 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import instability_watch.kernels as iw_kernels
 from instability_watch import flash_attention
 
+from _common import bench, header as common_header, sync, warm_gpu
+
 try:
     import triton
-    import triton.testing
 except Exception:  # noqa: BLE001 -- a CPU smoke test does not need Triton
     triton = None
 
@@ -184,11 +185,6 @@ def classify(t):
 
 def nan_equal(a, b):
     return bool(((a == b) | (torch.isnan(a) & torch.isnan(b))).all()) if a.shape == b.shape else False
-
-
-def sync(dev):
-    if dev.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def free(dev):
@@ -475,7 +471,7 @@ class Run:
 
     def time_fn(self, fn):
         if self.dev.type == "cuda":
-            return triton.testing.do_bench(fn, warmup=self.args.warmup, rep=self.args.rep, return_mode="median")
+            return bench(fn, warmup=self.args.warmup, rep=self.args.rep)
         ts = []
         for _ in range(3):
             t = time.perf_counter()
@@ -486,8 +482,6 @@ class Run:
     def warm_gpu(self, seconds):
         if self.dev.type != "cuda":
             return
-        from attention import warm_gpu  # benchmarks/attention.py, beside this script
-
         with torch.cuda.device(self.dev):
             warm_gpu(seconds)
 
@@ -1119,13 +1113,10 @@ def run_case(run, name, sh):
 
 
 def header(args, argv, dev):
-    h = {
+    h = common_header(argv, dev)
+    h.update({
         "script": "benchmarks/masked_attention.py",
         "date": datetime.datetime.now().isoformat(timespec="seconds"),
-        "command": " ".join([sys.executable, sys.argv[0]] + list(sys.argv[1:] if argv is None else argv)),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "triton": getattr(triton, "__version__", None),
         "cuda": torch.version.cuda,
         "device_type": dev.type,
         "quick": args.quick,
@@ -1133,7 +1124,7 @@ def header(args, argv, dev):
                    "rounds, median of rounds" % (args.warmup, args.rep, args.rounds)) if dev.type == "cuda"
         else "time.perf_counter median of 3 calls (CPU smoke test)",
         "bound": f"ours max-abs error <= {BOUND_FACTOR} x SDPA-primary's + {BOUND_FLOOR}",
-    }
+    })
     try:
         h["ours_backend"] = iw_kernels.resolve_backend(torch.empty(1, 1, 1, 64, dtype=BF16, device=dev), "auto")
     except Exception as exc:  # noqa: BLE001
@@ -1145,7 +1136,6 @@ def header(args, argv, dev):
         h["git_head"] = None
     if dev.type == "cuda":
         prop = torch.cuda.get_device_properties(dev)
-        h["device"] = torch.cuda.get_device_name(dev)
         h["multiprocessors"] = prop.multi_processor_count
         h["l2_bytes"] = getattr(prop, "L2_cache_size", None)
         h["cudnn"] = torch.backends.cudnn.version()

@@ -12,14 +12,14 @@ from __future__ import annotations
 
 import argparse
 import sys
-from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from instability_watch.mechanism import exact_attention, measure_bias, near_tie_inputs  # noqa: E402
+from instability_watch.mechanism import exact_attention, measure_bias, near_tie_inputs
+
+from _common import device_name
 
 
 def main(argv=None):
@@ -30,7 +30,7 @@ def main(argv=None):
     if not torch.cuda.is_available():
         print("benchmarks/mechanism.py needs a CUDA GPU", file=sys.stderr)
         return 2
-    print(f"device: {torch.cuda.get_device_name()}  torch {torch.__version__}")
+    print(f"device: {device_name()}  torch {torch.__version__}")
     print(f"{'rows':<10}{'kernel':<12}{'O bias (1e-5)':>15}{'x control':>11}{'sum d_lp-d_hp':>15}{'draws > 0':>11}")
     control = {}
     for n_ties in (1, 4):

@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import argparse
 import copy
-import json
 import os
 import statistics
 import time
@@ -37,6 +36,8 @@ from typing import Callable, Dict, List, Optional
 import torch
 
 from instability_watch import InstabilityWatch, WatchConfig
+
+from _common import device_name, sync, write_json
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -130,20 +131,15 @@ class Copy:
         return {k: statistics.median(v) for k, v in by.items()}
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def timed(c: Copy, batches: List[torch.Tensor], device: str, skip: int = 0) -> float:
     """Seconds per step over ``batches`` (the first ``skip`` steps run untimed)."""
     for ids in batches[:skip]:
         c.step(ids, device)
-    _sync(device)
+    sync(device)
     t0 = time.perf_counter()
     for ids in batches[skip:]:
         c.step(ids, device)
-    _sync(device)
+    sync(device)
     return (time.perf_counter() - t0) / max(1, len(batches) - skip)
 
 
@@ -240,9 +236,7 @@ def main() -> int:
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = [bench(name, args, device) for name in args.models.split(",")]
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump({"device": torch.cuda.get_device_name() if device == "cuda" else "cpu",
-                       "torch": torch.__version__, "results": results}, f, indent=1)
+        write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "results": results})
     print(f"\n{'model':<12} {'plain ms':>9} {'watch ms':>9} {'ratio':>7} {'range':>15} {'unobserved':>10}  "
           f"{'probe':>7} {'shadow':>7} {'switched':>8} {'clip':>7}")
     for r in results:

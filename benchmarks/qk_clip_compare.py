@@ -18,8 +18,7 @@ from pathlib import Path
 
 import pandas as pd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from reproduce import DIVERGENCE_JUMP, explosion_step  # noqa: E402
+from _common import DIVERGENCE_JUMP, explosion_step, write_json
 
 EMA = 0.05
 
@@ -98,7 +97,7 @@ def main() -> int:
             ax.legend(fontsize=8)
             fig.tight_layout()
             fig.savefig(out / f"{kind}_lr{lr:g}.png", dpi=100)
-    (out / "table.json").write_text(json.dumps(table, indent=1, default=str))
+    write_json(out / "table.json", table)
     cols = ["lr", "watch", "steps", "divergence", "at_step", "ema_loss_at", "mean_loss_at", "last100_loss", "clips",
             "clip_heads", "first_clip", "peak_logit", "diverged_before_3x"]
     print("| " + " | ".join(cols) + " |")

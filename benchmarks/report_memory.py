@@ -37,11 +37,12 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS
+from instability_watch.watch import METRICS
 
-from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS  # noqa: E402
-from instability_watch.watch import METRICS  # noqa: E402
+from _common import write_json
+
+ROOT = Path(__file__).resolve().parents[1]
 
 PROGRESS_POINTS = 400  # distinct stages of training the templates follow (the plots have <= 1000 points)
 
@@ -196,7 +197,7 @@ def main(argv=None) -> int:
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)
     if args.json:
-        args.json.write_text(json.dumps(result, indent=2) + "\n")
+        write_json(args.json, result, indent=2)
     print(json.dumps(result, indent=2))
     return 0
 

@@ -46,7 +46,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Dict, List
 
 import torch
 
@@ -56,13 +56,14 @@ from instability_watch.export import RunWriter, load_run
 from instability_watch.experimental import high_precision_delta
 from instability_watch.nanogpt import GPT, GPTConfig
 
+from _common import DIVERGENCE_JUMP, ExplosionDetector, device_name, explosion_step
+
 ARMS = ("standard", "control", "stabilized")
 WATCH_MODES = ("off", "observe", "switch", "clip_alert", "clip_always")
 QK_CLIP = {"clip_alert": "on_alert", "clip_always": "always"}
 CHECKPOINT = "checkpoint.pt"
 TRAIN_CSV = "train.csv"
 TRAIN_COLUMNS = ("step", "loss", "lr", "grad_norm")
-DIVERGENCE_JUMP = 0.2  # nats: the summary's "divergence" mark (the explosion rule with a smaller jump)
 
 
 @dataclass
@@ -132,44 +133,6 @@ def use_kernel_directly(model: GPT, stabilize: bool) -> None:
             return attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
         attn.forward = forward
-
-
-class ExplosionDetector:
-    """The explosion rule of the module docstring, fed one loss at a time (steps <= ``start`` only
-    feed the EMA: the first steps' fast descent and the warm-up set no minimum)."""
-
-    def __init__(self, ema: float, jump: float, start: int = 0) -> None:
-        self.alpha, self.jump, self.start = ema, jump, start
-        self.value: Optional[float] = None
-        self.low = math.inf
-        self.step: Optional[int] = None
-
-    def update(self, step: int, loss: float) -> Optional[int]:
-        if self.step is None:
-            if not math.isfinite(loss):
-                self.step = step
-            else:
-                self.value = loss if self.value is None else (1 - self.alpha) * self.value + self.alpha * loss
-                if step > self.start:
-                    if self.value > self.low + self.jump:
-                        self.step = step
-                    self.low = min(self.low, self.value)
-        return self.step
-
-    def state_dict(self) -> dict:
-        return {"value": self.value, "low": self.low, "step": self.step}
-
-    def load_state_dict(self, s: dict) -> None:
-        self.value, self.low, self.step = s["value"], s["low"], s["step"]
-
-
-def explosion_step(losses, ema: float = 0.05, jump: float = 1.0, start: int = 0) -> Optional[int]:
-    """The explosion step of a loss series ``[(step, loss), ...]`` (``None`` if none); see :class:`ExplosionDetector`."""
-    det = ExplosionDetector(ema, jump, start)
-    for step, loss in losses:
-        if det.update(int(step), float(loss)) is not None:
-            return det.step
-    return None
 
 
 # ---------------------------------------------------------------------------
@@ -307,7 +270,7 @@ def train(args) -> int:
     status = {"step": step, "stopped": reason, "explosion_step": exploded.step,
               "seconds": round(elapsed, 1), "steps_per_s": round((step - start_step) / max(elapsed, 1e-9), 2),
               "alerts": len(watch.alerts) if watch else None, "switched": len(watch.switched) if watch else None,
-              "device": torch.cuda.get_device_name() if device == "cuda" else "cpu"}
+              "device": device_name(device)}
     (out / "status.json").write_text(json.dumps(status, indent=1))
     print(f"[{out.name}] stopped ({reason}) at step {step}: {status}", flush=True)
     return 0

@@ -21,22 +21,17 @@ import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from instability_watch.spectral import gram  # noqa: E402
+from instability_watch.spectral import gram
+
+from _common import device_name, sync, write_json
 
 L, E, H = 12, 768, 12
 D = E // H
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
 
 
 def main() -> int:
@@ -54,7 +49,7 @@ def main() -> int:
     from torch.distributed.fsdp import fully_shard
 
     mesh = init_device_mesh(device.type, (world,))
-    results = {"device": torch.cuda.get_device_name() if cuda else "cpu", "world": world, "torch": torch.__version__}
+    results = {"device": device_name(device), "world": world, "torch": torch.__version__}
     for layout, rows in (("fused c_attn (3E, E)", 3 * E), ("q_proj (E, E)", E)):
         torch.manual_seed(0)
         layers = nn.ModuleList(nn.Linear(E, rows, bias=False) for _ in range(L)).to(device)
@@ -81,10 +76,10 @@ def main() -> int:
             times = []
             for _ in range(args.reps):
                 dist.barrier()
-                _sync(device)
+                sync(device)
                 t0 = time.perf_counter()
                 fn()
-                _sync(device)
+                sync(device)
                 times.append(time.perf_counter() - t0)
             ms = torch.tensor(statistics.median(times) * 1e3, dtype=torch.float64, device=device)
             dist.all_reduce(ms, op=dist.ReduceOp.MAX)
@@ -97,7 +92,7 @@ def main() -> int:
             r = results[layout]
             print(f"{layout:<22}{r['gather W']['ms']:>14.2f}{r['gather Grams']['ms']:>18.2f}")
         if args.json:
-            Path(args.json).write_text(json.dumps(results, indent=1))
+            write_json(args.json, results)
     dist.destroy_process_group()
     return 0
 

@@ -21,6 +21,8 @@ import subprocess
 import sys
 import tempfile
 
+from _common import write_json
+
 HERE = os.path.dirname(os.path.abspath(__file__))
 EXAMPLE = os.path.join(HERE, "..", "examples", "train_gpt2.py")
 
@@ -91,8 +93,7 @@ def main() -> int:
         print(f"{r['name']:<20} {sp:8.2f} {tok:10.0f} {sp * devices / ref if ref else float('nan'):19.3f}"
               f"  {len(s.get('alerts', [])):6d}  {len(s.get('switched', [])):8d}  {agree}")
     if args.json:
-        with open(args.json, "w") as f:
-            json.dump(results, f, indent=1)
+        write_json(args.json, results)
     return 0
 
 

@@ -1,7 +1,16 @@
 import os
 
-import pytest
-import torch
+# One intra-op thread for the tests (and, through the environment, the processes they start).
+# Their tensors are tiny, so a second thread gains nothing; but on a 2-core machine shared with
+# other work (or with a test's own 2-process run) OpenMP's barriers wait for a descheduled thread
+# on every op: test_observe.py's training tests took 57 s with 2 threads beside two busy
+# processes, 11 s with one. Set before torch starts its thread pool; an explicit setting wins.
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+torch.set_num_threads(int(os.environ["OMP_NUM_THREADS"]))  # torch may have started before this file
 
 if not torch.cuda.is_available():
     # CPU machines test the Triton kernels through Triton's interpreter, with a

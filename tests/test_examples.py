@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import rich
+import torch
 
 from instability_watch import load_run
 from instability_watch.cli import main as cli_main
@@ -24,24 +25,29 @@ def _load(name):
 
 
 @pytest.fixture(autouse=True)
-def _restore_console():
+def _restore_console_and_threads():
+    threads = torch.get_num_threads()
     yield
     rich.reconfigure()  # RichProgressBar reconfigures rich's global console
+    torch.set_num_threads(threads)  # train_gpt2.py takes every core on CPU
 
 
 def test_train_gpt2_cpu_demo_shortened(tmp_path, capsys):
     mod = _load("train_gpt2")
-    assert mod.main(["--steps", "40", "--out", str(tmp_path)]) == 0
+    # the cpu-demo preset's model and watch, on 2 sequences per step (the preset's 8 take 4x as long on CPU);
+    # 24 steps: past the preset's watch warm-up (20), so the detectors judge the last probe steps
+    assert mod.main(["--steps", "24", "--batch", "2", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     run_dir = tmp_path / "cpu-demo" / "version_0" / "instability_watch"
     assert f"report {run_dir}" in out
     run = load_run(run_dir)
     p = mod.PRESETS["cpu-demo"]
-    assert sorted(run.metrics["step"].unique()) == list(range(1, 41, 2))  # probe steps: every other step
-    assert len(run.metrics) == 20 * p.n_layer * p.n_head
-    assert (run.metrics["rows"] == p.batch * p.block).all()
+    assert p.watch_warmup < 24
+    assert sorted(run.metrics["step"].unique()) == list(range(1, 25, 2))  # probe steps: every other step
+    assert len(run.metrics) == 12 * p.n_layer * p.n_head
+    assert (run.metrics["rows"] == 2 * p.block).all()
     summary = json.loads((tmp_path / "cpu-demo" / "version_0" / "summary_rank0.json").read_text())
-    assert summary["steps"] == 40 and summary["watch"] is True
+    assert summary["steps"] == 24 and summary["watch"] is True
     assert cli_main(["report", str(run_dir), "--out", str(tmp_path / "report")]) == 0
     assert len(list((tmp_path / "report").glob("*.png"))) == 5
 

@@ -1,7 +1,9 @@
 """The watch on sharded models: FSDP2 (``fully_shard``) and FSDP1, 2 CPU processes with gloo.
 
-Each run is ``tests/scripts/fsdp_watch.py`` in a subprocess with a clean environment;
-the 2-process runs are compared with the same training in one process (the ranks'
+The runs are ``tests/scripts/fsdp_watch.py`` in subprocesses with a clean environment,
+two launches in all (starting processes dominates on CPU): every one-process run in one,
+every 2-process run, one after the other in one process group, in the other. The
+2-process runs are compared with the same training in one process (the ranks'
 halves of each global batch as two micro-batches: the same gradients bit for bit).
 """
 import json
@@ -29,14 +31,16 @@ def _port():
         return sock.getsockname()[1]
 
 
-def _run(mode, model, out):
+def _run(jobs, out):
+    """Run ``[(mode, model), ...]`` in one launch; ``{(mode, model): [rank 0's result, rank 1's, ...]}``."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(out), "PYTHONPATH": str(REPO),
            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
-    proc = subprocess.run([sys.executable, str(SCRIPT), mode, model, str(out), str(_port())], env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(_port()), *(f"{m}:{n}" for m, n in jobs)],
+                          env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = 1 if mode == "single" else 2
-    return [json.loads((out / f"{mode}_{model}_rank{r}.json").read_text()) for r in range(ranks)]
+    ranks = 1 if jobs[0][0] == "single" else 2
+    return {(mode, model): [json.loads((out / f"{mode}_{model}_rank{r}.json").read_text()) for r in range(ranks)]
+            for mode, model in jobs}
 
 
 def _flat(x):
@@ -77,13 +81,19 @@ def _sigma_is_the_whole_weights(run):
 
 @pytest.fixture(scope="module")
 def single_runs(tmp_path_factory):
-    out = tmp_path_factory.mktemp("single")
-    return {m: _run("single", m, out)[0] for m in ("nanogpt", "llama")}
+    runs = _run([("single", "nanogpt"), ("single", "llama")], tmp_path_factory.mktemp("single"))
+    return {model: ranks[0] for (_, model), ranks in runs.items()}
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(tmp_path_factory):
+    jobs = [("fsdp2", "nanogpt"), ("fsdp2", "llama"), ("fsdp1", "nanogpt"), ("fsdp1fail", "nanogpt")]
+    return _run(jobs, tmp_path_factory.mktemp("sharded"))
 
 
 @pytest.mark.parametrize("model", ["nanogpt", "llama"])
-def test_fsdp2_two_ranks_decide_alike_and_match_one_process(model, single_runs, tmp_path):
-    r0, r1 = _run("fsdp2", model, tmp_path)
+def test_fsdp2_two_ranks_decide_alike_and_match_one_process(model, single_runs, sharded_runs):
+    r0, r1 = sharded_runs["fsdp2", model]
     run = r0["run"]
     # every rank the same statistics, alerts, switches and state
     assert r0["run"] == r1["run"] and r0["final_state"] == r1["final_state"]
@@ -101,18 +111,18 @@ def test_fsdp2_two_ranks_decide_alike_and_match_one_process(model, single_runs, 
     assert r0["resumed_switched"] == run["switched"]
 
 
-def test_fsdp1_units_are_gathered_for_sigma(single_runs, tmp_path):
-    r0, r1 = _run("fsdp1", "nanogpt", tmp_path)
+def test_fsdp1_units_are_gathered_for_sigma(single_runs, sharded_runs):
+    r0, r1 = sharded_runs["fsdp1", "nanogpt"]
     run = r0["run"]
     assert r0["run"] == r1["run"] and run["disabled"] == {}
     _sigma_is_the_whole_weights(run)
     _same_as_single(run, single_runs["nanogpt"]["run"])
 
 
-def test_fsdp1_a_rank_whose_w_q_read_fails_still_takes_part_in_the_gathers(tmp_path):
+def test_fsdp1_a_rank_whose_w_q_read_fails_still_takes_part_in_the_gathers(sharded_runs):
     """Rank 1's W_Q read of layer 0 fails from step 3 on: no rank hangs or stops; rank 1 says so once; every
     rank gets sigma from rank 0 (the max-reduction), equal on both ranks; nothing is turned off."""
-    r0, r1 = _run("fsdp1fail", "nanogpt", tmp_path)
+    r0, r1 = sharded_runs["fsdp1fail", "nanogpt"]
     a, b = r0["run"], r1["run"]
     assert a["steps"] == b["steps"] == 6 and a["disabled"] == b["disabled"] == {}
     assert "spectral-gather" in b["problems"] and "spectral-gather" not in a["problems"]

@@ -1,4 +1,4 @@
-"""Observing unmodified models: training unchanged, every call covered, W_Q located, switches applied or reported."""
+"""Observing unmodified models: training unchanged, every call covered, switches applied or reported."""
 import logging
 
 import numpy as np
@@ -13,7 +13,7 @@ from instability_watch.kernels import stats as st
 from instability_watch.locate import AttentionLayer, find_attention_layers
 from instability_watch.nanogpt import GPT, GPTConfig
 from instability_watch.probe import Probe
-from real_models import MODELS, hf_bert_padding, hf_gpt2_default, hf_llama_gqa, train
+from real_models import MODELS, hf_llama_gqa, train
 
 CFG = dict(probe_every=2, shadow_every=4, spectral_every=4, log_every=10, warmup_steps=100)
 
@@ -249,50 +249,6 @@ def test_multihead_attention_is_located_and_reported_unobservable():
     with pytest.raises(ValueError, match="nn.MultiheadAttention hides its SDPA call"):
         watch.step()
     watch.detach()
-
-
-# ---------------------------------------------------------------- locating W_Q
-
-
-def test_hf_gpt2_w_q_is_the_transposed_conv1d_slice():
-    torch.manual_seed(0)
-    model = hf_gpt2_default()
-    layers = find_attention_layers(model)
-    attn = model.transformer.h[1].attn
-    w = layers[1].w_q()
-    e = attn.embed_dim
-    x = torch.randn(3, e)
-    q_ref = (x @ attn.c_attn.weight[:, :e]).view(3, 4, e // 4)  # Conv1D: x @ weight + bias
-    torch.testing.assert_close(torch.einsum("nc,hdc->nhd", x, w), q_ref)
-
-
-def test_llama_w_q_is_q_proj_per_head():
-    torch.manual_seed(0)
-    model = hf_llama_gqa()
-    layers = find_attention_layers(model)
-    assert [tuple(layer.w_q().shape) for layer in layers] == [(4, 16, 64)] * 2
-    attn = model.model.layers[0].self_attn
-    x = torch.randn(3, 64)
-    torch.testing.assert_close(torch.einsum("nc,hdc->nhd", x, layers[0].w_q()), attn.q_proj(x).view(3, 4, 16))
-
-
-def test_bert_w_q_is_the_query_projection_per_head():
-    torch.manual_seed(0)
-    model = hf_bert_padding()
-    layers = find_attention_layers(model)
-    assert [layer.num_heads for layer in layers] == [4, 4]
-    assert [layer.name for layer in layers] == ["bert.encoder.layer.0.attention.self", "bert.encoder.layer.1.attention.self"]
-    attn = model.bert.encoder.layer[1].attention.self
-    x = torch.randn(3, 64)
-    q = torch.einsum("nc,hdc->nhd", x, layers[1].w_q()) + attn.query.bias.view(4, 16)
-    torch.testing.assert_close(q, attn.query(x).view(3, 4, 16))
-
-
-def test_nanogpt_w_q_is_first_third_of_c_attn():
-    torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32))
-    (l0, _) = find_attention_layers(model)
-    torch.testing.assert_close(l0.w_q().reshape(64, 64), model.h[0].attn.c_attn.weight[:64])
 
 
 class _Custom(nn.Module):

@@ -1,27 +1,25 @@
 """benchmarks/reproduce.py on CPU, tiny: resume across commands, arms, the summary, the explosion rule."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import math
-import sys
 from pathlib import Path
 
 import pandas as pd
 import pytest
 
-SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "reproduce.py"
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block", "32", "--batch", "2", "--warmup", "5",
         "--watch-warmup", "10", "--corpus-bytes", "50000", "--lr", "1e-2", "--log-every", "5"]
 
 
 @pytest.fixture(scope="module")
 def repro():
-    spec = importlib.util.spec_from_file_location("bench_reproduce", SCRIPT)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    # `python benchmarks/reproduce.py` runs with benchmarks/ first on sys.path (it imports _common from there)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(BENCHMARKS))
+        return importlib.import_module("reproduce")
 
 
 def test_resumed_run_equals_an_uninterrupted_one(repro, tmp_path):

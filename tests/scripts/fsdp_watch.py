@@ -1,6 +1,9 @@
 """The watch on a sharded model: 2 CPU processes (gloo), or the same run in one process.
 
-Usage: python fsdp_watch.py MODE MODEL OUT_DIR PORT
+Usage: python fsdp_watch.py OUT_DIR PORT MODE:MODEL [MODE:MODEL ...]
+
+The runs go one after the other in the same processes (one launch, one process
+group): either every MODE is ``single`` (one process) or none is (2 processes).
 
 MODE   fsdp2  ``fully_shard`` per block and on the root; 6 optimizer steps, a DCP
               checkpoint after step 4, then a fresh model, optimizer and watch
@@ -11,7 +14,7 @@ MODE   fsdp2  ``fully_shard`` per block and on the root; 6 optimizer steps, a DC
               (the ranks' halves) with the loss halved: the same gradients bit for bit.
 MODEL  nanogpt (the package's GPT, no position embedding: many repeated maxima) | llama (HF, GQA 4:2)
 
-Each rank (or the single process) writes ``OUT_DIR/<mode>_rank<r>.json``: the watch's
+Each rank (or the single process) writes ``OUT_DIR/<mode>_<model>_rank<r>.json`` per run: the watch's
 per-step metrics, switches, alerts, state, sigma per head and the reference sigma
 of the gathered float64 weights.
 """
@@ -148,10 +151,7 @@ def shard_fsdp2(model, blocks):
     return model
 
 
-def run(rank, mode, name, out_dir, port):
-
-    if mode != "single":
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+def run(rank, mode, name, out_dir):
     data = batches()
     model, blocks = build(name)
     if mode == "fsdp2":
@@ -217,13 +217,26 @@ def run(rank, mode, name, out_dir, port):
         watch.detach()
     with open(os.path.join(out_dir, f"{mode}_{name}_rank{rank}.json"), "w") as f:
         json.dump(_clean(result), f)
-    if mode != "single":
+
+
+def run_all(rank, jobs, out_dir, port):
+    sharded = jobs[0][0] != "single"
+    if sharded:
+        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    for mode, name in jobs:
+        run(rank, mode, name, out_dir)
+        if sharded:
+            dist.barrier()
+    if sharded:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    mode, name, out_dir, port = sys.argv[1], sys.argv[2], sys.argv[3], int(sys.argv[4])
-    if mode == "single":
-        run(0, mode, name, out_dir, port)
+    out_dir, port = sys.argv[1], int(sys.argv[2])
+    jobs = [tuple(job.split(":")) for job in sys.argv[3:]]
+    if len({mode == "single" for mode, _ in jobs}) != 1:
+        sys.exit("fsdp_watch.py: single runs and sharded runs need separate launches")
+    if jobs[0][0] == "single":
+        run_all(0, jobs, out_dir, port)
     else:
-        mp.spawn(run, args=(mode, name, out_dir, port), nprocs=2, join=True)
+        mp.spawn(run_all, args=(jobs, out_dir, port), nprocs=2, join=True)
