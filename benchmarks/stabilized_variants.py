@@ -36,7 +36,6 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
 SRC = ROOT / "instability_watch/kernels/triton_attention.py"
 
 COUNT = "                c_new += tl.sum(at_least(qk, tl.broadcast_to(thr[:, None], qk.shape), ASM), 1).to(tl.int32)\n"
@@ -251,8 +250,7 @@ def time_table(mods, rounds):
     import torch
     import triton
 
-    sys.path.insert(0, str(ROOT / "benchmarks"))
-    from attention import warm_gpu
+    from _common import warm_gpu  # benchmarks/ is this script's folder: first on sys.path
 
     warm_gpu()
     out = {}
