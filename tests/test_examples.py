@@ -77,9 +77,9 @@ def test_hf_llama_shortened(tmp_path, capsys):
 def test_plain_pytorch_shortened(tmp_path, capsys):
     mod = _load("plain_pytorch")
     run_dir = tmp_path / "run"
-    assert mod.main(["--steps", "12", "--batch", "2", "--run-dir", str(run_dir)]) == 0
+    assert mod.main(["--steps", "6", "--batch", "2", "--run-dir", str(run_dir)]) == 0
     run = load_run(run_dir)
-    assert sorted(run.metrics["step"].unique()) == [1, 6, 11]  # probe steps
+    assert sorted(run.metrics["step"].unique()) == [1, 6]  # probe steps (every 5th)
     assert (run.metrics["rows"] == 2 * 2 * 128).all()  # 2 micro-batches of 2 x 128 per step
     assert (run_dir / "checkpoint.pt").exists()
     assert "report" in capsys.readouterr().out

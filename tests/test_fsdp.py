@@ -1,8 +1,8 @@
 """The watch on sharded models: FSDP2 (``fully_shard``) and FSDP1, 2 CPU processes with gloo.
 
-The runs are ``tests/scripts/fsdp_watch.py`` in subprocesses with a clean environment,
-two launches in all (starting processes dominates on CPU): every one-process run in one,
-every 2-process run, one after the other in one process group, in the other. The
+All runs are one launch of ``tests/scripts/fsdp_watch.py`` (starting processes dominates on
+CPU), in a subprocess with a clean environment: two processes run the one-process runs side by
+side, each alone, then every 2-process run one after the other in one process group. The
 2-process runs are compared with the same training in one process (the ranks'
 halves of each global batch as two micro-batches: the same gradients bit for bit).
 """
@@ -32,14 +32,14 @@ def _port():
 
 
 def _run(jobs, out):
-    """Run ``[(mode, model), ...]`` in one launch; ``{(mode, model): [rank 0's result, rank 1's, ...]}``."""
+    """Run ``[(mode, model), ...]`` in one launch; ``{(mode, model): [rank 0's result, rank 1's]}`` (one for single)."""
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(out), "PYTHONPATH": str(REPO),
            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
     proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(_port()), *(f"{m}:{n}" for m, n in jobs)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    ranks = 1 if jobs[0][0] == "single" else 2
-    return {(mode, model): [json.loads((out / f"{mode}_{model}_rank{r}.json").read_text()) for r in range(ranks)]
+    return {(mode, model): [json.loads((out / f"{mode}_{model}_rank{r}.json").read_text())
+                            for r in range(1 if mode == "single" else 2)]
             for mode, model in jobs}
 
 
@@ -80,15 +80,20 @@ def _sigma_is_the_whole_weights(run):
 
 
 @pytest.fixture(scope="module")
-def single_runs(tmp_path_factory):
-    runs = _run([("single", "nanogpt"), ("single", "llama")], tmp_path_factory.mktemp("single"))
-    return {model: ranks[0] for (_, model), ranks in runs.items()}
+def runs(tmp_path_factory):
+    jobs = [("single", "nanogpt"), ("single", "llama"),
+            ("fsdp2", "nanogpt"), ("fsdp2", "llama"), ("fsdp1", "nanogpt"), ("fsdp1fail", "nanogpt")]
+    return _run(jobs, tmp_path_factory.mktemp("fsdp"))
 
 
 @pytest.fixture(scope="module")
-def sharded_runs(tmp_path_factory):
-    jobs = [("fsdp2", "nanogpt"), ("fsdp2", "llama"), ("fsdp1", "nanogpt"), ("fsdp1fail", "nanogpt")]
-    return _run(jobs, tmp_path_factory.mktemp("sharded"))
+def single_runs(runs):
+    return {model: ranks[0] for (mode, model), ranks in runs.items() if mode == "single"}
+
+
+@pytest.fixture(scope="module")
+def sharded_runs(runs):
+    return {job: ranks for job, ranks in runs.items() if job[0] != "single"}
 
 
 @pytest.mark.parametrize("model", ["nanogpt", "llama"])

@@ -2,8 +2,10 @@
 
 Usage: python fsdp_watch.py OUT_DIR PORT MODE:MODEL [MODE:MODEL ...]
 
-The runs go one after the other in the same processes (one launch, one process
-group): either every MODE is ``single`` (one process) or none is (2 processes).
+The runs go one after the other in the same processes (one launch): with a
+sharded MODE among them, 2 processes, the ``single`` runs first, shared out
+between them (before the process group starts: each alone in its process), then
+every sharded run in one process group; with ``single`` runs only, one process.
 
 MODE   fsdp2  ``fully_shard`` per block and on the root; 6 optimizer steps, a DCP
               checkpoint after step 4, then a fresh model, optimizer and watch
@@ -219,24 +221,24 @@ def run(rank, mode, name, out_dir):
         json.dump(_clean(result), f)
 
 
-def run_all(rank, jobs, out_dir, port):
-    sharded = jobs[0][0] != "single"
-    if sharded:
-        dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
-    for mode, name in jobs:
+def run_all(rank, jobs, out_dir, port, world):
+    single = [name for mode, name in jobs if mode == "single"]
+    for name in single[rank::world]:
+        run(0, "single", name, out_dir)  # one process alone: its file says rank 0
+    sharded = [(mode, name) for mode, name in jobs if mode != "single"]
+    if not sharded:
+        return
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=world)
+    for mode, name in sharded:
         run(rank, mode, name, out_dir)
-        if sharded:
-            dist.barrier()
-    if sharded:
-        dist.destroy_process_group()
+        dist.barrier()
+    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     out_dir, port = sys.argv[1], int(sys.argv[2])
     jobs = [tuple(job.split(":")) for job in sys.argv[3:]]
-    if len({mode == "single" for mode, _ in jobs}) != 1:
-        sys.exit("fsdp_watch.py: single runs and sharded runs need separate launches")
-    if jobs[0][0] == "single":
-        run_all(0, jobs, out_dir, port)
+    if all(mode == "single" for mode, _ in jobs):
+        run_all(0, jobs, out_dir, port, 1)
     else:
-        mp.spawn(run_all, args=(jobs, out_dir, port), nprocs=2, join=True)
+        mp.spawn(run_all, args=(jobs, out_dir, port, 2), nprocs=2, join=True)
