@@ -388,7 +388,9 @@ def test_fused_backward_matches_the_two_kernel_backward(N, n_kv, D, causal, head
     path, fused, is also what the reference comparisons above run, dropout's bit for bit.)"""
     H, h_kv = heads
     mask = _masks(N, n_kv, H)[kind] if kind else None
-    for dtype, tol in ((torch.float32, 1e-5), (torch.bfloat16, 2 ** -7)):
+    # float32 everywhere (the tight check); BF16, the production rounding of dS, on causal GQA and dropout
+    dtypes = [(torch.float32, 1e-5)] + ([(torch.bfloat16, 2 ** -7)] if (causal and h_kv < H) or p else [])
+    for dtype, tol in dtypes:
         q, k, v, do = _inputs(("fused", N, n_kv, D, kind, p), 2, H, h_kv, N, D, dtype=dtype, n_kv=n_kv)
         seed = torch.tensor([123, 456], dtype=torch.int64) if p else None
         fused = fused_and_split_backward(q, k, v, do, causal=causal, scale=D ** -0.5, tol=tol, attn_mask=mask,
