@@ -540,10 +540,11 @@ def test_dropped_fraction_and_independence(p):
         within(f, p_eff, B * H * K, f"row {i}")
     for j, f in enumerate(dropped.double().mean(dim=(0, 1, 2)).tolist()):  # per key column
         within(f, p_eff, B * H * N, f"column {j}")
-    # pairs sharing a 32-bit Philox word (j, j+1 for even j), pairs in the same 4-word block (j, j+4),
-    # and pairs of different blocks (j, j+8) are dropped together as often as independent entries
-    for gap, start in ((1, 0), (4, 0), (8, 0), (1, 1)):
-        a, b = dropped[..., start::8], dropped[..., start + gap::8]
+    # pairs sharing a 32-bit Philox word (j, j+1 for even j), pairs from the same call's other words
+    # (j, j+8), and pairs of different calls (j+1, j+2: the next call; j, j+32: the next group) are
+    # dropped together as often as independent entries
+    for gap, start in ((1, 0), (8, 0), (1, 1), (32, 0), (2, 0)):
+        a, b = dropped[..., start::64], dropped[..., start + gap::64]
         n = min(a.shape[-1], b.shape[-1])
         within((a[..., :n] & b[..., :n]).double().mean().item(), p_eff ** 2, a[..., :n].numel(), f"pairs gap {gap}")
 
@@ -655,19 +656,24 @@ def test_philox_known_answers(counter, key, expect):
 
 
 def test_dropout_bits_follow_the_documented_counter_layout():
-    """Entry (b, h, i, j): Philox of counter (j // 8, i, b * H + h, 0), word (j % 8) // 2, low 16 bits for
-    even j, high for odd j; kept where the bits are >= round(p * 2^16)."""
+    """Entry (b, h, i, j): Philox of counter (4 (j // 32) + (j % 8) // 2, i, b * H + h, 0), word (j % 32) // 8,
+    low 16 bits for even j, high for odd j; kept where the bits are >= round(p * 2^16)."""
     seed = torch.tensor([0x12345678, 0x9ABCDEF0], dtype=torch.int64)
-    B, H, N, K, p = 2, 3, 5, 21, 0.37
+    B, H, N, K, p = 2, 3, 5, 71, 0.37
     keep = dropout_mask(seed, B, H, N, K, p)
     t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
     for b in range(B):
         for h in range(H):
             for i in range(N):
                 for j in range(K):
-                    words = reference.philox(t(0x12345678), t(0x9ABCDEF0), t(j // 8), t(i), t(b * H + h), t(0))
-                    bits = (int(words[(j % 8) // 2]) >> (16 * (j % 2))) & 0xFFFF
+                    words = reference.philox(t(0x12345678), t(0x9ABCDEF0), t(4 * (j // 32) + (j % 8) // 2), t(i),
+                                             t(b * H + h), t(0))
+                    bits = (int(words[(j % 32) // 8]) >> (16 * (j % 2))) & 0xFFFF
                     assert bool(keep[b, h, i, j]) == (bits >= round(p * 65536)), (b, h, i, j)
+    # every call's eight entries lie in one row, each entry drawn by exactly one call
+    cols = torch.arange(128)
+    counter = reference.dropout_counter(cols)
+    assert torch.equal(torch.bincount(counter), torch.full((16,), 8))
 
 
 # ----------------------------------------------------------------------------- 5. bad inputs

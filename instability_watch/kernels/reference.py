@@ -195,25 +195,35 @@ def philox(key0, key1, c0: torch.Tensor, c1: torch.Tensor, c2: torch.Tensor, c3:
     return c0, c1, c2, c3
 
 
+def dropout_counter(cols: torch.Tensor) -> torch.Tensor:
+    """The first Philox counter word of key columns ``cols``: ``4 (j // 32) + (j % 8) // 2`` (int64).
+
+    Philox call ``c`` serves the 8 columns ``32 (c // 4) + 8 w + 2 (c % 4) + h`` (w < 4, h < 2):
+    of every 8 columns the same pair, in four groups of 8. That is what one thread holds of
+    a tensor-core (MMA) accumulator tile, so on the GPU each call's numbers stay in the
+    thread that computed them.
+    """
+    return 4 * (cols // 32) + (cols % 8) // 2
+
+
 def dropout_bits(seed: torch.Tensor, B: int, H: int, rows: torch.Tensor, cols: torch.Tensor) -> torch.Tensor:
     """The 16 random bits of the entries ``(b, h, rows, cols)``: int64 ``(B, H, len(rows), len(cols))``.
 
     Entry ``(b, h, i, j)`` takes Philox4x32-10 with key ``seed`` and counter
-    ``(j // 8, i, b * H + h, 0)``; of the four words, word ``(j % 8) // 2``, and of
-    that word the low 16 bits for even ``j``, the high 16 bits for odd ``j``. The
-    numbers do not depend on any block size.
+    ``(dropout_counter(j), i, b * H + h, 0)``, i.e. ``(4 (j // 32) + (j % 8) // 2, i, b H + h, 0)``;
+    of the four words, word ``(j % 32) // 8``, and of that word the low 16 bits for even
+    ``j``, the high 16 bits for odd ``j``. The numbers do not depend on any block size.
     """
     dev = rows.device
     key0, key1 = (int(x) & _U32 for x in seed.tolist()) if seed.device.type == "cpu" else (seed[0], seed[1])
     bh = torch.arange(B * H, dtype=torch.int64, device=dev).view(B, H, 1, 1)
     c1 = rows.to(torch.int64).view(1, 1, -1, 1)
-    group = torch.unique_consecutive(cols.to(torch.int64) // 8)
-    c0 = group.view(1, 1, 1, -1)
-    words = philox(key0, key1, c0, c1, bh, torch.zeros((), dtype=torch.int64, device=dev))
-    w = torch.stack(torch.broadcast_tensors(*words), dim=-1)  # (B, H, n, groups, 4)
     cols = cols.to(torch.int64)
-    where = torch.searchsorted(group, cols // 8)
-    word = w[:, :, :, where, (cols % 8) // 2]  # (B, H, n, len(cols))
+    counter = dropout_counter(cols)
+    calls = torch.unique(counter)  # sorted
+    words = philox(key0, key1, calls.view(1, 1, 1, -1), c1, bh, torch.zeros((), dtype=torch.int64, device=dev))
+    w = torch.stack(torch.broadcast_tensors(*words), dim=-1)  # (B, H, n, calls, 4)
+    word = w[:, :, :, torch.searchsorted(calls, counter), (cols % 32) // 8]  # (B, H, n, len(cols))
     return (word >> (16 * (cols % 2))) & 0xFFFF
 
 

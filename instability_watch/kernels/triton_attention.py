@@ -140,23 +140,48 @@ def _dropout_key(Seed, drop_thr, DROPOUT: tl.constexpr):
 
 
 @triton.jit
+def _halves(x):
+    """A word's two 16-bit halves on a new last axis: ``(.., 2)``, low first."""
+    return tl.join(x & 0xFFFF, x >> 16)
+
+
+@triton.jit
 def _dropout_keep(k0, k1, thr, bh, offs_m, start_n, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """Which entries dropout keeps in rows ``offs_m``, keys ``start_n + [0, BLOCK_N)``: (BLOCK_M, BLOCK_N) bool.
 
     reference.dropout_bits: entry (i, j) takes 16 bits of Philox at counter
-    (j // 8, i, bh, 0), word (j % 8) // 2, low half for even j. One Philox per 8
-    entries; the words are interleaved into columns with joins (a join adds a last
-    axis): (.., s, t, half) -> column 4s + 2t + half = 2 * word + half.
+    ``(4 (j // 32) + t, i, bh, 0)``, ``t = (j % 8) // 2``, word ``w = (j % 32) // 8``, low
+    half for even j. The calls are computed on a (BLOCK_M, groups of 32, t) grid and
+    the words and halves are joined on as new axes, then ordered to column
+    ``32 g + 8 w + 2 t + h``. An MMA accumulator tile holds, per thread, the column pair
+    ``2 t, 2 t + 1`` of every 8 columns, so (w, h) are in-thread axes there: the
+    compiler can compute each call in the thread that applies its bits (no exchange of
+    the numbers between threads, which the column-contiguous layout before this needed).
+    ``start_n`` is a multiple of BLOCK_N, which is 16 or a multiple of 32.
     """
-    shape: tl.constexpr = (BLOCK_M, BLOCK_N // 8)
-    c0 = tl.broadcast_to((start_n // 8 + tl.arange(0, BLOCK_N // 8)).to(tl.uint32)[None, :], shape)
-    c1 = tl.broadcast_to(offs_m.to(tl.uint32)[:, None], shape)
-    c2 = tl.zeros(shape, dtype=tl.uint32) + bh.to(tl.uint32)
-    c3 = tl.zeros(shape, dtype=tl.uint32)
-    x0, x1, x2, x3 = _philox(k0, k1, c0, c1, c2, c3)
-    lo = tl.join(tl.join(x0 & 0xFFFF, x2 & 0xFFFF), tl.join(x1 & 0xFFFF, x3 & 0xFFFF))
-    hi = tl.join(tl.join(x0 >> 16, x2 >> 16), tl.join(x1 >> 16, x3 >> 16))
-    bits = tl.reshape(tl.join(lo, hi), (BLOCK_M, BLOCK_N))
+    T = tl.arange(0, 4)
+    if BLOCK_N == 16:  # half a group: words (0, 1) or (2, 3) of its calls
+        shape: tl.constexpr = (BLOCK_M, 1, 4)
+        c0 = tl.broadcast_to((4 * (start_n // 32) + T).to(tl.uint32)[None, None, :], shape)
+        c1 = tl.broadcast_to(offs_m.to(tl.uint32)[:, None, None], shape)
+        c2 = tl.zeros(shape, dtype=tl.uint32) + bh.to(tl.uint32)
+        c3 = tl.zeros(shape, dtype=tl.uint32)
+        x0, x1, x2, x3 = _philox(k0, k1, c0, c1, c2, c3)
+        second = (start_n // 16) % 2 == 1
+        ws = tl.join(_halves(tl.where(second, x2, x0)), _halves(tl.where(second, x3, x1)))  # (M, 1, t, h, w)
+        bits = tl.reshape(tl.permute(ws, (0, 1, 4, 2, 3)), (BLOCK_M, BLOCK_N))
+    else:
+        G: tl.constexpr = BLOCK_N // 32
+        shape: tl.constexpr = (BLOCK_M, G, 4)
+        g = start_n // 32 + tl.arange(0, G)
+        c0 = tl.broadcast_to((4 * g[None, :, None] + T[None, None, :]).to(tl.uint32), shape)
+        c1 = tl.broadcast_to(offs_m.to(tl.uint32)[:, None, None], shape)
+        c2 = tl.zeros(shape, dtype=tl.uint32) + bh.to(tl.uint32)
+        c3 = tl.zeros(shape, dtype=tl.uint32)
+        x0, x1, x2, x3 = _philox(k0, k1, c0, c1, c2, c3)
+        # (M, g, t, h, a, b) with word w = 2 a + b, then (M, g, a, b, t, h): column 32 g + 8 w + 2 t + h
+        ws = tl.join(tl.join(_halves(x0), _halves(x2)), tl.join(_halves(x1), _halves(x3)))
+        bits = tl.reshape(tl.permute(ws, (0, 1, 4, 5, 2, 3)), (BLOCK_M, BLOCK_N))
     return bits >= thr
 
 
