@@ -32,8 +32,11 @@ def _restore_console_and_threads():
     torch.set_num_threads(threads)  # train_gpt2.py takes every core on CPU
 
 
-def test_train_gpt2_cpu_demo_shortened(tmp_path, capsys):
+def test_train_gpt2_cpu_demo_shortened(tmp_path, capsys, monkeypatch):
     mod = _load("train_gpt2")
+    # the tests' one thread (conftest.py): the script takes every core on CPU, and two threads beside other
+    # busy processes (a second pytest-xdist worker) wait on each other at every op (15 s -> 25 s here)
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
     # the cpu-demo preset's model and watch, on 2 sequences per step (the preset's 8 take 4x as long on CPU);
     # 24 steps: past the preset's watch warm-up (20), so the detectors judge the last probe steps
     assert mod.main(["--steps", "24", "--batch", "2", "--out", str(tmp_path)]) == 0

@@ -185,15 +185,23 @@ def _clean_env(tmp_path):
             "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
 
 
-def _torchrun(tmp_path, *args):
-    """tests/scripts/hf_trainer_run.py under torchrun, 2 CPU processes (gloo); its per-rank reports by leg."""
+TORCHRUN_MODES = ("ddp", "fsdp1", "fsdp2")
+
+
+@pytest.fixture(scope="module")
+def torchrun_runs(tmp_path_factory):
+    """tests/scripts/hf_trainer_run.py under torchrun, 2 CPU processes (gloo), every mode of TORCHRUN_MODES
+    one after the other in one launch (starting the processes dominates on CPU): ``{mode: (its folder,
+    {(leg, rank): that rank's report of that leg})}``."""
+    out = tmp_path_factory.mktemp("hf_torchrun")
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
-         str(tmp_path), *args],
-        env=_clean_env(tmp_path), capture_output=True, text=True, timeout=600)
+         str(out), *TORCHRUN_MODES],
+        env=_clean_env(out), capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
-    return {(p.name.split("-rank")[0], int(p.stem.split("-rank")[1])): json.loads(p.read_text())
-            for p in tmp_path.glob("*-rank*.json")}
+    return {mode: (out / mode, {(p.name.split("-rank")[0], int(p.stem.split("-rank")[1])): json.loads(p.read_text())
+                                for p in (out / mode).glob("*-rank*.json")})
+            for mode in TORCHRUN_MODES}
 
 
 def _ranks_agree_and_rank_zero_writes(r, legs=("full", "resumed")):
@@ -206,10 +214,10 @@ def _ranks_agree_and_rank_zero_writes(r, legs=("full", "resumed")):
             assert scalars and all(SCALARS <= set(h) for h in scalars), (leg, rank)
 
 
-def test_ddp_two_processes_decide_the_same_write_once_and_resume_identically(tmp_path):
+def test_ddp_two_processes_decide_the_same_write_once_and_resume_identically(torchrun_runs):
     """torchrun, 2 CPU processes (gloo), each on its own data; multi-max alerts switch heads from the
     statistics reduced across ranks. Then the run continued from its checkpoint-3 (in a copy)."""
-    r = _torchrun(tmp_path)
+    out, r = torchrun_runs["ddp"]
     _ranks_agree_and_rank_zero_writes(r)
     # under DDP the Trainer hands the callbacks the model itself (not its DDP wrapper): nothing to gather
     assert r["full", 0]["seen"] == {"model": "GPT2LMHeadModel", "watched": "GPT2LMHeadModel", "roots": []}
@@ -219,10 +227,10 @@ def test_ddp_two_processes_decide_the_same_write_once_and_resume_identically(tmp
     assert r["full", 1]["state"] == full  # every rank decided the same, from the same reduced statistics
     assert r["resumed", 0]["state"] == r["resumed", 1]["state"] == full
     # one run directory per run, written by rank 0; the watch state once per checkpoint
-    csvs = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("metrics.csv"))
+    csvs = sorted(str(p.relative_to(out)) for p in out.rglob("metrics.csv"))
     assert csvs == ["full/instability_watch/metrics.csv", "resumed/instability_watch/metrics.csv"]
-    assert sorted(p.name for p in (tmp_path / "full" / "checkpoint-3").glob("instability_watch*")) == [STATE_FILE]
-    a, b = load_run(tmp_path / "full" / "instability_watch"), load_run(tmp_path / "resumed" / "instability_watch")
+    assert sorted(p.name for p in (out / "full" / "checkpoint-3").glob("instability_watch*")) == [STATE_FILE]
+    a, b = load_run(out / "full" / "instability_watch"), load_run(out / "resumed" / "instability_watch")
     import pandas as pd
 
     assert sorted(a.metrics["step"].unique()) == [1, 2, 3, 4, 5, 6]
@@ -261,14 +269,14 @@ def _sigma_is_the_whole_weights(got, ref):
 
 
 @pytest.mark.parametrize("mode", ["fsdp1", "fsdp2"])
-def test_fsdp_two_processes_gather_w_q_decide_the_same_and_resume_identically(tmp_path, mode):
+def test_fsdp_two_processes_gather_w_q_decide_the_same_and_resume_identically(torchrun_runs, mode):
     """Llama (GQA) sharded by the Trainer itself: TrainingArguments(fsdp=True, fsdp_config={"version": 1 or 2,
     decoder layers auto-wrapped}), gradient accumulation 2, torchrun with 2 CPU processes (gloo; Accelerate
     ignores FSDP on CPU, the script's CpuFsdpTrainer turns it on). Heads switch (multi-max, and one by hand
     at step 2); then the run continued from its FSDP checkpoint-3 (in a copy)."""
     import pandas as pd
 
-    r = _torchrun(tmp_path, mode)
+    out, r = torchrun_runs[mode]
     _ranks_agree_and_rank_zero_writes(r)
     seen, trainer_model, params = FSDP_SEEN[mode]
     for key, x in r.items():
@@ -286,11 +294,11 @@ def test_fsdp_two_processes_gather_w_q_decide_the_same_and_resume_identically(tm
         _sigma_is_the_whole_weights(r[key]["sigma_last"], r[key]["sigma_ref"])
 
     # one run directory per run, written by rank 0; the watch state once per checkpoint
-    csvs = sorted(str(p.relative_to(tmp_path)) for p in tmp_path.rglob("metrics.csv"))
+    csvs = sorted(str(p.relative_to(out)) for p in out.rglob("metrics.csv"))
     runs = ["full", "gpt2", "resumed"] if mode == "fsdp1" else ["full", "resumed"]  # (the bad leg never began)
     assert csvs == [f"{run}/instability_watch/metrics.csv" for run in runs]
-    assert sorted(p.name for p in (tmp_path / "full" / "checkpoint-3").glob("instability_watch*")) == [STATE_FILE]
-    a, b = load_run(tmp_path / "full" / "instability_watch"), load_run(tmp_path / "resumed" / "instability_watch")
+    assert sorted(p.name for p in (out / "full" / "checkpoint-3").glob("instability_watch*")) == [STATE_FILE]
+    a, b = load_run(out / "full" / "instability_watch"), load_run(out / "resumed" / "instability_watch")
     assert sorted(a.metrics["step"].unique()) == [1, 2, 3, 4, 5, 6]
     pd.testing.assert_frame_equal(a.metrics, b.metrics)
     assert b.meta["resumed_at"] == [3] and a.meta["trainer"]["sharding"] == mode

@@ -134,50 +134,63 @@ def test_default_run_dir_continues_after_resume(tmp_path):
 
 
 def _clean_env(tmp_path):
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "PYTHONPATH": str(REPO)}
+    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "PYTHONPATH": str(REPO),
+            "OMP_NUM_THREADS": "1"}
 
 
-def test_ddp_two_processes_switch_the_same_heads_and_write_one_csv(tmp_path):
+# The 2-process runs (DDP, ModelParallel) that the tests below check, one after the other in one launch of
+# tests/scripts/lightning_run.py (starting the processes and importing Lightning dominates on CPU):
+# (folder, mode, steps, "-" | checkpoint every that many steps | the checkpoint to resume from)
+TWO_PROCESS_RUNS = [
+    ("ddp", "ddp", 40, "-"),  # uninterrupted
+    ("ddp_res", "ddp", 23, 17),  # checkpoints at step 17 (16-17 not yet read back), goes on to 23, "dies"
+    ("ddp_res", "ddp", 40, "ddp_res/ckpt/epoch=0-step=17.ckpt"),  # resumed from step 17, in the same folder
+    ("mp", "mp", 6, 3),  # uninterrupted, a sharded checkpoint at step 3
+    ("mp_res", "mp", 6, "mp/ckpt/epoch=0-step=3.ckpt"),  # resumed from it
+]
+
+
+@pytest.fixture(scope="module")
+def two_process_runs(tmp_path_factory):
+    """The launch's folder, holding each run's folder (run directory, checkpoints, rank JSONs)."""
+    out = tmp_path_factory.mktemp("lightning")
+    args = []
+    for folder, mode, steps, last in TWO_PROCESS_RUNS:
+        args += [mode, out / folder, steps, out / last if isinstance(last, str) and last != "-" else last]
     script = REPO / "tests" / "scripts" / "lightning_run.py"
-    proc = subprocess.run([sys.executable, str(script), "ddp", str(tmp_path)], env=_clean_env(tmp_path),
+    proc = subprocess.run([sys.executable, str(script), *map(str, args)], env=_clean_env(out),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    r0 = json.loads((tmp_path / "rank0.json").read_text())
-    r1 = json.loads((tmp_path / "rank1.json").read_text())
+    return out
+
+
+def _ranks(folder, prefix=""):
+    return [json.loads((folder / f"{prefix}rank{r}.json").read_text()) for r in (0, 1)]
+
+
+def test_ddp_two_processes_switch_the_same_heads_and_write_one_csv(two_process_runs):
+    folder = two_process_runs / "ddp"
+    r0, r1 = _ranks(folder)
     assert r0["steps"] == r1["steps"] == 40
     assert r0["switched"], "the tied heads should be switched"
     assert r0["switched"] == r1["switched"]
     assert r0["alerts"] == r1["alerts"]
     assert r0["disabled"] == r1["disabled"] == []
     assert (r0["wrote"], r1["wrote"]) == (True, False)
-    csvs = sorted(p.relative_to(tmp_path) for p in tmp_path.rglob("metrics.csv"))
+    csvs = sorted(p.relative_to(folder) for p in folder.rglob("metrics.csv"))
     assert csvs == [Path("run/metrics.csv")]
-    run = load_run(tmp_path / "run")
+    run = load_run(folder / "run")
     assert sorted(run.metrics["step"].unique()) == list(range(1, 41))
     switches = run.events[run.events["event"] == "switch"]
     assert sorted([int(l), int(h), int(s)] for l, h, s in zip(switches["layer"], switches["head"], switches["step"])) \
         == r0["switched"]
 
 
-def _two_ranks(mode, out, *args):
-    """``tests/scripts/lightning_run.py MODE OUT ARGS...`` (2 CPU processes); each rank's JSON."""
-    script = REPO / "tests" / "scripts" / "lightning_run.py"
-    proc = subprocess.run([sys.executable, str(script), mode, str(out), *map(str, args)], env=_clean_env(out),
-                          capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    prefix = "mp_" if mode == "mp" else ""
-    return [json.loads((out / f"{prefix}rank{r}.json").read_text()) for r in (0, 1)]
-
-
-def _mp(out, *args):
-    return _two_ranks("mp", out, *args)
-
-
-def test_model_parallel_strategy_fsdp2_on_cpu_and_its_distributed_checkpoint(tmp_path):
+def test_model_parallel_strategy_fsdp2_on_cpu_and_its_distributed_checkpoint(two_process_runs):
     """ModelParallelStrategy (FSDP2 over a data-parallel mesh of 2; Lightning's FSDPStrategy refuses CPU):
     sigma of the sharded W_Q is the whole weight's, both ranks decide alike, only rank 0 writes, and a run
     resumed from the sharded checkpoint of step 3 ends in the uninterrupted run's state."""
-    full = _mp(tmp_path / "full", 6, 3)
+    full = _ranks(two_process_runs / "mp", "mp_")
     r0, r1 = full
     assert r0["steps"] == r1["steps"] == 6 and r0["disabled"] == r1["disabled"] == []
     assert r0["switched"] and r0["switched"] == r1["switched"] and r0["alerts"] == r1["alerts"]
@@ -186,32 +199,24 @@ def test_model_parallel_strategy_fsdp2_on_cpu_and_its_distributed_checkpoint(tmp
     for got, ref in zip(r0["sigma"][0], r0["sigma_ref"]):
         for g, r in zip(got, ref):
             assert abs(g - r) <= 1e-5 * r, (g, r)
-    ckpt = tmp_path / "full" / "ckpt" / "epoch=0-step=3.ckpt"
-    assert (ckpt / "meta.pt").exists()  # a sharded (distributed) checkpoint directory
-    resumed = _mp(tmp_path / "res", 6, ckpt)
+    assert (two_process_runs / "mp" / "ckpt" / "epoch=0-step=3.ckpt" / "meta.pt").exists()  # a sharded (distributed) checkpoint directory
+    resumed = _ranks(two_process_runs / "mp_res", "mp_")
     for r in (0, 1):
         assert resumed[r]["state"] == full[r]["state"] and resumed[r]["switched"] == full[r]["switched"]
 
 
-def _ddp(out, *args):
-    return _two_ranks("ddp", out, *args)
-
-
-def test_ddp_resume_from_checkpoint_is_identical_to_an_uninterrupted_run(tmp_path):
+def test_ddp_resume_from_checkpoint_is_identical_to_an_uninterrupted_run(two_process_runs):
     """Under DDP the checkpoint holds rank 0's read-back state once (not summed per rank) and the
     resumed ranks continue exactly where the uninterrupted run's ranks were."""
-    full = _ddp(tmp_path / "full", 40)
-    # checkpoint at step 17 (steps 16-17 not yet read back with log_every=5), go on to 23, "die"
-    _ddp(tmp_path / "res", 23, 17)
-    ckpt = tmp_path / "res" / "ckpt" / "epoch=0-step=17.ckpt"
-    assert ckpt.exists()
-    resumed = _ddp(tmp_path / "res", 40, ckpt)
+    full = _ranks(two_process_runs / "ddp")
+    assert (two_process_runs / "ddp_res" / "ckpt" / "epoch=0-step=17.ckpt").exists()
+    resumed = _ranks(two_process_runs / "ddp_res")  # written last, by the resumed run
     for r in (0, 1):
         assert resumed[r]["steps"] == full[r]["steps"] == 40
         for key in ("switched", "alerts", "delta_cum"):
             assert resumed[r][key] == full[r][key], (r, key)
     assert full[0]["switched"], "the tied heads should be switched"
-    a, b = load_run(tmp_path / "full" / "run"), load_run(tmp_path / "res" / "run")
+    a, b = load_run(two_process_runs / "ddp" / "run"), load_run(two_process_runs / "ddp_res" / "run")
     assert sorted(b.metrics["step"].unique()) == list(range(1, 41))
     pd.testing.assert_frame_equal(a.metrics, b.metrics)
     pd.testing.assert_frame_equal(a.events, b.events)

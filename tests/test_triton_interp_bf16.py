@@ -196,6 +196,23 @@ def _fma_kernel(x_ptr, y_ptr, z_ptr, out_ptr, n, BLOCK: tl.constexpr):
     tl.store(out_ptr + offs, tl.fma(x, y, z), mask=m)
 
 
+@triton.jit
+def _add_twice(a, b):
+    return a + b + b
+
+
+@triton.jit
+def _helper_kernel(x_ptr, y_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    # a @triton.jit helper called from a kernel, three times per program
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    x = tl.load(x_ptr + offs, mask=m)
+    y = tl.load(y_ptr + offs, mask=m)
+    for _ in range(3):
+        x = _add_twice(x, y)
+    tl.store(out_ptr + offs, tl.maximum(x, y), mask=m)
+
+
 def _require_interpreter():
     assert isinstance(_copy_kernel, _interp.InterpretedFunction), (
         "kernels were not decorated in interpreter mode; set TRITON_INTERPRET=1 before "
@@ -407,3 +424,25 @@ def test_unary_builder_ops_on_bf16(op, ref):
     assert out.data.dtype == np.uint16 and out.dtype == tl.bfloat16
     got = torch.from_numpy(out.data.view(np.int16).copy()).view(torch.bfloat16)
     torch.testing.assert_close(got.float(), ref(x.float()).to(torch.bfloat16).float(), rtol=2**-8, atol=0)
+
+
+def test_helpers_run_on_the_launchs_patched_language_which_is_undone_after(monkeypatch):
+    """The language is patched once per launch, not again at each helper call; the helpers' bf16
+    arithmetic is the shim's all the same, and after the launch triton.language is as before."""
+    patched = []
+    original = _interp._patch_builtin
+    monkeypatch.setattr(_interp, "_patch_builtin", lambda pkg, *a: patched.append(pkg) or original(pkg, *a))
+    x = torch.randn(BLOCK, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
+    f32 = torch.empty(BLOCK, dtype=torch.float32)
+    _run(_copy_kernel, x, torch.empty_like(x), f32, BLOCK, BLOCK=BLOCK)  # no helper
+    one_launch, patched[:] = list(patched), []
+    before = {name: getattr(tl, name) for name in ("maximum", "load", "store")}
+    y = torch.randn(BLOCK, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
+    out = torch.empty_like(x)
+    _helper_kernel[(2, )](x, y, out, BLOCK, BLOCK=BLOCK)  # 2 programs x 3 helper calls
+    assert patched == one_launch and len(one_launch) > 0
+    ref = x
+    for _ in range(3):
+        ref = ref + y + y  # torch rounds each bf16 add to nearest even, as the shim does
+    _assert_same_bits(out, torch.maximum(ref, y))
+    assert {name: getattr(tl, name) for name in before} == before

@@ -27,7 +27,9 @@ computes there, and rounds the result back to bf16 with round-to-nearest-even
 * ``tl.sum``/``tl.max``/``tl.min``/``tl.argmax``/``cumsum``/``cumprod`` on bf16
   tensors: computed on the decoded values (sums in float64, rounded once);
 * ``tl.atomic_add`` / ``tl.atomic_xchg`` on bf16 pointers (unsupported upstream);
-* ``tl.device_print`` shows bf16 values as numbers rather than bit patterns.
+* ``tl.device_print`` shows bf16 values as numbers rather than bit patterns;
+* speed only: inside a launch, a call of a ``@triton.jit`` helper does not patch
+  ``triton.language`` all over again (``_patch_language_once_per_launch``).
 
 FP16 and FP32 code paths are left untouched except fp16 ``tl.dot``, which also
 goes through the exact float64 product-sum.
@@ -400,4 +402,43 @@ def install() -> None:
     interp.ReduceOps.min_max = min_max
     interp.ScanOps.cumsum = _scan(orig_cumsum, np.cumsum)
     interp.ScanOps.cumprod = _scan(orig_cumprod, np.cumprod)
+    _patch_language_once_per_launch(interp, tl)
     setattr(builder_cls, _MARKER, True)
+
+
+def _patch_language_once_per_launch(interp, tl) -> None:
+    """Speed only: a device function's call does not patch ``triton.language`` again inside a launch.
+
+    triton 3.9.0's interpreter patches the language modules (``tl``, ``tl.core``: every builtin,
+    found by ``inspect.getmembers``) when a kernel launches (``GridExecutor.__call__``), and undoes it
+    when the grid is done; but ``InterpretedFunction.__call__``, each call of a ``@triton.jit`` helper
+    from inside a kernel, patches them all over again (and never undoes that): about a fifth of our
+    kernels' time in the interpreter. Inside a launch the language modules are already patched with the
+    same functions, so a helper that sees no other language module than those skips the repeat; one
+    that sees another patches as before, and outside a launch nothing changes. Numerics are not touched.
+    """
+    original_patch, original_launch = interp._patch_lang, interp.GridExecutor.__call__
+    launch = {"patched": None}  # ids of the language modules patched in the running launch; None outside one
+
+    def languages(fn):
+        return {id(v) for v in fn.__globals__.values() if v is tl or v is tl.core}
+
+    def patch_lang(fn):
+        patched = launch["patched"]
+        if patched is None:
+            return original_patch(fn)
+        if languages(fn) <= patched:
+            return interp._LangPatchScope()  # already patched by this launch: nothing to do, nothing to undo
+        scope = original_patch(fn)  # the launch's own patching, or a helper that sees another module
+        patched |= languages(fn)
+        return scope
+
+    def grid_call(self, *args, **kwargs):
+        launch["patched"] = set()
+        try:
+            return original_launch(self, *args, **kwargs)
+        finally:
+            launch["patched"] = None
+
+    interp._patch_lang = patch_lang
+    interp.GridExecutor.__call__ = grid_call

@@ -1,6 +1,10 @@
-"""Two CPU processes (gloo) run the watch on different data; print each rank's decisions as JSON.
+"""Two CPU processes (gloo) run the watch on different data; each rank writes its decisions as JSON.
 
-Usage: python ddp_watch.py OUT_DIR PORT [fail_rank fail_step]
+Usage: python ddp_watch.py OUT_DIR PORT CASE [CASE ...]
+
+CASE is ``NAME`` or ``NAME:FAIL_RANK:FAIL_STEP`` (the watch's statistics fail on that rank from that step on);
+the cases run one after the other in the same two processes and process group (one launch: starting processes
+dominates on CPU), each writing ``OUT_DIR/NAME/rank<r>.json``.
 """
 import json
 import os
@@ -14,11 +18,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 
-def run(rank, out_dir, port, fail_rank, fail_step):
+def run(rank, out_dir, fail_rank, fail_step):
     from instability_watch import InstabilityWatch, WatchConfig
     from watch_models import TiedAttention, tied_batch, tied_loss
 
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
     torch.manual_seed(0)
     model = TiedAttention()
     cfg = WatchConfig(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
@@ -53,10 +56,20 @@ def run(rank, out_dir, port, fail_rank, fail_step):
     }
     with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def run_all(rank, out_dir, port, cases):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2)
+    for case in cases:
+        name, *fail = case.split(":")
+        fail_rank, fail_step = map(int, fail) if fail else (-1, 0)
+        run(rank, os.path.join(out_dir, name), fail_rank, fail_step)
+        dist.barrier()
     dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    out_dir, port = sys.argv[1], int(sys.argv[2])
-    fail_rank, fail_step = (int(sys.argv[3]), int(sys.argv[4])) if len(sys.argv) > 4 else (-1, 0)
-    mp.spawn(run, args=(out_dir, port, fail_rank, fail_step), nprocs=2, join=True)
+    out_dir, port, cases = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
+    for case in cases:
+        os.makedirs(os.path.join(out_dir, case.split(":")[0]), exist_ok=True)
+    mp.spawn(run_all, args=(out_dir, port, cases), nprocs=2, join=True)

@@ -1,11 +1,13 @@
 """Hugging Face ``Trainer`` runs of InstabilityWatchTrainerCallback (shared by tests/test_hf_trainer.py).
 
 Usage (two CPU processes, gloo):
-    python -m torch.distributed.run --standalone --nproc_per_node 2 hf_trainer_run.py OUT_DIR [ddp|fsdp1|fsdp2]
-        # an uninterrupted run in OUT_DIR/full (6 optimizer steps, checkpoints at 3 and 6), then a copy of
-        # it in OUT_DIR/resumed continued from its checkpoint-3; each rank writes OUT_DIR/{full,resumed}-rank{r}.json
-        # ddp (default): GPT-2 under DDP. fsdp1 / fsdp2: Llama (GQA) sharded by the Trainer with
-        # TrainingArguments(fsdp=True, fsdp_config={"version": 1 or 2, ...}), decoder layers auto-wrapped.
+    python -m torch.distributed.run --standalone --nproc_per_node 2 hf_trainer_run.py OUT_DIR MODE [MODE ...]
+        # per MODE, one after the other in the same two processes (one launch: starting them dominates on
+        # CPU), in OUT_DIR/MODE: an uninterrupted run in full/ (6 optimizer steps, checkpoints at 3 and 6), then
+        # a copy of it in resumed/ continued from its checkpoint-3; each rank writes {full,resumed}-rank{r}.json.
+        # ddp: GPT-2 under DDP. fsdp1 / fsdp2: Llama (GQA) sharded by the Trainer with
+        # TrainingArguments(fsdp=True, fsdp_config={"version": 1 or 2, ...}), decoder layers auto-wrapped;
+        # fsdp1 also runs GPT-2 (gpt2/, gpt2-rank{r}.json) and a refused run (bad-rank{r}.json).
 
 On CPU Accelerate ignores the FSDP plugin (``AcceleratorState`` turns FSDP on only for
 GPU-like devices: with ``use_cpu`` the run is plain DDP, silently). ``CpuFsdpTrainer``
@@ -226,13 +228,12 @@ def sharded_gpt2_layers(model):
     return out
 
 
-def main() -> None:
-    out = sys.argv[1]
-    mode = sys.argv[2] if len(sys.argv) > 2 else "ddp"
-    full, resumed = os.path.join(out, "full"), os.path.join(out, "resumed")
-    _leg(mode, full, None, os.path.join(out, "full-rank{rank}.json"))
+def run_mode(mode: str, out: str) -> None:
+    """Every leg of ``mode`` (see the module's docstring) in ``out``."""
     import torch.distributed as dist
 
+    full, resumed = os.path.join(out, "full"), os.path.join(out, "resumed")
+    _leg(mode, full, None, os.path.join(out, "full-rank{rank}.json"))
     if dist.get_rank() == 0:  # the run, as it stood, continued from its step-3 checkpoint in a copy
         shutil.copytree(full, resumed)
     dist.barrier()
@@ -246,6 +247,14 @@ def main() -> None:
         _leg(mode, os.path.join(out, "bad"), None, os.path.join(out, "bad-rank{rank}.json"), name="gpt2",
              layers=sharded_gpt2_layers, max_steps=2, save_strategy="no")
     dist.barrier()
+
+
+def main() -> None:
+    import torch.distributed as dist
+
+    out, modes = sys.argv[1], sys.argv[2:] or ["ddp"]
+    for mode in modes:
+        run_mode(mode, os.path.join(out, mode))
     dist.destroy_process_group()  # gloo's threads joined before the interpreter exits
 
 

@@ -1,14 +1,14 @@
-"""Lightning runs of the callback in a separate process (DDP and killed-run tests).
+"""Lightning runs of the callback in separate processes (DDP, ModelParallel and killed-run tests).
 
 Usage:
-    python lightning_run.py ddp OUT_DIR [STEPS [CKPT_EVERY|RESUME_CKPT]]
-        # 2-process CPU DDP (gloo), STEPS (40) optimizer steps, run dir OUT_DIR/run; writes
-        # OUT_DIR/rank{r}.json; a number as the last argument checkpoints every that many
-        # steps into OUT_DIR/ckpt, a path resumes from that checkpoint
+    python lightning_run.py MODE OUT_DIR STEPS LAST [MODE OUT_DIR STEPS LAST ...]
+        # 2-process CPU runs (gloo), one after the other in the same two processes (one launch: starting
+        # them dominates on CPU). Each: STEPS optimizer steps, run dir OUT_DIR/run; LAST is "-", a number
+        # (checkpoint every that many steps into OUT_DIR/ckpt) or a checkpoint path (resume from it).
+        # MODE ddp: DDP, TiedModule; writes OUT_DIR/rank{r}.json.
+        # MODE mp: ModelParallelStrategy (FSDP2 over a data-parallel mesh of 2), a nanoGPT sharded in
+        # configure_model; writes OUT_DIR/mp_rank{r}.json.
     python lightning_run.py kill OUT_DIR STEP      # SIGKILLs itself inside optimizer step STEP
-    python lightning_run.py mp OUT_DIR STEPS [CKPT_EVERY|RESUME_CKPT]
-        # 2-process ModelParallelStrategy on CPU (FSDP2 over a data-parallel mesh of 2),
-        # a nanoGPT sharded in configure_model; otherwise as ddp (OUT_DIR/mp_rank{r}.json)
 """
 import json
 import os
@@ -84,44 +84,47 @@ class KillAt(TiedModule):
         return super().training_step(batch, batch_idx)
 
 
+def fit(mode: str, out: str, steps: int, last: str) -> None:
+    """One 2-process run (see the module's docstring); writes this rank's JSON into ``out``."""
+    ckpt_every = int(last) if last.isdigit() else None
+    resume = last if last != "-" and ckpt_every is None else None
+    if mode == "ddp":
+        model = TiedModule(seed_stride=2)  # each rank its own data: tied_batch(2 * step + rank)
+        cb = InstabilityWatchCallback(CFG, layers=model.watch_layers(), run_dir=os.path.join(out, "run"),
+                                      alerts=False)
+        strategy = "ddp"
+    elif mode == "mp":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        pl.seed_everything(0, verbose=False)  # the same initial weights on both ranks and in every run
+        model = ShardedGPT()
+        cfg = dict(CFG, log_every=3, spectral_every=1, warmup_steps=2, sustain=1, multi_max_factor=1.2,
+                   multi_max_min_rise=0.0)
+        cb = InstabilityWatchCallback(cfg, run_dir=os.path.join(out, "run"), alerts=False,
+                                      overwrite=resume is None)
+        strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    else:
+        raise SystemExit(f"unknown mode {mode!r}")
+    callbacks = [cb]
+    if ckpt_every:
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=ckpt_every,
+                                         save_top_k=-1))
+    trainer = pl.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=callbacks, logger=False,
+        enable_checkpointing=bool(ckpt_every), enable_progress_bar=False, enable_model_summary=False,
+        default_root_dir=out,
+    )
+    trainer.fit(model, ckpt_path=resume)
+    name = f"rank{trainer.global_rank}.json" if mode == "ddp" else f"mp_rank{trainer.global_rank}.json"
+    with open(os.path.join(out, name), "w") as f:
+        json.dump(_result(cb, trainer), f)
+
+
 def main() -> None:
-    mode, out = sys.argv[1], sys.argv[2]
-    if mode in ("ddp", "mp"):
-        steps = int(sys.argv[3]) if len(sys.argv) > 3 else 40
-        last = sys.argv[4] if len(sys.argv) > 4 else None
-        ckpt_every = int(last) if last is not None and last.isdigit() else None
-        resume = last if last is not None and ckpt_every is None else None
-        if mode == "ddp":
-            model = TiedModule(seed_stride=2)  # each rank its own data: tied_batch(2 * step + rank)
-            cb = InstabilityWatchCallback(CFG, layers=model.watch_layers(), run_dir=os.path.join(out, "run"),
-                                          alerts=False)
-            strategy = "ddp"
-        else:
-            from lightning.pytorch.strategies import ModelParallelStrategy
-
-            pl.seed_everything(0, verbose=False)  # the same initial weights on both ranks and in every run
-            model = ShardedGPT()
-            cfg = dict(CFG, log_every=3, spectral_every=1, warmup_steps=2, sustain=1, multi_max_factor=1.2,
-                       multi_max_min_rise=0.0)
-            cb = InstabilityWatchCallback(cfg, run_dir=os.path.join(out, "run"), alerts=False,
-                                          overwrite=resume is None)
-            strategy = ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
-        callbacks = [cb]
-        if ckpt_every:
-            from lightning.pytorch.callbacks import ModelCheckpoint
-
-            callbacks.append(ModelCheckpoint(dirpath=os.path.join(out, "ckpt"), every_n_train_steps=ckpt_every,
-                                             save_top_k=-1))
-        trainer = pl.Trainer(
-            accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, callbacks=callbacks, logger=False,
-            enable_checkpointing=bool(ckpt_every), enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=out,
-        )
-        trainer.fit(model, ckpt_path=resume)
-        name = f"rank{trainer.global_rank}.json" if mode == "ddp" else f"mp_rank{trainer.global_rank}.json"
-        with open(os.path.join(out, name), "w") as f:
-            json.dump(_result(cb, trainer), f)
-    elif mode == "kill":
+    if sys.argv[1] == "kill":
+        out = sys.argv[2]
         model = KillAt(int(sys.argv[3]))
         cfg = dict(CFG, log_every=2)
         cb = InstabilityWatchCallback(cfg, layers=model.watch_layers(), run_dir=os.path.join(out, "run"), alerts=False)
@@ -130,8 +133,15 @@ def main() -> None:
             enable_progress_bar=False, enable_model_summary=False, default_root_dir=out,
         )
         trainer.fit(model)
-    else:
-        raise SystemExit(f"unknown mode {mode!r}")
+        return
+    runs = sys.argv[1:]
+    if not runs or len(runs) % 4:
+        raise SystemExit("usage: lightning_run.py MODE OUT_DIR STEPS LAST [MODE OUT_DIR STEPS LAST ...]")
+    # Lightning launches rank 1 (this script, these arguments) at the first fit; the later fits reuse
+    # both processes and their process group
+    for i in range(0, len(runs), 4):
+        mode, out, steps, last = runs[i:i + 4]
+        fit(mode, out, int(steps), last)
 
 
 if __name__ == "__main__":
