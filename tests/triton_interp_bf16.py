@@ -412,7 +412,7 @@ def _patch_language_once_per_launch(interp, tl) -> None:
     triton 3.9.0's interpreter patches the language modules (``tl``, ``tl.core``: every builtin,
     found by ``inspect.getmembers``) when a kernel launches (``GridExecutor.__call__``), and undoes it
     when the grid is done; but ``InterpretedFunction.__call__``, each call of a ``@triton.jit`` helper
-    from inside a kernel, patches them all over again (and never undoes that): about a fifth of our
+    from inside a kernel, patches them all over again (and never undoes that): about a quarter of our
     kernels' time in the interpreter. Inside a launch the language modules are already patched with the
     same functions, so a helper that sees no other language module than those skips the repeat; one
     that sees another patches as before, and outside a launch nothing changes. Numerics are not touched.
