@@ -428,3 +428,50 @@ def test_fused_backward_serves_dropout_calls_is_refused_where_it_cannot_and_skip
     assert len(calls) == 1  # deterministic: the two kernels
     for a, b in zip(default[:3], det[:3]):
         assert max_err(a, b) <= 2 ** -7 * b.abs().max()
+
+
+SPLIT_CASES = [
+    # (N, n_kv, D, causal, (H, H_kv), mask kind or None, dropout_p)
+    (21, 21, 256, True, (2, 2), None, 0.0),
+    (37, 45, 24, False, (4, 2), "bool", 0.0),
+    (37, 45, 24, False, (2, 1), "additive", 0.0),
+    (37, 37, 80, True, (4, 1), None, 0.3),
+    (37, 37, 24, False, (2, 2), "window", 0.2),
+]
+
+
+@pytest.mark.parametrize("N, n_kv, D, causal, heads, kind, p", SPLIT_CASES)
+def test_split_dkdv_passes_are_the_one_pass_kernel_bit_for_bit(N, n_kv, D, causal, heads, kind, p, monkeypatch):
+    """dK and dV from two passes (PART 1, then 2: one accumulator each, the D = 256 default) equal
+    the one-pass kernel's bit for bit: each pass does the same arithmetic on the same tiles."""
+    from instability_watch.kernels import triton_attention as ta
+
+    H, h_kv = heads
+    mask = _masks(N, n_kv, H)[kind] if kind else None
+    parts = []
+    launch = ta._launch_dkdv
+    monkeypatch.setattr(ta, "_launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or parts.append(
+        meta["PART"]))
+    for dtype in (torch.float32, torch.bfloat16):
+        q, k, v, do = _inputs(("split", N, n_kv, D, kind, p), 2, H, h_kv, N, D, dtype=dtype, n_kv=n_kv)
+        seed = torch.tensor([123, 456], dtype=torch.int64) if p else None
+        o, lse2 = ta.attention_forward_lse2(q, k, v, causal=causal, scale=D ** -0.5, stabilize=None, beta=2.0,
+                                            eps=1e-3, counts=None, values=None, attn_mask=mask, dropout_p=p, seed=seed)
+        kw = dict(causal=causal, scale=D ** -0.5, counts=None, values=None, shadow=False, attn_mask=mask,
+                  dropout_p=p, seed=seed, fused=False, mask_grad=kind == "additive")
+        parts.clear()
+        one = ta.attention_backward_lse2(q, k, v, o, lse2, do, split=False, **kw)
+        assert parts == [0]
+        parts.clear()
+        two = ta.attention_backward_lse2(q, k, v, o, lse2, do, split=True, **kw)
+        assert parts == [1, 2]
+        for name, a, b in zip(("dq", "dk", "dv", "dmask"), one, two):
+            if a is None:
+                assert b is None and name == "dmask"
+                continue
+            assert torch.isfinite(a).all() and a.abs().max() > 0, name
+            assert torch.equal(a, b), (name, dtype, max_err(a, b))
+        # the default: split exactly where the launch table has the two passes (D = 256 on tensor cores)
+        parts.clear()
+        ta.attention_backward_lse2(q, k, v, o, lse2, do, **{**kw, "fused": None, "dropout_p": 0.0, "seed": None})
+        assert parts == ([1, 2] if D == 256 and dtype != torch.float32 else [0]), (D, dtype, parts)

@@ -17,7 +17,7 @@ from ._launch import INTERPRET
 
 # The kernels pad the head dim D to one of these tiles (a power of two of at least 16).
 HEAD_DIM_TILES = (16, 32, 64, 128, 256)
-KERNELS = ("fwd", "dkdv", "dq", "fused", "stats", "shadow")
+KERNELS = ("fwd", "dkdv", "dk", "dv", "dq", "fused", "stats", "shadow")
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,10 @@ FLOAT32 = "float32"  # exact float32 products ("ieee"), no tensor cores
 # loop needs 128 and the tie-tracking loop ~150, which would drop an SM from 4 resident
 # programs to 3. The forward with a stabilize mask or a probe (what the watch runs, "watched")
 # has its own entries: at D = 128 it is fastest with larger tiles than the plain forward.
+# D = 256: (128, 64, 8, 2) since benchmarks/d256_lab.py (H100, 2026-11-24): 0.62 ms against 0.80 for
+# the (64, 32, 4, 2) an earlier sweep had picked (B4 H8 N4096 causal).
 _FWD = {16: _C(64, 64, 4, 3, maxnreg=128), 32: _C(64, 64, 4, 3, maxnreg=128), 64: _C(64, 64, 4, 3, maxnreg=128),
-        128: _C(128, 64, 8, 3), 256: _C(64, 32, 4, 2)}
+        128: _C(128, 64, 8, 3), 256: _C(128, 64, 8, 2)}
 LAUNCH_TABLE: Dict[Tuple[str, str], Dict[int, LaunchConfig]] = {
     ("fwd", TENSOR_CORES): _FWD,
     ("fwd_watched", TENSOR_CORES): {**_FWD, 128: _C(128, 128, 8, 2)},
@@ -74,6 +76,12 @@ LAUNCH_TABLE: Dict[Tuple[str, str], Dict[int, LaunchConfig]] = {
     # dK/dV (64, 64, 8, 2) and dQ (64, 64, 4, 2) were the fastest of 28 each.
     ("dkdv", TENSOR_CORES): {16: _C(64, 64, 4, 3), 32: _C(64, 64, 4, 3), 64: _C(64, 64, 4, 3), 128: _C(64, 128, 8, 3),
                              256: _C(64, 64, 8, 2)},
+    # The dK/dV kernel in two passes (dK, then dV; the backward splits wherever these two have an
+    # entry): at D = 256 its two (BLOCK_N, 256) float32 accumulators fill the registers, so the
+    # fused pass is stuck at 64 keys per program; alone, each pass fits 128 (benchmarks/d256_lab.py,
+    # H100, 2026-11-24).
+    ("dk", TENSOR_CORES): {256: _C(32, 128, 8, 2)},
+    ("dv", TENSOR_CORES): {256: _C(64, 128, 8, 2)},
     ("dq", TENSOR_CORES): {16: _C(64, 64, 4, 3), 32: _C(64, 64, 4, 3), 64: _C(64, 64, 4, 3), 128: _C(128, 64, 8, 3),
                            256: _C(64, 64, 4, 2)},
     # The fused backward (one kernel, dQ by atomics; by default only for calls with dropout at
@@ -118,6 +126,13 @@ def head_dim_tile(d: int) -> int:
     return max(16, 1 << (d - 1).bit_length())
 
 
+def has_launch_config(kernel: str, head_dim: int, dtype: torch.dtype) -> bool:
+    """Whether the table has an entry for ``kernel`` at this head-dim tile and dtype (the split
+    backward's ``"dk"``/``"dv"`` passes exist only where they were measured faster)."""
+    table = LAUNCH_TABLE.get((kernel, FLOAT32 if dtype == torch.float32 else TENSOR_CORES), {})
+    return head_dim in table
+
+
 def launch_config(
     kernel: str, head_dim: int, dtype: torch.dtype, *, watched: bool = False,
     override: Union[None, LaunchConfig, Sequence[int]] = None,
@@ -125,7 +140,8 @@ def launch_config(
     """The launch configuration of one kernel launch.
 
     Args:
-        kernel: one of :data:`KERNELS`: ``"fwd"``, ``"dkdv"``, ``"dq"``, ``"fused"`` (attention),
+        kernel: one of :data:`KERNELS`: ``"fwd"``, ``"dkdv"`` (or its passes ``"dk"``, ``"dv"``), ``"dq"``,
+            ``"fused"`` (attention),
             ``"stats"``, ``"shadow"`` (the observer's passes).
         head_dim: the head-dim tile (:func:`head_dim_tile`), one of :data:`HEAD_DIM_TILES`.
         dtype: the inputs' dtype (bfloat16, float16 or float32).

@@ -35,7 +35,7 @@ import triton.language as tl
 from ..probe import COUNT_FIELDS, VALUE_FIELDS
 from ._launch import INTERPRET, Launcher, cdiv, dot_precision
 from ._ptx import add_rows, at_least, max_rows
-from .configs import LaunchConfig, head_dim_tile, launch_config
+from .configs import LaunchConfig, has_launch_config, head_dim_tile, launch_config
 from .layout import empty_like_layout
 from .reference import (
     LOG2E,
@@ -460,9 +460,12 @@ def _attn_bwd_dkdv(
     qk_scale, scale, drop_thr, drop_scale,
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PART: tl.constexpr,
 ):
     """One KV block of one KV head: dK, dV summed over the query heads that read it (GQA).
+
+    ``PART`` 0 computes both; 1 only dK, 2 only dV (the split backward: two launches, each
+    with one float32 accumulator, where two would not fit the registers; D = 256).
 
     With ``FUSED_DQ`` (the fused backward, FA2's), also each query block's share of dQ,
     added into ``DQacc`` (B, H, N, D) float32 with atomics: five products per tile where the
@@ -520,29 +523,33 @@ def _attn_bwd_dkdv(
                 p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse2[None, :]))  # one FMA per score, as the forward
             if CAUSAL:
                 p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             if DROPOUT:
                 # -- Z^T, from the (query, key) orientation of the forward's random numbers
                 keep_d = tl.trans(_dropout_keep(k0, k1, thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N))
-                # -- dV += bf16(P * Z)^T dO (1/(1-p) at the end); dP^T = (V dO^T) * Z^T
-                dv = tl.dot(tl.where(keep_d, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-                dp_t = tl.where(keep_d, dp_t * drop_scale, 0.0)
-            else:
-                # -- dV += bf16(P)^T dO
-                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            # -- dS^T = P^T * (dP^T - delta), dK += bf16(dS)^T Q
-            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-            dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-            if FUSED_DQ:  # dQ += bf16(dS) K, this block's share, by atomics
-                dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale
-                tl.atomic_add(DQacc + off_bh * N_Q * D + offs_m[:, None] * D + offs_d[None, :], dq,
-                              mask=m_ok[:, None] & d_ok, sem="relaxed")
+            if PART != 1:
+                if DROPOUT:  # -- dV += bf16(P * Z)^T dO (1/(1-p) at the end)
+                    dv = tl.dot(tl.where(keep_d, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+                else:  # -- dV += bf16(P)^T dO
+                    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            if PART != 2:
+                # -- dP^T = (V dO^T) * Z^T; dS^T = P^T * (dP^T - delta), dK += bf16(dS)^T Q
+                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+                if DROPOUT:
+                    dp_t = tl.where(keep_d, dp_t * drop_scale, 0.0)
+                ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+                dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+                if FUSED_DQ:  # dQ += bf16(dS) K, this block's share, by atomics
+                    dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale
+                    tl.atomic_add(DQacc + off_bh * N_Q * D + offs_m[:, None] * D + offs_d[None, :], dq,
+                                  mask=m_ok[:, None] & d_ok, sem="relaxed")
 
-    dk = dk * scale
-    if DROPOUT:
-        dv = dv * drop_scale
-    tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
-    tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+    if PART != 2:
+        dk = dk * scale
+        tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    if PART != 1:
+        if DROPOUT:
+            dv = dv * drop_scale
+        tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
 @triton.jit
@@ -819,6 +826,7 @@ def attention_backward_lse2(
     config_dkdv=None, config_dq=None, delta: Optional[torch.Tensor] = None,
     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
     mask_grad: bool = False, fused: Optional[bool] = None, config_fused=None,
+    split: Optional[bool] = None, config_dk=None, config_dv=None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the backward. Two ways, with the same results up to float32 summation order.
 
@@ -837,6 +845,10 @@ def attention_backward_lse2(
     the call needs what only the two kernels give: the shadow statistics (``shadow``), an
     additive mask's gradient (``mask_grad``), or determinism
     (``torch.use_deterministic_algorithms(True)``).
+    The two kernels' dK/dV kernel runs in two passes (``split``: dK, then dV, each with one
+    float32 accumulator) where the launch table has ``"dk"``/``"dv"`` entries (D = 256 on
+    tensor cores, where two accumulators leave too few registers); ``split=True``/``False``
+    forces it, ``config_dk``/``config_dv`` override those passes' launch configurations.
     ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``. Returns
     ``(dq, dk, dv, dmask)``; ``dmask`` (an additive mask's gradient, in its shape and
     dtype) only if ``mask_grad``, else None.
@@ -864,8 +876,9 @@ def attention_backward_lse2(
         raise ValueError("fused=True: the fused backward computes neither the shadow statistics nor a mask's gradient")
     qk_scale = 1.0 if mask.kind == MASK_ADD else scale * LOG2E
 
-    def dkdv(cfg: LaunchConfig, dq_acc: Optional[torch.Tensor]) -> None:
-        """The dK/dV kernel; with ``dq_acc`` (B, H, N, D) float32, the fused backward's (dQ added there)."""
+    def dkdv(cfg: LaunchConfig, dq_acc: Optional[torch.Tensor], part: int = 0) -> None:
+        """The dK/dV kernel; with ``dq_acc`` (B, H, N, D) float32, the fused backward's (dQ added there);
+        ``part`` 1 or 2: dK or dV alone."""
         lo, hi, r_strides = mask.cols(cfg.block_n) if mask.kind else (None, None, (0, 0, 0))
         _launch_dkdv(
             (cdiv(n_kv, cfg.block_n), B * h_kv),
@@ -874,7 +887,7 @@ def attention_backward_lse2(
              *mask.strides, *r_strides, H, h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
             dict(CAUSAL=causal, MASK_KIND=mask.kind, DROPOUT=seed is not None, FUSED_DQ=dq_acc is not None,
                  HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
-                 **cfg.options()),
+                 PART=part, **cfg.options()),
         )
 
     if fused:
@@ -902,7 +915,13 @@ def attention_backward_lse2(
              MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
              BLOCK_N=block_n, DOT_PRECISION=precision, **cfg.options()),
     )
-    dkdv(launch_config("dkdv", head_dim, q.dtype, override=config_dkdv), None)
+    if split is None:
+        split = has_launch_config("dk", head_dim, q.dtype) and config_dkdv is None
+    if split:
+        dkdv(launch_config("dk", head_dim, q.dtype, override=config_dk), None, part=1)
+        dkdv(launch_config("dv", head_dim, q.dtype, override=config_dv), None, part=2)
+    else:
+        dkdv(launch_config("dkdv", head_dim, q.dtype, override=config_dkdv), None)
     if dmask is not None:
         dmask = reduce_to(dmask, attn_mask.shape).to(attn_mask.dtype)
     return dq, dk, dv, dmask
