@@ -287,7 +287,8 @@ def _assert_counters_equal(probe, ref):
     assert probe.multi_max_rows.min() > 0
 
 
-@pytest.mark.parametrize("N, D, causal", [(1000, 64, True), (1024, 64, False), (777, 128, True), (2048, 128, False)])
+@pytest.mark.parametrize("N, D, causal", [(1000, 64, True), (1024, 64, False), (777, 128, True), (2048, 128, False),
+                                          (1000, 256, True)])
 def test_probe_counters_match_the_reference_exactly(N, D, causal):
     """The probe epilogue on the GPU (warp-level counts and maximum, one atomic per warp)
     against the reference, row for row."""
@@ -342,30 +343,35 @@ def test_fused_backward_matches_the_two_kernel_backward_at_size(B, H, h_kv, N, D
             assert max_err(a, x) <= 2 * max_err(pp, x) + 1e-6, (name, max_err(a, x), max_err(pp, x))
 
 
-@pytest.mark.parametrize("h_kv, N, causal, window, p", [(8, 2048, True, False, 0.0), (2, 1500, False, True, 0.1)],
-                         ids=["causal", "gqa-window-dropout"])
-def test_split_dkdv_at_d256(h_kv, N, causal, window, p):
+@pytest.mark.parametrize("h_kv, N, causal, mask_kind, p, dtype",
+                         [(8, 2048, True, None, 0.0, torch.bfloat16), (2, 1500, False, "window", 0.1, torch.bfloat16),
+                          (4, 1000, False, "additive", 0.0, torch.float16)],
+                         ids=["causal", "gqa-window-dropout", "fp16-gqa-additive-grad"])
+def test_split_dkdv_at_d256(h_kv, N, causal, mask_kind, p, dtype):
     """D = 256 runs dK/dV in two passes (the default there): with the one-pass kernel's tiles forced
     on both passes the gradients are the one-pass kernel's bit for bit; at the default tiles within
-    2^-7 of them, and without dropout within twice PyTorch's BF16 error against float64."""
+    2^-7 of them, and without dropout or mask within twice PyTorch's BF16 error against float64."""
     from instability_watch.kernels import triton_attention as ta
 
     B, H, D = 2, 8, 256
-    q, k, v, do = _inputs(("split d256", h_kv, N, causal, window, p), B, H, h_kv, N, D)
+    q, k, v, do = (t.to(dtype) for t in _inputs(("split d256", h_kv, N, causal, mask_kind, p), B, H, h_kv, N, D))
     mask = None
-    if window:
-        i = torch.arange(N, device=DEV)
+    i = torch.arange(N, device=DEV)
+    if mask_kind == "window":
         mask = (i[None, :] <= i[:, None]) & (i[None, :] > i[:, None] - 700)
+    elif mask_kind == "additive":  # ALiBi-like, its gradient too
+        mask = -0.05 * (i[:, None] - i[None, :]).abs().to(dtype) * torch.arange(1, H + 1, device=DEV).view(H, 1, 1)
     seed = torch.tensor([7, 8], dtype=torch.int64, device=DEV) if p else None
     kw = dict(causal=causal, scale=D ** -0.5, counts=None, values=None, shadow=False, attn_mask=mask, dropout_p=p,
-              seed=seed, fused=False)
+              seed=seed, fused=False, mask_grad=mask_kind == "additive")
     o, lse2 = ta.attention_forward_lse2(q, k, v, causal=causal, scale=D ** -0.5, stabilize=None, beta=2.0, eps=1e-3,
                                         counts=None, values=None, attn_mask=mask, dropout_p=p, seed=seed)
     cfg = (64, 64, 8, 2)
     one = ta.attention_backward_lse2(q, k, v, o, lse2, do, split=False, config_dkdv=cfg, **kw)
     same = ta.attention_backward_lse2(q, k, v, o, lse2, do, split=True, config_dk=cfg, config_dv=cfg, **kw)
     default = ta.attention_backward_lse2(q, k, v, o, lse2, do, **kw)
-    for name, a, b, c in zip(("dq", "dk", "dv"), one, same, default):
+    names = ("dq", "dk", "dv", "dmask") if mask_kind == "additive" else ("dq", "dk", "dv")
+    for name, a, b, c in zip(names, one, same, default):
         assert torch.isfinite(a).all() and a.abs().max() > 0, name
         assert torch.equal(a, b), (name, max_err(a, b))
         assert max_err(c, a) <= 2 ** -7 * a.abs().max().item(), (name, max_err(c, a))

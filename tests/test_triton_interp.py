@@ -475,3 +475,29 @@ def test_split_dkdv_passes_are_the_one_pass_kernel_bit_for_bit(N, n_kv, D, causa
         parts.clear()
         ta.attention_backward_lse2(q, k, v, o, lse2, do, **{**kw, "fused": None, "dropout_p": 0.0, "seed": None})
         assert parts == ([1, 2] if D == 256 and dtype != torch.float32 else [0]), (D, dtype, parts)
+
+
+@pytest.mark.parametrize("D, dtype", [(24, torch.bfloat16), (256, torch.float32)])
+def test_split_forced_where_the_table_has_no_passes_takes_the_one_pass_tiles(D, dtype, monkeypatch):
+    """``split=True`` where the launch table has no "dk"/"dv" entry (D <= 128, or float32) runs both
+    passes at the one-pass kernel's tiles: the table's own tiles here, not the interpreter's."""
+    from instability_watch.kernels import configs
+    from instability_watch.kernels import triton_attention as ta
+
+    monkeypatch.setattr(configs, "INTERPRET", False)  # launch_config reads the table, as on the GPU
+    q, k, v, do = _inputs(("split forced", D), 1, 2, 1, 19, D, dtype=dtype)
+    kw = dict(causal=True, scale=D ** -0.5, counts=None, values=None, shadow=False)
+    o, lse2 = ta.attention_forward_lse2(q, k, v, stabilize=None, beta=2.0, eps=1e-3, **{
+        k_: kw[k_] for k_ in ("causal", "scale", "counts", "values")})
+    blocks = []
+    launch = ta._launch_dkdv
+    monkeypatch.setattr(ta, "_launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or blocks.append(
+        (meta["PART"], meta["BLOCK_M"], meta["BLOCK_N"])))
+    one = ta.attention_backward_lse2(q, k, v, o, lse2, do, split=False, **kw)
+    two = ta.attention_backward_lse2(q, k, v, o, lse2, do, split=True, **kw)
+    cfg = configs.launch_config("dkdv", configs.head_dim_tile(D), dtype)
+    assert blocks == [(0, cfg.block_m, cfg.block_n), (1, cfg.block_m, cfg.block_n), (2, cfg.block_m, cfg.block_n)]
+    for a, b in zip(one[:3], two[:3]):
+        assert torch.equal(a, b)
+    with pytest.raises(ValueError, match="kernel must be one of"):
+        configs.has_launch_config("dkv", 256, dtype)

@@ -76,8 +76,8 @@ LAUNCH_TABLE: Dict[Tuple[str, str], Dict[int, LaunchConfig]] = {
     # dK/dV (64, 64, 8, 2) and dQ (64, 64, 4, 2) were the fastest of 28 each.
     ("dkdv", TENSOR_CORES): {16: _C(64, 64, 4, 3), 32: _C(64, 64, 4, 3), 64: _C(64, 64, 4, 3), 128: _C(64, 128, 8, 3),
                              256: _C(64, 64, 8, 2)},
-    # The dK/dV kernel in two passes (dK, then dV; the backward splits wherever these two have an
-    # entry): at D = 256 its two (BLOCK_N, 256) float32 accumulators fill the registers, so the
+    # The dK/dV kernel in two passes (dK, then dV; by default the backward splits wherever both have
+    # an entry): at D = 256 its two (BLOCK_N, 256) float32 accumulators fill the registers, so the
     # fused pass is stuck at 64 keys per program; alone, each pass fits 128 (benchmarks/d256_lab.py,
     # H100, 2026-11-24).
     ("dk", TENSOR_CORES): {256: _C(32, 128, 8, 2)},
@@ -129,6 +129,8 @@ def head_dim_tile(d: int) -> int:
 def has_launch_config(kernel: str, head_dim: int, dtype: torch.dtype) -> bool:
     """Whether the table has an entry for ``kernel`` at this head-dim tile and dtype (the split
     backward's ``"dk"``/``"dv"`` passes exist only where they were measured faster)."""
+    if kernel not in KERNELS:
+        raise ValueError(f"kernel must be one of {KERNELS}, got {kernel!r}")
     table = LAUNCH_TABLE.get((kernel, FLOAT32 if dtype == torch.float32 else TENSOR_CORES), {})
     return head_dim in table
 

@@ -471,6 +471,7 @@ def _attn_bwd_dkdv(
     added into ``DQacc`` (B, H, N, D) float32 with atomics: five products per tile where the
     two-kernel backward takes seven, and dropout's bits generated once, not twice. The order
     of those float32 additions varies from run to run: dQ is not bitwise deterministic."""
+    tl.static_assert(PART == 0 or not FUSED_DQ, "the fused backward computes dK and dV in one pass")
     start_n, off_bhk, off_b, off_hk = _program_ids(H_KV, BLOCK_N)
     group = H // H_KV
     offs_n, offs_m0, offs_d = _tile_offsets(start_n, BLOCK_N, BLOCK_M, HEAD_DIM)
@@ -848,7 +849,9 @@ def attention_backward_lse2(
     The two kernels' dK/dV kernel runs in two passes (``split``: dK, then dV, each with one
     float32 accumulator) where the launch table has ``"dk"``/``"dv"`` entries (D = 256 on
     tensor cores, where two accumulators leave too few registers); ``split=True``/``False``
-    forces it, ``config_dk``/``config_dv`` override those passes' launch configurations.
+    forces it (a pass the table has no entry for takes the one-pass kernel's), ``config_dk``/
+    ``config_dv`` override those passes' launch configurations (both ignored where the backward
+    is fused or not split).
     ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``. Returns
     ``(dq, dk, dv, dmask)``; ``dmask`` (an additive mask's gradient, in its shape and
     dtype) only if ``mask_grad``, else None.
@@ -916,10 +919,12 @@ def attention_backward_lse2(
              BLOCK_N=block_n, DOT_PRECISION=precision, **cfg.options()),
     )
     if split is None:
-        split = has_launch_config("dk", head_dim, q.dtype) and config_dkdv is None
+        split = config_dkdv is None and all(has_launch_config(p, head_dim, q.dtype) for p in ("dk", "dv"))
     if split:
-        dkdv(launch_config("dk", head_dim, q.dtype, override=config_dk), None, part=1)
-        dkdv(launch_config("dv", head_dim, q.dtype, override=config_dv), None, part=2)
+        for part, (kernel, override) in enumerate((("dk", config_dk), ("dv", config_dv)), start=1):
+            if override is None and not has_launch_config(kernel, head_dim, q.dtype):
+                kernel, override = "dkdv", config_dkdv  # split=True where the table has no pass of its own
+            dkdv(launch_config(kernel, head_dim, q.dtype, override=override), None, part=part)
     else:
         dkdv(launch_config("dkdv", head_dim, q.dtype, override=config_dkdv), None)
     if dmask is not None:
