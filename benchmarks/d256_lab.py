@@ -44,6 +44,31 @@ LOG2E = 1.4426950408889634
 
 
 @triton.jit
+def _online_softmax(qk, acc, l_i, r_i, m_i, qk_scale):
+    """One KV block of the plain forward's softmax (the production rule: the shift moves only with
+    the raw maximum r): ``(p, acc rescaled, l, r, m)``; the caller adds P V to acc."""
+    r_new = tl.maximum(r_i, tl.max(qk, 1))
+    m_std = tl.where(r_new > float("-inf"), r_new, 0.0) * qk_scale
+    m_new = tl.where(r_new == r_i, m_i, m_std)
+    alpha = tl.math.exp2(tl.where(r_i > float("-inf"), m_i - m_new, float("-inf")))
+    p = tl.math.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, acc * alpha[:, None], l_i, r_new, m_new
+
+
+@triton.jit
+def _fwd_range(start_m, N, CAUSAL: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``(n_full, hi)``: keys [0, n_full) need no causal mask, [n_full, hi) do."""
+    if CAUSAL:
+        hi = (start_m + 1) * BLOCK_M
+        n_full = start_m * BLOCK_M // BLOCK_N * BLOCK_N
+    else:
+        hi = N
+        n_full = N
+    return n_full, hi
+
+
+@triton.jit
 def _fwd_loop(acc, l_i, r_i, m_i, q, K, V, desc_k, desc_v, row0, offs_m, offs_n, offs_d, qk_scale, lo, hi,
               MASK: tl.constexpr, TMA: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr):
     for start_n in range(lo, hi, BLOCK_N):
@@ -55,20 +80,12 @@ def _fwd_loop(acc, l_i, r_i, m_i, q, K, V, desc_k, desc_v, row0, offs_m, offs_n,
         qk = tl.dot(q, tl.trans(k))
         if MASK:
             qk = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], qk, float("-inf"))
-        r_new = tl.maximum(r_i, tl.max(qk, 1))
-        m_std = tl.where(r_new > float("-inf"), r_new, 0.0) * qk_scale
-        m_new = tl.where(r_new == r_i, m_i, m_std)
-        alpha = tl.math.exp2(tl.where(r_i > float("-inf"), m_i - m_new, float("-inf")))
-        p = tl.math.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None]
-        if TMA:
+        p, acc, l_i, r_i, m_i = _online_softmax(qk, acc, l_i, r_i, m_i, qk_scale)
+        if TMA:  # V loaded after the softmax (the production order)
             v = desc_v.load([row0 + start_n, 0])
         else:
             v = tl.load(V + (row0 + start_n + offs_n)[:, None] * HEAD_DIM + offs_d[None, :])
         acc = tl.dot(p.to(v.dtype), v, acc)
-        r_i = r_new
-        m_i = m_new
     return acc, l_i, r_i, m_i
 
 
@@ -93,12 +110,7 @@ def _lab_fwd(Q, K, V, O, LSE2, desc_q, desc_k, desc_v, desc_o, N, qk_scale,
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        hi = (start_m + 1) * BLOCK_M
-        n_full = start_m * BLOCK_M // BLOCK_N * BLOCK_N
-    else:
-        hi = N
-        n_full = N
+    n_full, hi = _fwd_range(start_m, N, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, r_i, m_i = _fwd_loop(acc, l_i, r_i, m_i, q, K, V, desc_k, desc_v, row0, offs_m, offs_n, offs_d,
                                    qk_scale, 0, n_full, False, TMA, BLOCK_N, HEAD_DIM)
     if CAUSAL:
@@ -113,29 +125,17 @@ def _lab_fwd(Q, K, V, O, LSE2, desc_q, desc_k, desc_v, desc_o, N, qk_scale,
 
 
 @triton.jit
-def _fwd_step(acc, l_i, r_i, m_i, q, k, v, offs_m, cols, qk_scale, MASK: tl.constexpr):
-    qk = tl.dot(q, tl.trans(k))
-    if MASK:
-        qk = tl.where(offs_m[:, None] >= cols[None, :], qk, float("-inf"))
-    r_new = tl.maximum(r_i, tl.max(qk, 1))
-    m_std = tl.where(r_new > float("-inf"), r_new, 0.0) * qk_scale
-    m_new = tl.where(r_new == r_i, m_i, m_std)
-    alpha = tl.math.exp2(tl.where(r_i > float("-inf"), m_i - m_new, float("-inf")))
-    p = tl.math.exp2(tl.fma(qk, qk_scale, -m_new[:, None]))
-    l_i = l_i * alpha + tl.sum(p, 1)
-    acc = acc * alpha[:, None]
-    acc = tl.dot(p.to(v.dtype), v, acc)
-    return acc, l_i, r_new, m_new
-
-
-@triton.jit
 def _fwd_loop_dev(acc, l_i, r_i, m_i, q, desc_k, desc_v, row0, offs_m, offs_n, qk_scale, lo, hi,
                   MASK: tl.constexpr, WS: tl.constexpr, BLOCK_N: tl.constexpr):
     for start_n in tl.range(lo, hi, BLOCK_N, warp_specialize=WS):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         k = desc_k.load([row0 + start_n, 0])
         v = desc_v.load([row0 + start_n, 0])
-        acc, l_i, r_i, m_i = _fwd_step(acc, l_i, r_i, m_i, q, k, v, offs_m, start_n + offs_n, qk_scale, MASK)
+        qk = tl.dot(q, tl.trans(k))
+        if MASK:
+            qk = tl.where(offs_m[:, None] >= (start_n + offs_n)[None, :], qk, float("-inf"))
+        p, acc, l_i, r_i, m_i = _online_softmax(qk, acc, l_i, r_i, m_i, qk_scale)
+        acc = tl.dot(p.to(v.dtype), v, acc)
     return acc, l_i, r_i, m_i
 
 
@@ -163,12 +163,7 @@ def _lab_fwd_dev(Q, K, V, O, LSE2, N, BH, qk_scale,
     m_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
     acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    if CAUSAL:
-        hi = (start_m + 1) * BLOCK_M
-        n_full = start_m * BLOCK_M // BLOCK_N * BLOCK_N
-    else:
-        hi = N
-        n_full = N
+    n_full, hi = _fwd_range(start_m, N, CAUSAL, BLOCK_M, BLOCK_N)
     acc, l_i, r_i, m_i = _fwd_loop_dev(acc, l_i, r_i, m_i, q, desc_k, desc_v, row0, offs_m, offs_n, qk_scale,
                                        0, n_full, False, WS, BLOCK_N)
     if CAUSAL:

@@ -524,6 +524,9 @@ def _attn_bwd_dkdv(
                 p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse2[None, :]))  # one FMA per score, as the forward
             if CAUSAL:
                 p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            # (PART 0 keeps the one-pass kernel's order of operations: dP's product first)
+            if PART != 2:
+                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
             if DROPOUT:
                 # -- Z^T, from the (query, key) orientation of the forward's random numbers
                 keep_d = tl.trans(_dropout_keep(k0, k1, thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N))
@@ -534,7 +537,6 @@ def _attn_bwd_dkdv(
                     dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
             if PART != 2:
                 # -- dP^T = (V dO^T) * Z^T; dS^T = P^T * (dP^T - delta), dK += bf16(dS)^T Q
-                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
                 if DROPOUT:
                     dp_t = tl.where(keep_d, dp_t * drop_scale, 0.0)
                 ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
@@ -546,10 +548,11 @@ def _attn_bwd_dkdv(
 
     if PART != 2:
         dk = dk * scale
+    if DROPOUT and PART != 1:
+        dv = dv * drop_scale
+    if PART != 2:
         tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
     if PART != 1:
-        if DROPOUT:
-            dv = dv * drop_scale
         tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
 
 
