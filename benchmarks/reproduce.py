@@ -27,6 +27,11 @@ Subcommands::
     python benchmarks/reproduce.py launch --root runs/repro --runs standard:observe,control:observe --lr 3e-3
     # per run: explosion step, first alert of each kind, lead time, head signatures
     python benchmarks/reproduce.py summarize runs/repro
+    # one run on every GPU of the machine (DDP; each rank takes its share of every step's batch, so the data
+    # order does not depend on the number of processes); --preset paper: the paper's run (PRESETS)
+    torchrun --standalone --nproc_per_node 8 benchmarks/reproduce.py train --preset paper --out runs/paper/a
+    # the same in commands of at most 10 minutes, each resuming the last (issue 27's lease)
+    bash benchmarks/paper_scale.sh observe
 
 ``train`` stops at ``--steps``, at ``--time-limit`` seconds (checkpointing
 first, so the next command goes on), or ``--after-explosion`` steps after the
@@ -34,10 +39,16 @@ loss explodes. An explosion is the first step whose loss is not finite, or
 whose smoothed loss (EMA, ``--ema``) exceeds its running minimum after the
 warm-up by ``--jump`` nats (default 1). The summary also marks a
 "divergence", the same rule with 0.2 nats, for losses that creep up instead.
+
+Under ``torchrun`` rank 0 writes everything (``train.csv``, the watch's run
+directory, checkpoints); every rank writes ``ranks/rank<r>.json`` (its alerts
+and switched heads) so that their agreement can be checked. ``--micro-batch``
+splits each rank's share into micro-batches (gradient accumulation).
 """
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import math
 import os
@@ -46,13 +57,13 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Tuple
 
 import torch
 
 from instability_watch import InstabilityWatch, WatchConfig, flash_attention
-from instability_watch.corpus import stdlib_text, train_val_split
-from instability_watch.export import RunWriter, load_run
+from instability_watch.corpus import CORPORA, corpus_text, site_packages_files, train_val_split
+from instability_watch.export import RunWriter, load_run, open_on_rank_zero
 from instability_watch.experimental import high_precision_delta
 from instability_watch.nanogpt import GPT, GPTConfig
 
@@ -86,7 +97,9 @@ class RunConfig:
     clip: float = 1.0
     seed: int = 0
     pos_embedding: bool = True
+    corpus: str = "stdlib"          # or "site-packages" (instability_watch.corpus)
     corpus_bytes: int = 0           # 0: all of it
+    compile: bool = False           # torch.compile the model (around the watch's wrapped layers)
     watch_warmup: int = 300
     log_every: int = 10
     probe_every: int = 2
@@ -99,6 +112,25 @@ class RunConfig:
             raise ValueError(f"arm must be one of {ARMS}, got {self.arm!r}")
         if self.watch not in WATCH_MODES:
             raise ValueError(f"watch must be one of {WATCH_MODES}, got {self.watch!r}")
+        if self.corpus not in CORPORA:
+            raise ValueError(f"corpus must be one of {CORPORA}, got {self.corpus!r}")
+
+
+# Fields added after runs were saved: a saved config without them had these values.
+_OLD_DEFAULTS = {"corpus": "stdlib", "compile": False}
+
+# The paper's run (ucker/why-low-precision-training-fails, train.py, as issue 27 gives it): nanoGPT's GPT-2
+# small with no bias and no dropout, 512 x 1024 = 524,288 tokens per step, AdamW (0.9, 0.95) without weight
+# decay, clip 1.0, 2000 warm-up steps to 1e-3 then cosine to 1e-5 over 600K steps, BF16 autocast and
+# torch.compile. What differs: byte-level text (vocabulary 256, not GPT-2's 50304 BPE tokens) from the
+# installed packages' sources and docs instead of OpenWebText. The watch probes every 10th step.
+PRESETS = {
+    "paper": dict(n_layer=12, n_head=12, n_embd=768, block=1024, batch=512, lr=1e-3, warmup=2000,
+                  decay_steps=600_000, min_lr=1e-5, beta2=0.95, weight_decay=0.0, clip=1.0,
+                  corpus="site-packages", compile=True, watch_warmup=500, log_every=50, probe_every=10,
+                  shadow_every=10, spectral_every=10, steps=8000, micro_batch=64, ckpt_every=240,
+                  print_every=100),
+}
 
 
 def lr_at(cfg: RunConfig, step: int) -> float:
@@ -109,10 +141,13 @@ def lr_at(cfg: RunConfig, step: int) -> float:
     return cfg.min_lr + 0.5 * (cfg.lr - cfg.min_lr) * (1 + math.cos(math.pi * t))
 
 
-def batch_at(data: torch.Tensor, cfg: RunConfig, step: int):
-    """Batch ``step`` (the same in every run): ``(x, y)`` of shape (batch, block), on data's device."""
+def batch_at(data: torch.Tensor, cfg: RunConfig, step: int, rank: int = 0, world: int = 1):
+    """Batch ``step`` (the same in every run, whatever the number of processes): ``(x, y)`` of shape
+    (batch / world, block) on data's device, rank ``rank``'s share of the step's ``batch`` sequences."""
     g = torch.Generator().manual_seed(cfg.seed * 1_000_003 + step)
-    offsets = torch.randint(0, len(data) - cfg.block - 1, (cfg.batch,), generator=g).to(data.device)
+    offsets = torch.randint(0, len(data) - cfg.block - 1, (cfg.batch,), generator=g)
+    share = cfg.batch // world
+    offsets = offsets[rank * share: (rank + 1) * share].to(data.device)
     idx = offsets[:, None] + torch.arange(cfg.block + 1, device=data.device)
     chunk = data[idx].long()
     return chunk[:, :-1], chunk[:, 1:]
@@ -139,27 +174,70 @@ def use_kernel_directly(model: GPT, stabilize: bool) -> None:
 # train
 
 
+def _distributed(backend: str = "") -> Tuple[int, int, int]:
+    """``(rank, gpu, world)``: started by ``torchrun`` (``WORLD_SIZE`` > 1) the process group is set up here
+    (``backend``, or NCCL on GPUs and gloo on CPU), local rank ``r`` on GPU ``r`` (modulo the GPUs there are:
+    gloo can run several ranks on one GPU, to test the distributed path); otherwise ``(0, 0, 1)``."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world <= 1:
+        return 0, 0, 1
+    import torch.distributed as dist
+
+    gpu = int(os.environ.get("LOCAL_RANK", "0"))
+    if torch.cuda.is_available():
+        gpu %= torch.cuda.device_count()
+        torch.cuda.set_device(gpu)
+    if not dist.is_initialized():
+        dist.init_process_group(backend or ("nccl" if torch.cuda.is_available() else "gloo"))
+    return dist.get_rank(), gpu, world
+
+
+def _micro_batches(cfg: RunConfig, world: int, micro_batch: int) -> Tuple[int, int]:
+    """``(micro, accumulate)``: sequences per forward on each rank, forwards per step on each rank
+    (``micro_batch`` 0: all of the rank's sequences at once)."""
+    if cfg.batch % world:
+        raise SystemExit(f"error: --batch ({cfg.batch} sequences per step, all ranks) must be a multiple of the "
+                         f"number of processes ({world})")
+    per_rank = cfg.batch // world
+    micro = min(micro_batch, per_rank) or per_rank
+    if micro < 1 or per_rank % micro:
+        raise SystemExit(f"error: --micro-batch must divide the sequences per rank and step ({cfg.batch} / {world} "
+                         f"= {per_rank}), got {micro_batch}")
+    return micro, per_rank // micro
+
+
 def train(args) -> int:
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    rank, local_rank, world = _distributed(args.dist_backend)
+    lead = rank == 0
     cfg = RunConfig(**{f.name: getattr(args, f.name) for f in fields(RunConfig)})
+    micro, accumulate = _micro_batches(cfg, world, args.micro_batch)
     ckpt_path = out / CHECKPOINT
     resume = ckpt_path.exists()
     if resume:
-        saved = json.loads((out / "config.json").read_text())
+        saved = {**_OLD_DEFAULTS, **json.loads((out / "config.json").read_text())}
         if saved != asdict(cfg):
             diff = {k: (saved.get(k), v) for k, v in asdict(cfg).items() if saved.get(k) != v}
             raise SystemExit(f"error: {out} holds a run with another configuration (saved, given): {diff}")
-    else:
-        (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+    _barrier(world)  # every rank has looked before rank 0 writes
+    if lead:
+        out.mkdir(parents=True, exist_ok=True)
+        if not resume:
+            (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
 
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
     model = GPT(GPTConfig(vocab_size=256, block_size=cfg.block, n_layer=cfg.n_layer, n_head=cfg.n_head,
                           n_embd=cfg.n_embd, pos_embedding=cfg.pos_embedding)).to(device)
     opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr, betas=(0.9, cfg.beta2),
-                            weight_decay=cfg.weight_decay, fused=device == "cuda")
-    data, _ = train_val_split(stdlib_text(cfg.corpus_bytes or None))
+                            weight_decay=cfg.weight_decay, fused=device.startswith("cuda"))
+    t_corpus = time.perf_counter()
+    text = corpus_text(cfg.corpus, cfg.corpus_bytes or None)
+    corpus = {"name": cfg.corpus, "bytes": len(text), "seconds": round(time.perf_counter() - t_corpus, 1)}
+    if cfg.corpus == "site-packages":
+        corpus["files_found"] = len(site_packages_files())
+    data, _ = train_val_split(text)
+    del text
     data = data.to(device)
 
     watch = writer = None
@@ -171,8 +249,8 @@ def train(args) -> int:
                            spectral_every=cfg.spectral_every, warmup_steps=cfg.watch_warmup,
                            auto_switch=cfg.watch == "switch", qk_clip=QK_CLIP.get(cfg.watch),
                            qk_clip_tau=cfg.qk_clip_tau)
-        writer = RunWriter(out / "run", overwrite=not resume)
-        watch = InstabilityWatch(model, wcfg, listeners=[writer])
+        writer = RunWriter(out / "run", overwrite=not resume) if lead else None
+        watch = InstabilityWatch(model, wcfg, listeners=[writer] if writer else [])
         if cfg.arm == "control":  # our standard kernel everywhere, observed like any other call
             for layer in range(len(watch.head_counts)):
                 watch.observation.route(layer)
@@ -186,94 +264,170 @@ def train(args) -> int:
         exploded.load_state_dict(state["explosion"])
         if watch is not None:
             watch.load_state_dict(state["watch"])
-        _truncate_csv(out / TRAIN_CSV, step)
+        del state
+        done = ("explosion" if exploded.step is not None and step >= exploded.step + args.after_explosion
+                else "steps" if step >= args.steps else None)
+        if done:  # leave the finished run (its status, CSV and checkpoint) as it is
+            if lead:
+                print(f"[{out.name}] already stopped at step {step} ({done}; --steps {args.steps}, --after-explosion "
+                      f"{args.after_explosion}): nothing to do", flush=True)
+            if world > 1:
+                import torch.distributed as dist
+
+                dist.destroy_process_group()
+            return 0
+        if lead:
+            _truncate_csv(out / TRAIN_CSV, step)
     if watch is not None:
-        writer.open(watch, resume_step=step if resume else None, extra_meta={"reproduce": asdict(cfg)})
+        open_on_rank_zero(writer, watch, resume_step=step if resume else None,
+                          extra_meta={"reproduce": asdict(cfg), "world_size": world, "corpus": corpus})
         if cfg.arm == "stabilized" and not resume:
             for layer, n in enumerate(watch.head_counts):
                 for head in range(n):
                     watch.switch(layer, head, reason="stabilized arm")
-    print(f"[{out.name}] {'resumed at step ' + str(step) if resume else 'new run'}: {asdict(cfg)}", flush=True)
+    # The watch wraps the attention layers of `model` itself; compiling and DDP go around it (nanoGPT's order).
+    net = torch.compile(model) if cfg.compile else model
+    if world > 1:
+        from torch.nn.parallel import DistributedDataParallel
 
-    csv_new = not (out / TRAIN_CSV).exists()
-    csv = open(out / TRAIN_CSV, "a")
-    if csv_new:
-        csv.write(",".join(TRAIN_COLUMNS) + "\n")
+        net = DistributedDataParallel(net, device_ids=[local_rank] if device.startswith("cuda") else None)
+    if lead:
+        print(f"[{out.name}] {'resumed at step ' + str(step) if resume else 'new run'}: {asdict(cfg)}; "
+              f"{world} process(es), {accumulate} x {micro} sequences per rank and step; corpus {corpus}", flush=True)
+
+    csv = None
+    if lead:
+        csv_new = not (out / TRAIN_CSV).exists()
+        csv = open(out / TRAIN_CSV, "a")
+        if csv_new:
+            csv.write(",".join(TRAIN_COLUMNS) + "\n")
     hist = torch.zeros(cfg.log_every, 2, device=device)  # per step: loss, grad norm (read back once per log step)
     hist_lr: List[float] = []
-    autocast = torch.autocast(device, dtype=torch.bfloat16)
+    autocast = torch.autocast(device.split(":")[0], dtype=torch.bfloat16)
     t0 = time.perf_counter()
     t_last = t0
     start_step = step
+    t_warm, warm_step = None, step
     reason = "steps"
 
     def save() -> None:
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
                  "explosion": exploded.state_dict(),
                  "watch": watch.state_dict() if watch is not None else None}
-        torch.save(state, out / (CHECKPOINT + ".tmp"))
-        os.replace(out / (CHECKPOINT + ".tmp"), ckpt_path)
+        if lead:
+            torch.save(state, out / (CHECKPOINT + ".tmp"))
+            os.replace(out / (CHECKPOINT + ".tmp"), ckpt_path)
+        _barrier(world)
 
-    model.train()
+    net.train()
     try:
         while step < args.steps:
             step += 1
             lr = lr_at(cfg, step)
             for group in opt.param_groups:
                 group["lr"] = lr
-            x, y = batch_at(data, cfg, step)
-            with autocast, high_precision_delta(cfg.arm == "control"):
-                _, loss = model(x, y)
-            loss.backward()
+            xs, ys = batch_at(data, cfg, step, rank, world)
+            step_loss = torch.zeros((), device=device)
+            for i in range(accumulate):
+                x, y = xs[i * micro: (i + 1) * micro], ys[i * micro: (i + 1) * micro]
+                # DDP all-reduces the gradients in the step's last backward only
+                no_sync = net.no_sync() if world > 1 and i < accumulate - 1 else contextlib.nullcontext()
+                with no_sync, autocast, high_precision_delta(cfg.arm == "control"):
+                    _, loss = net(x, y)
+                    loss = loss / accumulate
+                loss.backward()
+                step_loss += loss.detach()
             gnorm = torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.clip)
             opt.step()
             opt.zero_grad(set_to_none=True)
             if watch is not None:
-                watch.step(loss.detach())
+                watch.step(step_loss)
             i = len(hist_lr)  # steps since the last read-back (a resumed run may start mid-period)
-            hist[i, 0] = loss.detach()
+            hist[i, 0] = step_loss
             hist[i, 1] = gnorm
             hist_lr.append(lr)
             if i == cfg.log_every - 1 or step == args.steps:
+                now = time.perf_counter()
+                stop_time = bool(args.time_limit and now - t0 > args.time_limit)
+                ckpt_due = bool(args.ckpt_every and now - t_last > args.ckpt_every)
+                if world > 1:  # the mean loss over ranks; every rank takes rank 0's clock's decisions
+                    import torch.distributed as dist
+
+                    flags = torch.tensor([stop_time, ckpt_due], dtype=torch.float64, device=device)
+                    dist.broadcast(flags, 0)
+                    stop_time, ckpt_due = bool(flags[0]), bool(flags[1])
+                    dist.all_reduce(hist)
+                    hist[:, 0] /= world
+                    hist[:, 1] /= world  # the same on every rank (clipped after DDP's all-reduce)
                 rows = hist[: i + 1].tolist()  # the one host sync of this script per log step
                 base = step - i
                 for j, ((lv, gv), lrv) in enumerate(zip(rows, hist_lr)):
-                    csv.write(f"{base + j},{lv:.6g},{lrv:.6g},{gv:.6g}\n")
+                    if csv is not None:
+                        csv.write(f"{base + j},{lv:.6g},{lrv:.6g},{gv:.6g}\n")
                     exploded.update(base + j, lv)
-                csv.flush()
+                if csv is not None:
+                    csv.flush()
                 hist_lr.clear()
-                now = time.perf_counter()
-                if step % args.print_every < cfg.log_every:
+                if t_warm is None:  # the first log step: compiled, one probe step done
+                    t_warm, warm_step = time.perf_counter(), step
+                if lead and step % args.print_every < cfg.log_every:
                     rate = (step - start_step) / (now - t0)
                     print(f"[{out.name}] step {step} loss {rows[-1][0]:.4f} lr {lr:.2e} "
-                          f"gnorm {rows[-1][1]:.3g} {rate:.1f} steps/s", flush=True)
+                          f"gnorm {rows[-1][1]:.3g} {rate:.2f} steps/s", flush=True)
                 if exploded.step is not None and step >= exploded.step + args.after_explosion:
                     reason = "exploded"
                     break
-                if args.time_limit and now - t0 > args.time_limit:
+                if stop_time:
                     reason = "time"
                     break
-                if args.ckpt_every and now - t_last > args.ckpt_every:
+                if ckpt_due:
                     if watch is not None:
                         watch.flush()
                     save()
                     t_last = now
     finally:
-        csv.close()
+        if csv is not None:
+            csv.close()
         if watch is not None:
             watch.flush()
+    t_end = time.perf_counter()
     save()
     if watch is not None:
         watch.detach()
-        writer.close()
-    elapsed = time.perf_counter() - t0
+        if writer is not None:
+            writer.close()
+    elapsed = t_end - t0
     status = {"step": step, "stopped": reason, "explosion_step": exploded.step,
-              "seconds": round(elapsed, 1), "steps_per_s": round((step - start_step) / max(elapsed, 1e-9), 2),
+              "seconds": round(elapsed, 1), "steps_per_s": round((step - start_step) / max(elapsed, 1e-9), 3),
+              # after the first log step (compiling and the first probe done)
+              "steps_per_s_warm": (round((step - warm_step) / (t_end - t_warm), 3)
+                                   if t_warm is not None and step > warm_step else None),
+              "max_memory_gib": (round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                                 if device.startswith("cuda") else None),
+              "tokens_per_step": cfg.batch * cfg.block, "processes": world, "micro_batch": micro,
+              "accumulate": accumulate, "corpus": corpus,
               "alerts": len(watch.alerts) if watch else None, "switched": len(watch.switched) if watch else None,
               "device": device_name(device)}
-    (out / "status.json").write_text(json.dumps(status, indent=1))
-    print(f"[{out.name}] stopped ({reason}) at step {step}: {status}", flush=True)
+    if watch is not None and world > 1:  # what each rank decided, to check that they agree
+        (out / "ranks").mkdir(exist_ok=True)
+        (out / "ranks" / f"rank{rank}.json").write_text(json.dumps({
+            "alerts": [[a.step, a.layer, a.head, a.kind] for a in watch.alerts],
+            "switched": sorted([layer, head, s] for (layer, head), s in watch.switched.items())}))
+    if lead:
+        (out / "status.json").write_text(json.dumps(status, indent=1))
+        print(f"[{out.name}] stopped ({reason}) at step {step}: {status}", flush=True)
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
     return 0
+
+
+def _barrier(world: int) -> None:
+    if world > 1:
+        import torch.distributed as dist
+
+        dist.barrier()
 
 
 def _truncate_csv(path: Path, step: int) -> None:
@@ -484,8 +638,9 @@ def _add_run_args(ap: argparse.ArgumentParser, with_arm: bool) -> None:
         if isinstance(default, bool):
             ap.add_argument(f"--{f.name.replace('_', '-')}", type=lambda s: s.lower() in ("1", "true", "yes"),
                             default=default, metavar="BOOL")
-        elif f.name in ("arm", "watch"):
-            ap.add_argument(f"--{f.name}", choices=ARMS if f.name == "arm" else WATCH_MODES, default=default)
+        elif f.name in ("arm", "watch", "corpus"):
+            choices = {"arm": ARMS, "watch": WATCH_MODES, "corpus": CORPORA}[f.name]
+            ap.add_argument(f"--{f.name}", choices=choices, default=default)
         else:
             ap.add_argument(f"--{f.name.replace('_', '-')}", type=type(default), default=default)
     ap.add_argument("--steps", type=int, default=20000, help="stop after this step")
@@ -493,6 +648,12 @@ def _add_run_args(ap: argparse.ArgumentParser, with_arm: bool) -> None:
     ap.add_argument("--ckpt-every", type=float, default=120, help="seconds between checkpoints (0: at the end only)")
     ap.add_argument("--after-explosion", type=int, default=300, help="steps to go on after an explosion")
     ap.add_argument("--print-every", type=int, default=500)
+    ap.add_argument("--micro-batch", type=int, default=0,
+                    help="sequences per forward on each process (gradient accumulation; 0: the process's whole share)")
+    ap.add_argument("--preset", choices=sorted(PRESETS), default=None,
+                    help="defaults for a named setup; options given explicitly override them (paper: issue 27's run)")
+    ap.add_argument("--dist-backend", default="", help="under torchrun: the process group's backend "
+                    "(default nccl on GPUs, gloo on CPU; gloo lets several ranks share one GPU)")
 
 
 def main(argv=None) -> int:
@@ -507,6 +668,7 @@ def main(argv=None) -> int:
     la.add_argument("--root", required=True)
     la.add_argument("--runs", required=True, help="comma-separated ARM:WATCH, e.g. standard:observe,control:observe")
     la.add_argument("--tag", default="", help="suffix of the run directories' names")
+    la.add_argument("--preset", choices=sorted(PRESETS), default=None, help="passed on to train")
     la.add_argument("--ema", type=float, default=0.05)
     la.add_argument("--jump", type=float, default=1.0)
     s = sub.add_parser("summarize", help="the table of a launch root")
@@ -517,6 +679,11 @@ def main(argv=None) -> int:
     b.add_argument("root")
     b.add_argument("dest")
     b.add_argument("--every", type=int, default=10, help="keep the metrics of steps 1, 1 + every, ...")
+    pre = argparse.ArgumentParser(add_help=False)
+    pre.add_argument("--preset", choices=sorted(PRESETS), default=None)
+    preset, _ = pre.parse_known_args(argv)
+    if preset.preset:
+        t.set_defaults(**PRESETS[preset.preset])
     args, rest = ap.parse_known_args(argv)
     if args.cmd == "bundle":
         if rest:
@@ -532,6 +699,7 @@ def main(argv=None) -> int:
             arm, _, mode = spec.partition(":")
             if arm not in ARMS or mode not in WATCH_MODES:
                 ap.error(f"--runs entries must be ARM:WATCH with ARM in {ARMS} and WATCH in {WATCH_MODES}, got {spec!r}")
+        rest += ["--preset", args.preset] if args.preset else []
         return launch(args, rest + ["--ema", str(args.ema), "--jump", str(args.jump)])
     if rest:
         ap.error(f"unrecognized arguments: {' '.join(rest)}")

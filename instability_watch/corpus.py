@@ -1,20 +1,25 @@
-"""A real text corpus that every machine has, with no download: the Python standard library's source.
+"""Real text corpora that every machine has, with no download: the Python standard library's source,
+and the sources and docs of the installed packages.
 
 The examples and the reproduction benchmarks train byte-level language models
-on it (vocabulary 256). Its contents depend on the Python version that runs
-them (3.11 here: about 12.6 MB in about 800 files, tests left out), so runs are
-comparable on one interpreter, not across interpreters.
+on them (vocabulary 256). The standard library depends on the Python version
+(3.11 here: about 12.6 MB in about 800 files, tests left out); ``site-packages``
+depends on what is installed (about 410 MB in about 29K files on the lent GPU
+machines' image). Runs are comparable on one installation, not across them.
 """
 from __future__ import annotations
 
+import site
 import sysconfig
 from pathlib import Path
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 from torch.utils.data import Dataset
 
 _SKIP_DIRS = {"site-packages", "dist-packages", "test", "tests", "idle_test", "__pycache__"}
+SITE_PACKAGES_SUFFIXES = (".py", ".md", ".rst", ".txt")
+CORPORA = ("stdlib", "site-packages")
 
 
 def stdlib_text(max_bytes: Optional[int] = None) -> bytes:
@@ -31,6 +36,58 @@ def stdlib_text(max_bytes: Optional[int] = None) -> bytes:
     files = sorted(p for p in root.rglob("*.py") if not (_SKIP_DIRS & set(p.relative_to(root).parts)))
     if not files:
         raise FileNotFoundError(f"no Python source files under {root}: this interpreter ships no stdlib source")
+    return _join(files, max_bytes)
+
+
+def site_packages_files(suffixes: Tuple[str, ...] = SITE_PACKAGES_SUFFIXES) -> List[Path]:
+    """Every ``.py``, ``.md``, ``.rst`` and ``.txt`` file under this interpreter's package directories
+    (``site-packages`` / ``dist-packages``: the environment's, then the system's), in sorted path order.
+
+    A directory reached twice (a symlink, or one listed by two sources) counts once; links to files are
+    skipped, so a file is never read twice.
+    """
+    roots: List[Path] = []
+    paths = sysconfig.get_paths()
+    for r in [paths.get("purelib"), paths.get("platlib"), *site.getsitepackages()]:
+        if not r or not Path(r).is_dir():
+            continue
+        real = Path(r).resolve()
+        if all(real != x and x not in real.parents for x in roots):
+            roots = [x for x in roots if real not in x.parents] + [real]
+    files = set()
+    for root in roots:
+        for p in root.rglob("*"):
+            if p.suffix in suffixes and not p.is_symlink() and p.is_file():
+                files.add(p)
+    return sorted(files)
+
+
+def site_packages_text(max_bytes: Optional[int] = None) -> bytes:
+    """The files of :func:`site_packages_files`, joined by newlines (the installed packages' sources and docs).
+
+    Args:
+        max_bytes: keep only the first this many bytes (``None``: all).
+
+    Raises:
+        FileNotFoundError: no such file under any package directory (the message names them).
+    """
+    files = site_packages_files()
+    if not files:
+        raise FileNotFoundError(f"no {'/'.join(SITE_PACKAGES_SUFFIXES)} files under {site.getsitepackages()}")
+    return _join(files, max_bytes)
+
+
+def corpus_text(name: str, max_bytes: Optional[int] = None) -> bytes:
+    """The corpus ``name`` (one of :data:`CORPORA`): ``"stdlib"`` (:func:`stdlib_text`) or
+    ``"site-packages"`` (:func:`site_packages_text`)."""
+    if name == "stdlib":
+        return stdlib_text(max_bytes)
+    if name == "site-packages":
+        return site_packages_text(max_bytes)
+    raise ValueError(f"corpus must be one of {CORPORA}, got {name!r}")
+
+
+def _join(files: List[Path], max_bytes: Optional[int]) -> bytes:
     chunks, size = [], 0
     for p in files:
         try:

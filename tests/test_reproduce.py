@@ -26,6 +26,9 @@ def test_resumed_run_equals_an_uninterrupted_one(repro, tmp_path):
     a, b = tmp_path / "a", tmp_path / "b"
     assert repro.main(["train", "--out", str(a), *TINY, "--steps", "20"]) == 0
     assert json.loads((a / "status.json").read_text())["step"] == 20
+    done = {f: (a / f).read_bytes() for f in ("status.json", "train.csv", "checkpoint.pt")}
+    assert repro.main(["train", "--out", str(a), *TINY, "--steps", "20"]) == 0  # nothing to do: left as it is
+    assert {f: (a / f).read_bytes() for f in done} == done
     assert repro.main(["train", "--out", str(a), *TINY, "--steps", "40"]) == 0  # resumes at 20
     assert repro.main(["train", "--out", str(b), *TINY, "--steps", "40"]) == 0
     ta, tb = (pd.read_csv(d / "train.csv") for d in (a, b))
@@ -80,3 +83,76 @@ def test_resume_after_a_stop_between_log_steps(repro, tmp_path):
     ta, tb = (pd.read_csv(d / "train.csv") for d in (a, b))
     assert ta["step"].tolist() == list(range(1, 21))
     pd.testing.assert_frame_equal(ta, tb)
+
+
+def _torchrun(out, args, steps, tmp_path):
+    """``reproduce.py train`` in 2 CPU processes (torchrun, gloo), in a subprocess with a clean environment."""
+    import os
+    import subprocess
+    import sys
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(BENCHMARKS.parent), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+                           str(BENCHMARKS / "reproduce.py"), "train", "--out", str(out), *args, "--steps", str(steps)],
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+
+
+def test_two_processes_train_as_one_and_resume_exactly(repro, tmp_path):
+    """torchrun with 2 processes (DDP, gloo): each rank takes half of every step's batch, so the run follows
+    the one-process run with the same batch; stopped and resumed it is the uninterrupted 2-process run bit
+    for bit; the ranks take the same decisions; gradient accumulation gives the same steps."""
+    args = [*TINY[:TINY.index("--lr")], "--lr", "2e-3", "--batch", "4", "--log-every", "5",
+            "--probe-every", "1", "--shadow-every", "1", "--spectral-every", "5"]
+    one, acc, two, resumed = (tmp_path / n for n in ("one", "acc", "two", "resumed"))
+    assert repro.main(["train", "--out", str(one), *args, "--steps", "20"]) == 0
+    assert repro.main(["train", "--out", str(acc), *args, "--steps", "20", "--micro-batch", "1"]) == 0
+    _torchrun(two, [*args, "--micro-batch", "1"], 20, tmp_path)
+    _torchrun(resumed, [*args, "--micro-batch", "1"], 10, tmp_path)
+    _torchrun(resumed, [*args, "--micro-batch", "1"], 20, tmp_path)
+
+    t1, ta, t2, tr = (pd.read_csv(d / "train.csv") for d in (one, acc, two, resumed))
+    assert t2["step"].tolist() == list(range(1, 21))
+    pd.testing.assert_frame_equal(t2, tr)  # resumed across launches: bit for bit
+    for t in (ta, t2):  # the same batches, summed in another order (BF16 autocast): close, not equal
+        assert (t["loss"] - t1["loss"]).abs().max() < 5e-3 * t1["loss"].max()
+        assert t["loss"].iloc[-1] < t["loss"].iloc[0] - 0.5  # it trains
+    m1, m2, mr = (pd.read_csv(d / "run" / "metrics.csv").sort_values(["step", "layer", "head"]).reset_index(drop=True)
+                  for d in (one, two, resumed))
+    pd.testing.assert_frame_equal(m2, mr)
+    # Step 1 (the same weights): the statistics of the two halves, summed over the ranks, are the whole batch's.
+    s1, s2 = m1[m1["step"] == 1], m2[m2["step"] == 1]
+    assert (s2["rows"].to_numpy() == 4 * 32).all()
+    for col in ("rows", "multi_max_rows", "shadow_rows"):
+        assert s1[col].tolist() == s2[col].tolist(), col
+    assert abs(s1["max_score"].to_numpy() - s2["max_score"].to_numpy()).max() < 1e-6
+    status = json.loads((two / "status.json").read_text())
+    assert (status["processes"], status["micro_batch"], status["accumulate"]) == (2, 1, 2)
+    ranks = [json.loads((two / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
+    assert ranks[0] == ranks[1]
+
+
+def test_paper_preset_and_batch_errors(repro, tmp_path):
+    # The preset's batch (512 sequences) is used unless --batch is given; a micro-batch must divide it.
+    with pytest.raises(SystemExit, match=r"512 / 1 = 512\), got 3"):
+        repro.main(["train", "--preset", "paper", "--out", str(tmp_path / "p"), "--micro-batch", "3"])
+    with pytest.raises(SystemExit, match=r"96 / 1 = 96\), got 5"):
+        repro.main(["train", "--preset", "paper", "--batch", "96", "--out", str(tmp_path / "p"), "--micro-batch", "5"])
+    assert not (tmp_path / "p").exists()
+    with pytest.raises(ValueError, match="corpus must be one of"):
+        repro.RunConfig(corpus="openwebtext")
+    assert repro.PRESETS["paper"]["batch"] * repro.PRESETS["paper"]["block"] == 524_288
+
+
+def test_site_packages_corpus():
+    from instability_watch.corpus import corpus_text, site_packages_files, site_packages_text
+
+    files = site_packages_files()
+    assert files == sorted(set(files)) and len(files) > 100
+    assert {p.suffix for p in files} <= {".py", ".md", ".rst", ".txt"}
+    head = site_packages_text(200_000)
+    assert len(head) == 200_000 and head == corpus_text("site-packages", 200_000)
+    assert head.startswith(files[0].read_bytes()[:1000])
+    with pytest.raises(ValueError, match="corpus must be one of"):
+        corpus_text("openwebtext")
