@@ -85,9 +85,10 @@ class InstabilityWatchCallback(WatchAdapter, Callback):
 
     Raises:
         TypeError, ValueError: bad arguments, at construction.
-        MisconfigurationException: in ``setup``, for a strategy that shards
-            weights (FSDP, DeepSpeed, model parallel) or a model with no
-            attention layer the locators find.
+        MisconfigurationException: in ``setup``, for a strategy the watch
+            cannot read weights under (DeepSpeed ZeRO-3, or one that is not
+            single-device, DDP, ``FSDPStrategy`` or ``ModelParallelStrategy``)
+            or a model with no attention layer the locators find.
 
     Example::
 
