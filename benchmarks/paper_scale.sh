@@ -15,14 +15,20 @@ cd "$(dirname "$0")/.."
 watch=${1:?usage: paper_scale.sh observe|switch [SECONDS] [train options]}
 case $watch in observe|switch) ;; *) echo "paper_scale.sh: WATCH must be observe or switch, got '$watch'" >&2; exit 2;; esac
 limit=${2:-480}
+if ! [[ $limit =~ ^[0-9]+$ ]]; then
+    echo "paper_scale.sh: SECONDS (the second argument) must be a whole number of seconds, got '$limit'" >&2; exit 2
+fi
 shift $(( $# < 2 ? $# : 2 ))
 root=${PAPER_ROOT:-runs/paper}
 gpus=$(python -c "import torch; print(torch.cuda.device_count())")
 if [ "$gpus" -lt 1 ]; then echo "paper_scale.sh: no GPU on this machine" >&2; exit 2; fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+rc=0
 python -m torch.distributed.run --standalone --nproc_per_node "$gpus" benchmarks/reproduce.py train \
-    --preset paper --out "$root/standard-$watch" --watch "$watch" --time-limit "$limit" "$@"
-python benchmarks/reproduce.py summarize "$root"
+    --preset paper --out "$root/standard-$watch" --watch "$watch" --time-limit "$limit" "$@" || rc=$?
+# what was written leaves the machine also when training failed
+python benchmarks/reproduce.py summarize "$root" || true
 if [ -n "${OUT:-}" ]; then
-    python benchmarks/reproduce.py bundle "$root" "$OUT/paper-$watch.tar.xz" --every 10
+    python benchmarks/reproduce.py bundle "$root" "$OUT/paper-$watch.tar.xz" --every 10 || true
 fi
+exit $rc

@@ -41,9 +41,12 @@ warm-up by ``--jump`` nats (default 1). The summary also marks a
 "divergence", the same rule with 0.2 nats, for losses that creep up instead.
 
 Under ``torchrun`` rank 0 writes everything (``train.csv``, the watch's run
-directory, checkpoints); every rank writes ``ranks/rank<r>.json`` (its alerts
-and switched heads) so that their agreement can be checked. ``--micro-batch``
-splits each rank's share into micro-batches (gradient accumulation).
+directory, checkpoints); at the end of each command every rank writes
+``ranks/rank<r>.json`` (its alerts and switched heads, all of the run's: a
+resumed rank starts from the checkpoint's watch state) so that their agreement
+can be checked. ``--micro-batch`` splits each rank's share into micro-batches
+(gradient accumulation). A resumed run checks that the corpus has the size it
+had.
 """
 from __future__ import annotations
 
@@ -52,6 +55,7 @@ import contextlib
 import json
 import math
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -222,8 +226,10 @@ def train(args) -> int:
     _barrier(world)  # every rank has looked before rank 0 writes
     if lead:
         out.mkdir(parents=True, exist_ok=True)
-        if not resume:
+        if not resume:  # a new run (an earlier attempt that never checkpointed leaves nothing behind)
             (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
+            (out / TRAIN_CSV).unlink(missing_ok=True)
+            shutil.rmtree(out / "ranks", ignore_errors=True)
 
     device = f"cuda:{local_rank}" if torch.cuda.is_available() else "cpu"
     torch.manual_seed(cfg.seed)
@@ -258,6 +264,9 @@ def train(args) -> int:
     step = 0
     if resume:
         state = torch.load(ckpt_path, map_location=device, weights_only=False)
+        if state.get("corpus_bytes", corpus["bytes"]) != corpus["bytes"]:
+            raise SystemExit(f"error: {out} was trained on a corpus of {state['corpus_bytes']} bytes, this "
+                             f"machine's {cfg.corpus} corpus has {corpus['bytes']}: not the same data")
         model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
@@ -312,7 +321,7 @@ def train(args) -> int:
 
     def save() -> None:
         state = {"model": model.state_dict(), "optimizer": opt.state_dict(), "step": step,
-                 "explosion": exploded.state_dict(),
+                 "explosion": exploded.state_dict(), "corpus_bytes": corpus["bytes"],
                  "watch": watch.state_dict() if watch is not None else None}
         if lead:
             torch.save(state, out / (CHECKPOINT + ".tmp"))
@@ -385,11 +394,19 @@ def train(args) -> int:
                         watch.flush()
                     save()
                     t_last = now
-    finally:
+    except BaseException:
         if csv is not None:
             csv.close()
         if watch is not None:
-            watch.flush()
+            if world > 1:  # a read-back is a collective the other ranks may never enter: drop it
+                watch.detach(read_back=False)
+            else:  # keep the observed steps in the run directory
+                watch.flush()
+        raise
+    if csv is not None:
+        csv.close()
+    if watch is not None:
+        watch.flush()
     t_end = time.perf_counter()
     save()
     if watch is not None:

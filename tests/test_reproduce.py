@@ -74,6 +74,17 @@ def test_explosion_rule(repro):
         repro.RunConfig(arm="fp32")
 
 
+def test_a_new_run_clears_what_an_attempt_without_checkpoint_left(repro, tmp_path):
+    a = tmp_path / "a"
+    a.mkdir()
+    (a / "train.csv").write_text("step,loss,lr,grad_norm\n1,5.0,0.1,1.0\n2,5.0,0.1,1.0\n")  # crashed early
+    (a / "ranks").mkdir()
+    (a / "ranks" / "rank3.json").write_text("{}")
+    assert repro.main(["train", "--out", str(a), *TINY, "--steps", "7"]) == 0
+    assert pd.read_csv(a / "train.csv")["step"].tolist() == list(range(1, 8))
+    assert not (a / "ranks").exists()
+
+
 def test_resume_after_a_stop_between_log_steps(repro, tmp_path):
     """A run stopped at a step that is not a multiple of --log-every resumes without gaps or stale rows."""
     a, b = tmp_path / "a", tmp_path / "b"
@@ -93,9 +104,18 @@ def _torchrun(out, args, steps, tmp_path):
 
     env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "OMP_NUM_THREADS": "1",
            "PYTHONPATH": str(BENCHMARKS.parent), "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
-                           str(BENCHMARKS / "reproduce.py"), "train", "--out", str(out), *args, "--steps", str(steps)],
-                          env=env, capture_output=True, text=True, timeout=600)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
+           str(BENCHMARKS / "reproduce.py"), "train", "--out", str(out), *args, "--steps", str(steps)]
+    # A launch takes ~8 s. Once in this session's runs (1 of ~10) a launch hung until the timeout with both
+    # suites running side by side on 2 cores (not reproduced, cause not found): a hung launch is tried once more
+    # (it resumes from its last checkpoint or starts again) and a second hang fails.
+    for attempt in (1, 2):
+        try:
+            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+            break
+        except subprocess.TimeoutExpired:
+            if attempt == 2:
+                raise
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
 
 
