@@ -13,6 +13,7 @@ import json
 import math
 import platform
 import sys
+import time
 from pathlib import Path
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
@@ -44,6 +45,13 @@ def sync(device: Union[str, torch.device]) -> None:
     """Wait for the device's queued work (a no-op on CPU), so host clocks measure finished work."""
     if torch.device(device).type == "cuda":
         torch.cuda.synchronize()
+
+
+def synced_clock() -> float:
+    """``time.perf_counter()`` after the current CUDA device's queued work finished (CPU: at once)."""
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    return time.perf_counter()
 
 
 def warm_gpu(seconds: float = 1.0) -> None:

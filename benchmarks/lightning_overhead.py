@@ -27,7 +27,6 @@ import importlib.util
 import statistics
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -37,7 +36,7 @@ from torch.utils.data import DataLoader
 from instability_watch import InstabilityWatchCallback, WatchConfig
 from instability_watch.corpus import stdlib_text, train_val_split
 
-from _common import device_name, write_json
+from _common import device_name, synced_clock, write_json
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt2.py"
 
@@ -95,18 +94,12 @@ class Window(pl.Callback):
                 "probe_extra_ms": statistics.median(ms - base for s, ms in steps if s in probe) if probe else None,
                 "read_back_extra_ms": [ms - base for s, ms in steps if s in read_back]}
 
-    @staticmethod
-    def _now() -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.skip:
-            self.t0 = self._now()
+            self.t0 = synced_clock()
             self.gc_start = [g["collections"] for g in gc.get_stats()]
         elif trainer.global_step == self.stop and self.t0 is not None:
-            self.rate = (self.stop - self.skip) / (self._now() - self.t0)
+            self.rate = (self.stop - self.skip) / (synced_clock() - self.t0)
             self.gc_collections = [g["collections"] - c for g, c in zip(gc.get_stats(), self.gc_start)]
 
 

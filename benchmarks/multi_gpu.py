@@ -48,7 +48,7 @@ from torch.utils.data import DataLoader
 from instability_watch import InstabilityWatchCallback, WatchConfig
 from instability_watch.corpus import ByteWindows, stdlib_text, train_val_split
 
-from _common import device_name
+from _common import device_name, synced_clock
 
 MODELS = ("gpt2-small", "llama-1b")
 _RANK = [0]  # this process's rank, from the last fit
@@ -118,17 +118,11 @@ class Timer(pl.Callback):
     def __init__(self, skip: int, stop: int) -> None:
         self.skip, self.stop, self.t0, self.rate = skip, stop, None, None
 
-    @staticmethod
-    def _now() -> float:
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        return time.perf_counter()
-
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.skip:
-            self.t0 = self._now()
+            self.t0 = synced_clock()
         elif trainer.global_step == self.stop and self.t0 is not None:
-            self.rate = (self.stop - self.skip) / (self._now() - self.t0)
+            self.rate = (self.stop - self.skip) / (synced_clock() - self.t0)
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:

@@ -64,6 +64,7 @@ from pathlib import Path
 from typing import Dict, List, Tuple
 
 import torch
+import torch.distributed as dist
 
 from instability_watch import InstabilityWatch, WatchConfig, flash_attention
 from instability_watch.corpus import CORPORA, corpus_text, site_packages_files, train_val_split
@@ -185,8 +186,6 @@ def _distributed(backend: str = "") -> Tuple[int, int, int]:
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world <= 1:
         return 0, 0, 1
-    import torch.distributed as dist
-
     gpu = int(os.environ.get("LOCAL_RANK", "0"))
     if torch.cuda.is_available():
         gpu %= torch.cuda.device_count()
@@ -281,8 +280,6 @@ def train(args) -> int:
                 print(f"[{out.name}] already stopped at step {step} ({done}; --steps {args.steps}, --after-explosion "
                       f"{args.after_explosion}): nothing to do", flush=True)
             if world > 1:
-                import torch.distributed as dist
-
                 dist.destroy_process_group()
             return 0
         if lead:
@@ -360,8 +357,6 @@ def train(args) -> int:
                 stop_time = bool(args.time_limit and now - t0 > args.time_limit)
                 ckpt_due = bool(args.ckpt_every and now - t_last > args.ckpt_every)
                 if world > 1:  # the mean loss over ranks; every rank takes rank 0's clock's decisions
-                    import torch.distributed as dist
-
                     flags = torch.tensor([stop_time, ckpt_due], dtype=torch.float64, device=device)
                     dist.broadcast(flags, 0)
                     stop_time, ckpt_due = bool(flags[0]), bool(flags[1])
@@ -434,16 +429,12 @@ def train(args) -> int:
         (out / "status.json").write_text(json.dumps(status, indent=1))
         print(f"[{out.name}] stopped ({reason}) at step {step}: {status}", flush=True)
     if world > 1:
-        import torch.distributed as dist
-
         dist.destroy_process_group()
     return 0
 
 
 def _barrier(world: int) -> None:
     if world > 1:
-        import torch.distributed as dist
-
         dist.barrier()
 
 
