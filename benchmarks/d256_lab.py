@@ -357,6 +357,18 @@ ROUNDS = {
                   ((32, 64, 4, 2), (64, 128, 8, 2)), ((32, 128, 8, 3), (32, 128, 8, 2))],
         dkdv=[], dkdv_tma=(), dkdv_store=(), dkdv_parts=(), dq_ds=[], dq=[], dq_tma=(),
     ),
+    4: dict(  # 16 warps (512 threads): the float32 accumulators over twice the threads, so one-pass dK/dV
+        # at 64 keys holds dK and dV in 64 registers a thread; the 8-warp tables' tiles beside them
+        fwd=[(128, 64, 16, 2), (128, 128, 16, 1), (128, 32, 16, 3), (128, 64, 8, 2)],
+        fwd_tma=(True,), fwd_reverse=[], fwd_dev=[], prod_fwd=[(128, 64, 8, 2), (128, 64, 16, 2)],
+        dkdv=[(64, 64, 16, 2), (64, 64, 16, 1), (32, 64, 16, 2), (32, 128, 16, 2), (64, 128, 16, 1),
+              (32, 128, 8, 2), (64, 128, 8, 2), (64, 64, 8, 2)],
+        dkdv_tma=(True,), dkdv_store=(False,), dkdv_parts=(0, 1, 2),
+        dq_ds=[], dq=[(128, 32, 16, 2), (128, 64, 16, 1), (128, 32, 16, 3), (64, 64, 8, 2), (64, 64, 4, 2)],
+        dq_tma=(True,),
+        prod_bwd=[((32, 128, 8, 2), (64, 128, 8, 2)), ((32, 128, 16, 2), (64, 128, 16, 2)),
+                  ((32, 128, 16, 2), (64, 128, 8, 2)), ((64, 64, 16, 2), (64, 128, 8, 2))],
+    ),
 }
 
 
