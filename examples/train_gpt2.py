@@ -3,6 +3,7 @@
     python examples/train_gpt2.py                          # cpu-demo: about 2 minutes on 2 CPU cores
     python examples/train_gpt2.py --preset gpt2-small      # GPT-2 small (124M) on a GPU, Triton kernels
     python examples/train_gpt2.py --preset gpt2-small --devices 2 --strategy ddp
+    python examples/train_gpt2.py --preset gpt2-small --devices 2 --strategy fsdp    # or fsdp2
 
 The model is the nanoGPT-style GPT of ``instability_watch.nanogpt`` (a fused
 ``c_attn`` projection and ``F.scaled_dot_product_attention``; it knows nothing
@@ -34,7 +35,7 @@ from torch.utils.data import DataLoader
 from instability_watch import InstabilityWatchCallback, WatchConfig
 from instability_watch.cli import report_command
 from instability_watch.corpus import ByteWindows, stdlib_text, train_val_split
-from instability_watch.nanogpt import GPT, GPTConfig
+from instability_watch.nanogpt import GPT, Block, GPTConfig
 
 
 @dataclass(frozen=True)
@@ -89,6 +90,14 @@ class GPTModule(pl.LightningModule):
         self.compile = compile
 
     def configure_model(self) -> None:
+        # --strategy fsdp2 (ModelParallelStrategy gives the module a device mesh): FSDP2 on every block
+        if self.device_mesh is not None and not hasattr(self.model, "reshard"):
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for block in self.model.h:
+                fully_shard(block, mesh=mesh)
+            fully_shard(self.model, mesh=mesh)
         # after the callback attached in setup: the compiled graph includes the routed attention
         if self.compile and not isinstance(self.model, torch._dynamo.eval_frame.OptimizedModule):
             self.model = torch.compile(self.model)
@@ -103,6 +112,14 @@ class GPTModule(pl.LightningModule):
         x, y = batch
         _, loss = self.model(x, y)
         self.log("val_loss", loss, prog_bar=True, sync_dist=True)
+
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
+        # --strategy fsdp: Lightning's FSDP precision refuses clipping by norm; the FSDP root unit clips
+        # over the sharded gradients itself
+        if gradient_clip_val and type(self.trainer.strategy).__name__ == "FSDPStrategy":
+            self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
+            return
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
 
     def configure_optimizers(self):
         p = self.preset
@@ -146,6 +163,21 @@ class Speed(pl.Callback):
             self.result = {"steps": step - self.s0, "seconds": dt, "steps_per_s": (step - self.s0) / dt}
 
 
+def strategy_for(name: str):
+    """``--strategy``: ``fsdp`` is Lightning's FSDPStrategy with every transformer block a unit, ``fsdp2``
+    its ModelParallelStrategy (FSDP2's ``fully_shard`` on every block, in ``GPTModule.configure_model``);
+    any other name goes to Lightning as it is."""
+    if name == "fsdp":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        return FSDPStrategy(auto_wrap_policy={Block})
+    if name == "fsdp2":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy()
+    return name
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-demo", help="model and schedule (default cpu-demo)")
@@ -164,7 +196,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="learned position embeddings (default: the preset's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
     ap.add_argument("--devices", type=int, default=1, help="devices (GPUs, or CPU processes) to train on")
-    ap.add_argument("--strategy", default="auto", help="Lightning strategy, e.g. ddp (default auto)")
+    ap.add_argument("--strategy", default="auto",
+                    help="Lightning strategy: ddp, fsdp (FSDP1, a unit per block; GPUs only), fsdp2 (FSDP2), or "
+                         "another of Lightning's names (default auto)")
     ap.add_argument("--seed", type=int, default=1337)
     ap.add_argument("--resume", metavar="CKPT", help="resume from this checkpoint")
     ap.add_argument("--ckpt-every", type=int, default=0, help="save a checkpoint every N steps (0: only at the end)")
@@ -176,6 +210,8 @@ def parse_args(argv=None) -> argparse.Namespace:
             ap.error(f"--{name} must be a positive integer, got {v}")
     if args.lr is not None and not args.lr > 0:
         ap.error(f"--lr must be > 0, got {args.lr}")
+    if args.strategy == "fsdp" and not torch.cuda.is_available():
+        ap.error("--strategy fsdp needs GPUs (Lightning's FSDPStrategy refuses the CPU); fsdp2 runs on CPU too")
     return args
 
 
@@ -194,7 +230,7 @@ def main(argv=None) -> int:
 
     # -- data: random windows of the stdlib's source, the same on every run
     train_bytes, val_bytes = train_val_split(stdlib_text(preset.corpus_bytes))
-    world = args.devices if args.strategy.startswith("ddp") else 1
+    world = args.devices  # every strategy here is data parallel: each device takes its own batches
     n_train = preset.steps * preset.batch * preset.accumulate * world
     train = DataLoader(ByteWindows(train_bytes, preset.block, n_train, seed=args.seed), batch_size=preset.batch,
                        shuffle=False, num_workers=0, drop_last=True)
@@ -214,7 +250,7 @@ def main(argv=None) -> int:
         watch_cb = InstabilityWatchCallback(config, live_table=args.live_table, top=6, write_csv=not args.no_csv)
         callbacks.insert(0, watch_cb)
     trainer = pl.Trainer(
-        accelerator="gpu" if gpu else "cpu", devices=args.devices, strategy=args.strategy,
+        accelerator="gpu" if gpu else "cpu", devices=args.devices, strategy=strategy_for(args.strategy),
         precision="bf16-mixed", max_steps=preset.steps, accumulate_grad_batches=preset.accumulate,
         gradient_clip_val=1.0, logger=logger, callbacks=callbacks, log_every_n_steps=10,
         val_check_interval=(preset.val_every * preset.accumulate if val is not None else None),

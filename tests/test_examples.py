@@ -86,3 +86,37 @@ def test_plain_pytorch_shortened(tmp_path, capsys):
     assert (run.metrics["rows"] == 2 * 2 * 128).all()  # 2 micro-batches of 2 x 128 per step
     assert (run_dir / "checkpoint.pt").exists()
     assert "report" in capsys.readouterr().out
+
+
+def test_train_gpt2_fsdp2_on_two_cpu_processes(tmp_path):
+    """``--devices 2 --strategy fsdp2``: Lightning's ModelParallelStrategy, FSDP2 on every block (in
+    GPTModule.configure_model), gloo; a subprocess, since Lightning launches rank 1 by re-running the script."""
+    import os
+    import subprocess
+
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "OMP_NUM_THREADS": "1",
+           "PYTHONPATH": str(EXAMPLES.parent), "HF_HUB_OFFLINE": "1"}
+    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_gpt2.py"), "--devices", "2", "--strategy", "fsdp2",
+                           "--steps", "6", "--batch", "2", "--no-live-table", "--no-checkpoint", "--out",
+                           str(tmp_path / "runs")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    version = tmp_path / "runs" / "cpu-demo" / "version_0"
+    ranks = [json.loads((version / f"summary_rank{r}.json").read_text()) for r in (0, 1)]
+    for s in ranks:
+        assert s["strategy"] == "fsdp2" and s["devices"] == 2 and s["steps"] == 6 and s["watch"] is True
+    assert ranks[0]["final_loss"] == ranks[1]["final_loss"]  # the loss Lightning logs, reduced over the ranks
+    assert ranks[0]["alerts"] == ranks[1]["alerts"] and ranks[0]["switched"] == ranks[1]["switched"]
+    run = load_run(version / "instability_watch")
+    p = _load("train_gpt2").PRESETS["cpu-demo"]
+    assert sorted(run.metrics["step"].unique()) == [1, 3, 5]  # probe steps
+    assert len(run.metrics) == 3 * p.n_layer * p.n_head
+    assert (run.metrics["rows"] == 2 * 2 * p.block).all()  # both ranks' rows, summed by the watch's reduction
+    assert run.metrics["sigma_wq"].notna().any()  # sigma(W_Q) of sharded weights
+
+
+def test_train_gpt2_refuses_fsdp1_on_cpu(capsys, monkeypatch):
+    mod = _load("train_gpt2")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit):
+        mod.main(["--strategy", "fsdp", "--devices", "2"])
+    assert "--strategy fsdp needs GPUs" in capsys.readouterr().err
