@@ -14,20 +14,24 @@ library's source. In the same processes, one after the other:
   (``InstabilityWatchTrainerCallback`` at the ``WatchConfig`` defaults unless ``--every``; the order
   swapped every round): steps/s between steps ``--skip`` and ``--steps`` (devices synchronised);
 * a watched run to step ``--ckpt-step`` with a checkpoint there, with a watch that alerts on any rise of
-  the multi-max frequency and switches heads (each rank alone would judge from its own batches, so the
-  ranks agree only through the watch's reduction): σ(W_Q) per head at the last spectral step against σ
-  computed in float64 from that step's weights (``torch.linalg.matrix_norm`` of each head's rows, what one
-  GPU computes from the same weights); then the checkpoint resumed for two more steps: the watch state the
-  resumed run starts with equals the one the checkpoint holds, on every rank;
+  the multi-max frequency and switches heads (each rank trains on its own batches; the watch decides on
+  the statistics reduced over the ranks): σ(W_Q) per head at the last spectral step against σ computed
+  in float64 from that step's ``q_proj`` weights (``torch.linalg.matrix_norm`` of each head's rows, what
+  one GPU computes from the same weights); then the checkpoint resumed for two more steps, continuing its
+  run directory: the watch state the resumed run starts with equals the one the checkpoint holds, on
+  every rank (that watch switches most heads early, so the resumed steps add few decisions of their own);
 * every watched run: each rank's alerts and switched heads, which must agree.
 
-Each rank writes ``OUT/<run>_rank<r>.json``; rank 0 writes ``OUT/results.json`` and prints a table.
+Each rank writes ``OUT/<run>_rank<r>.json``; rank 0 writes ``OUT/results.json`` and prints a table (and
+exits 1 when no σ came back at the step compared). A new command first removes what an earlier one left in
+OUT (``trainer/``, ``run/``, ``ckpt_run/``, ``*_rank*.json``, ``results.json``), nothing else.
 ``--share-device`` puts every rank on the first GPU (gloo: NCCL refuses two ranks on one device): the
 ranks' agreement and the checkpoint on a one-GPU machine, not a speed measurement.
 """
 from __future__ import annotations
 
 import argparse
+import csv
 import json
 import math
 import os
@@ -133,7 +137,7 @@ class Check(TrainerCallback):
 
     def __init__(self, cb: InstabilityWatchTrainerCallback, sigma_step: int = 0) -> None:
         self.cb, self.sigma_step = cb, sigma_step
-        self.sigma, self.sigma_ref, self.restored = {}, None, None
+        self.sigma, self.sigma_ref, self.restored, self.data_parallel = {}, None, None, None
 
     def on_train_begin(self, args, state, control, **kwargs):
         w = self.cb.watch
@@ -143,9 +147,14 @@ class Check(TrainerCallback):
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.sigma_step:
+            # from the model's own q_proj weights, not the watch's locator: a wrong slicing of the query
+            # rows per head (GQA: 12 query heads on 4 key/value heads) would show here
+            model = self.cb.model
+            h = model.config.num_attention_heads
             with torch.no_grad():
-                self.sigma_ref = [torch.linalg.matrix_norm(s.layer.w_q().detach().double(), ord=2).tolist()
-                                  for s in self.cb.watch.observation.sites]
+                self.sigma_ref = [torch.linalg.matrix_norm(
+                    layer.self_attn.q_proj.weight.detach().double().reshape(h, -1, model.config.hidden_size),
+                    ord=2).tolist() for layer in model.model.layers]
 
 
 def plain(obj):
@@ -171,34 +180,38 @@ def barrier() -> None:
 def main(args) -> int:
     gpu = torch.cuda.is_available() and not args.cpu
     out = Path(args.out).resolve()
-    data, _ = train_val_split(stdlib_text())
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    # every run's TrainingArguments but its length and checkpoints (DDP without the search for unused
+    # parameters, which the Trainer turns on by default: an extra graph traversal every step, both arms)
+    base = dict(output_dir=str(out / "trainer"), per_device_train_batch_size=args.batch, learning_rate=3e-4,
+                warmup_steps=10, bf16=True, logging_steps=50, report_to=[], seed=0, disable_tqdm=True,
+                dataloader_num_workers=0, save_only_model=False, use_cpu=not gpu, ddp_find_unused_parameters=False)
+    if world > 1:
+        base["ddp_backend"] = "gloo" if (args.cpu or args.share_device) else "nccl"
+    TrainingArguments(**base).device  # sets up the process group (Accelerate), for the barrier below
     rank, world = rank_world()
+    data, _ = train_val_split(stdlib_text())
     timed_cfg = WatchConfig(**({"probe_every": args.every, "shadow_every": args.every, "spectral_every": args.every,
                                 "log_every": 4 * args.every} if args.every else {}))
     e = args.check_every
     check_cfg = WatchConfig(probe_every=e, shadow_every=e, spectral_every=e, log_every=2 * e, **DECIDING)
 
-    def run(name, steps, watched, cfg=None, save=False, resume=None, sigma_step=0, run_dir=None):
+    def run(name, steps, watched, cfg=None, save=False, resume=None, sigma_step=0, run_dir=None, overwrite=True):
         """One Trainer run on every rank; writes OUT/<name>_rank<r>.json; returns this rank's record."""
-        targs = dict(output_dir=str(out / "trainer"), max_steps=steps, per_device_train_batch_size=args.batch,
-                     learning_rate=3e-4, warmup_steps=10, bf16=True, logging_steps=50, report_to=[], seed=0,
-                     disable_tqdm=True, dataloader_num_workers=0, save_strategy="steps" if save else "no",
-                     save_steps=steps, save_only_model=False, use_cpu=not gpu)
-        if world > 1:
-            targs["ddp_backend"] = "gloo" if (args.cpu or args.share_device) else "nccl"
+        targs = dict(base, max_steps=steps, save_strategy="steps" if save else "no", save_steps=steps)
         timer = Timer(args.skip, steps)
         cbs, cb, check = [timer], None, None
         if watched:
-            # run_dir None: a resumed run continues the directory its checkpoint names
-            cb = InstabilityWatchTrainerCallback(cfg, run_dir=run_dir, overwrite=run_dir is not None,
-                                                 alerts=False, live_table=False)
+            cb = InstabilityWatchTrainerCallback(cfg, run_dir=run_dir, overwrite=overwrite, alerts=False,
+                                                 live_table=False)
             check = Check(cb, sigma_step)
             cbs = [cb, timer, check]
         n = (steps + 1) * args.batch * world
         trainer = Trainer(model=build(args.tiny), args=TrainingArguments(**targs),
                           train_dataset=Windows(data, args.block, n), callbacks=cbs)
         trainer.train(resume_from_checkpoint=resume)
-        res = {"rate": timer.rate, "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h]}
+        res = {"rate": timer.rate, "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+               "data_parallel": trainer.args.world_size}
         if cb is not None:
             w = cb.watch
             res.update(alerts=[[a.step, a.layer, a.head, a.kind] for a in w.alerts],
@@ -212,9 +225,12 @@ def main(args) -> int:
             torch.cuda.empty_cache()
         return res
 
-    if rank == 0:
-        shutil.rmtree(out, ignore_errors=True)  # an earlier command's checkpoints must not be resumed
-        out.mkdir(parents=True)
+    if rank == 0:  # what an earlier command left (its checkpoints must not be resumed); nothing else in OUT
+        for sub in ("trainer", "run", "ckpt_run"):
+            shutil.rmtree(out / sub, ignore_errors=True)
+        for old in [*out.glob("*_rank*.json"), out / "results.json"]:
+            old.unlink(missing_ok=True)
+        out.mkdir(parents=True, exist_ok=True)
     barrier()
     rounds = []
     for r in range(args.rounds):
@@ -227,7 +243,9 @@ def main(args) -> int:
     sigma_step = 1 + e * ((args.ckpt_step - 1) // e)
     run("ckpt", args.ckpt_step, True, check_cfg, save=True, sigma_step=sigma_step, run_dir=str(out / "ckpt_run"))
     ckpt = out / "trainer" / f"checkpoint-{args.ckpt_step}"
-    run("resumed", args.ckpt_step + 2, True, check_cfg, resume=str(ckpt))
+    # the checkpoint's run directory continued (overwrite=False: the callback finds the state to resume)
+    run("resumed", args.ckpt_step + 2, True, check_cfg, resume=str(ckpt), run_dir=str(out / "ckpt_run"),
+        overwrite=False)
     if rank != 0:
         return 0
     load = lambda name, i: json.loads((out / f"{name}_rank{i}.json").read_text())  # noqa: E731
@@ -250,7 +268,9 @@ def main(args) -> int:
         "ranks_agree": all({k: x[k] for k in keys} == {k: runs[0][k] for k in keys}
                            for runs in watched_runs for x in runs),
         "alerts": ckpt_ranks[0]["alerts"], "switched": ckpt_ranks[0]["switched"],
-        "saved_state_step": saved["step"],
+        "saved_state_step": saved["step"], "data_parallel": ckpt_ranks[0]["data_parallel"],
+        # the checkpointed run's directory, continued by the resumed run: the steps its metrics.csv holds
+        "ckpt_run_steps": sorted({int(r["step"]) for r in csv.DictReader(open(out / "ckpt_run" / "metrics.csv"))}),
         "resumed_state_equal": all(x["restored"] == saved for x in resumed),
         "resumed_alerts": resumed[0]["alerts"], "resumed_switched": resumed[0]["switched"],
     }
@@ -262,6 +282,9 @@ def main(args) -> int:
           f"{'alerts':>6} {'switched':>8} {'agree':>5} {'resume':>6}")
     print(f"{world:>5} {rates:<36} {med:>7} {srel:>9} {len(result['alerts']):>6} {len(result['switched']):>8} "
           f"{str(result['ranks_agree']):>5} {str(result['resumed_state_equal']):>6}")
+    if rel is None:
+        print(f"no sigma read back at step {sigma_step}, or no reference computed there", file=sys.stderr)
+        return 1
     return 0
 
 

@@ -129,6 +129,22 @@ def _full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if hasattr(t, "full_tensor") else t
 
 
+def query_rows(net: torch.nn.Module):
+    """Per layer, the query projection's rows per head, ``(H, head_dim, d_model)``, read from the model's
+    own weights (gathered where FSDP2 shards them; FSDP1's are whole inside ``summon_full_params``)."""
+    out = []
+    for b in blocks(net):
+        if hasattr(b, "attn"):  # nanoGPT: c_attn holds q, k, v one after the other
+            w = _full(b.attn.c_attn.weight.detach())
+            e, h = w.shape[1], b.attn.n_head
+            out.append(w[:e].reshape(h, e // h, e))
+        else:  # HF Llama
+            w = _full(b.self_attn.q_proj.weight.detach())
+            h = net.config.num_attention_heads
+            out.append(w.reshape(h, w.shape[0] // h, w.shape[1]))
+    return out
+
+
 class Check(pl.Callback):
     """Put after the watch's callback. Collects every read-back's sigma; at step ``sigma_step`` computes the
     float64 reference from the whole weights; keeps the watch state a checkpoint holds (``saved``) and the
@@ -156,8 +172,9 @@ class Check(pl.Callback):
 
             ctx = FSDP.summon_full_params(strategy.model, writeback=False)
         with ctx if ctx is not None else torch.no_grad():
-            self.sigma_ref = [torch.linalg.matrix_norm(_full(s.layer.w_q().detach()).double(), ord=2).tolist()
-                              for s in self.cb.watch.observation.sites]
+            # from the model's own projection weights, not the watch's locator: a wrong slicing of the
+            # query rows per head would show here
+            self.sigma_ref = [torch.linalg.matrix_norm(q.double(), ord=2).tolist() for q in query_rows(pl_module.net)]
 
     def on_save_checkpoint(self, trainer, pl_module, checkpoint):
         for key, state in checkpoint.get("callbacks", {}).items():
@@ -177,13 +194,15 @@ def decisions(cb: InstabilityWatchCallback) -> dict:
             "steps": w.step_count, "disabled": sorted(w.disabled)}
 
 
-def strategy_for(name: str, model: str):
+def strategy_for(name: str, model: str, devices: int):
     if name == "ddp":
         return "ddp"
     if name == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        return ModelParallelStrategy()
+        # a data-parallel mesh of every device ("auto" would put them on the tensor-parallel dimension:
+        # the same batches on every rank, and fully_shard over a mesh of one)
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
     from lightning.pytorch.strategies import FSDPStrategy
 
     if model == "gpt2-small":
@@ -212,11 +231,14 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
         if ckpt:
             cbs.append(ModelCheckpoint(dirpath=ckpt, every_n_train_steps=args.ckpt_step, save_top_k=-1))
         trainer = pl.Trainer(accelerator=args.accelerator, devices=args.devices,
-                             strategy=strategy_for(strat, model), precision="bf16-mixed", max_steps=steps,
+                             strategy=strategy_for(strat, model, args.devices), precision="bf16-mixed", max_steps=steps,
                              callbacks=cbs, logger=False, enable_checkpointing=bool(ckpt),
                              enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out))
         trainer.fit(module, loader(steps), ckpt_path=resume)
-        res = {"rate": cbs[0].rate}
+        # the sampler's number of replicas: each rank trains on its own share of the batches
+        res = {"rate": cbs[0].rate,
+               "data_parallel": (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get(
+                   "num_replicas", 1)}
         if cb is not None:
             res.update(decisions(cb), sigma=check.sigma, sigma_ref=check.sigma_ref, saved=check.saved,
                        restored=check.restored)
@@ -277,6 +299,7 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
             "alerts": ranks[0]["alerts"], "switched": ranks[0]["switched"],
             "resumed_state_equal": all(x["restored"] == y["saved"] for x, y in zip(resumed, ranks)),
             "saved_state_steps": ranks[0]["saved"]["step"] if ranks[0]["saved"] else None,
+            "data_parallel": ranks[0]["data_parallel"],
         })
     return case
 

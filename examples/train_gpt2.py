@@ -116,7 +116,9 @@ class GPTModule(pl.LightningModule):
     def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None):
         # --strategy fsdp: Lightning's FSDP precision refuses clipping by norm; the FSDP root unit clips
         # over the sharded gradients itself
-        if gradient_clip_val and type(self.trainer.strategy).__name__ == "FSDPStrategy":
+        from lightning.pytorch.strategies import FSDPStrategy
+
+        if gradient_clip_val and isinstance(self.trainer.strategy, FSDPStrategy):
             self.trainer.strategy.model.clip_grad_norm_(gradient_clip_val)
             return
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
@@ -163,10 +165,10 @@ class Speed(pl.Callback):
             self.result = {"steps": step - self.s0, "seconds": dt, "steps_per_s": (step - self.s0) / dt}
 
 
-def strategy_for(name: str):
+def strategy_for(name: str, devices: int = 1):
     """``--strategy``: ``fsdp`` is Lightning's FSDPStrategy with every transformer block a unit, ``fsdp2``
-    its ModelParallelStrategy (FSDP2's ``fully_shard`` on every block, in ``GPTModule.configure_model``);
-    any other name goes to Lightning as it is."""
+    its ModelParallelStrategy over a data-parallel mesh of every device (FSDP2's ``fully_shard`` on every
+    block, in ``GPTModule.configure_model``); any other name goes to Lightning as it is."""
     if name == "fsdp":
         from lightning.pytorch.strategies import FSDPStrategy
 
@@ -174,7 +176,9 @@ def strategy_for(name: str):
     if name == "fsdp2":
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        return ModelParallelStrategy()
+        # its "auto" sizes put a node's devices on the tensor-parallel dimension: every rank would train on
+        # the same batches and fully_shard over a data-parallel mesh of one would shard nothing
+        return ModelParallelStrategy(data_parallel_size=devices, tensor_parallel_size=1)
     return name
 
 
@@ -250,7 +254,8 @@ def main(argv=None) -> int:
         watch_cb = InstabilityWatchCallback(config, live_table=args.live_table, top=6, write_csv=not args.no_csv)
         callbacks.insert(0, watch_cb)
     trainer = pl.Trainer(
-        accelerator="gpu" if gpu else "cpu", devices=args.devices, strategy=strategy_for(args.strategy),
+        accelerator="gpu" if gpu else "cpu", devices=args.devices,
+        strategy=strategy_for(args.strategy, args.devices),
         precision="bf16-mixed", max_steps=preset.steps, accumulate_grad_batches=preset.accumulate,
         gradient_clip_val=1.0, logger=logger, callbacks=callbacks, log_every_n_steps=10,
         val_check_interval=(preset.val_every * preset.accumulate if val is not None else None),
@@ -264,6 +269,8 @@ def main(argv=None) -> int:
     summary = {
         "preset": args.preset, "steps": trainer.global_step, "devices": args.devices, "strategy": args.strategy,
         "watch": watch_cb is not None, "compile": args.compile, "speed": speed,
+        # ranks that train on their own batches (the distributed sampler's replicas)
+        "data_parallel": (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1),
         "final_loss": float(trainer.callback_metrics.get("loss", float("nan"))),
     }
     if args.compile:  # a recompile or a graph break would show here

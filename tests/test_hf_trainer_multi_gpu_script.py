@@ -27,6 +27,7 @@ def test_hf_trainer_driver_on_two_cpu_processes(tmp_path):
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = json.loads((out / "results.json").read_text())
     assert r["world_size"] == 2 and len(r["rounds"]) == 1 and r["ratio_median"] > 0
+    assert r["data_parallel"] == 2
     # sigma of step 6 (spectral every step) read back vs float64 of the whole W_Q at that step
     assert r["sigma_step"] == 6 and r["sigma_max_rel_diff"] < 1e-5
     # the checkpointed run's watch decided something (alerts, switched heads), and both ranks decided the same
@@ -40,6 +41,8 @@ def test_hf_trainer_driver_on_two_cpu_processes(tmp_path):
     for x in resumed:
         assert x["restored"]["step"] == 6 and x["restored"]["heads"] == [4, 4] and x["steps"] == 8
         assert [s[:2] for s in x["restored"]["switched"]] == [s[:2] for s in r["switched"]]
+    # the resumed run continued the checkpointed run's directory: steps 1-6, then 7 and 8
+    assert r["ckpt_run_steps"] == list(range(1, 9))
     assert "agree" in proc.stdout
 
 

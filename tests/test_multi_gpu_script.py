@@ -29,6 +29,7 @@ def test_multi_gpu_driver_on_two_cpu_processes(tmp_path):
         # sigma of step 5 (spectral every 2) read back vs float64 SVD of the whole W_Q at that step
         assert c["sigma_step"] == 5 and c["sigma_max_rel_diff"] < 1e-5, key
         assert c["ranks_agree"] and c["resumed_state_equal"] and c["saved_state_steps"] == 6, key
+        assert c["data_parallel"] == 2, key  # each rank its own batches (FSDP2's mesh over both ranks)
     # the checkpoint's watch state is a real one: both ranks restored step 6, with per-head state
     for r in (0, 1):
         restored = json.loads((out / "llama-1b-fsdp2" / f"resumed_rank{r}.json").read_text())["restored"]
