@@ -137,7 +137,7 @@ class Check(TrainerCallback):
 
     def __init__(self, cb: InstabilityWatchTrainerCallback, sigma_step: int = 0) -> None:
         self.cb, self.sigma_step = cb, sigma_step
-        self.sigma, self.sigma_ref, self.restored, self.data_parallel = {}, None, None, None
+        self.sigma, self.sigma_ref, self.restored = {}, None, None
 
     def on_train_begin(self, args, state, control, **kwargs):
         w = self.cb.watch
@@ -275,7 +275,8 @@ def main(args) -> int:
         "resumed_alerts": resumed[0]["alerts"], "resumed_switched": resumed[0]["switched"],
     }
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
-    rates = ", ".join(f"{r['watched']:.2f}/{r['unwatched']:.2f}" for r in rounds if r.get("watched") and r.get("unwatched"))
+    rates = ", ".join(f"{r['watched']:.2f}/{r['unwatched']:.2f}" for r in rounds
+                      if r.get("watched") and r.get("unwatched"))
     med = f"{result['ratio_median']:.4f}" if result["ratio_median"] else "-"
     srel = f"{rel:.1e}" if rel is not None else "-"
     print(f"{'ranks':>5} {'watched/unwatched steps/s per round':<36} {'median':>7} {'sigma rel':>9} "
