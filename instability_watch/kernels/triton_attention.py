@@ -26,6 +26,7 @@ feeds the probe's ``multi_max_rows``.
 """
 from __future__ import annotations
 
+import warnings
 from typing import Optional, Tuple
 
 import torch
@@ -824,13 +825,42 @@ def attention_forward_lse2(
     return o, lse2
 
 
+def _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, qk_scale, scale, mask_kind, seed) -> Optional[str]:
+    """dK and dV by the Gluon kernel (gluon_attention.py); None if it served the call, else why not.
+
+    A kernel that fails (a Triton whose Gluon differs, say) is reported once, on rank 0, and not
+    tried again in this process: the Triton kernels serve instead."""
+    if INTERPRET:
+        return "Triton's interpreter"
+    from . import gluon_attention
+
+    why = gluon_attention.supported(q, k, v, do, masked=mask_kind != MASK_NONE, dropout=seed is not None)
+    if why is not None:
+        return why
+    if not (lse2.is_contiguous() and delta.is_contiguous()):
+        return "statistics not contiguous"
+    try:
+        if gluon_attention.dkdv(q, k, v, do, lse2, delta, dk, dv, causal=causal, qk_scale=qk_scale, scale=scale):
+            return None
+        return "a tensor layout without a 2-D TMA view"
+    except Exception as exc:  # noqa: BLE001 - any failure: the Triton kernels serve from now on
+        reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+        gluon_attention.disable(f"failed once ({reason})")
+        from .._dist import rank
+
+        if rank() == 0:
+            warnings.warn(f"instability_watch: the Gluon dK/dV kernel (D = 256) failed ({reason}); "
+                          "the Triton kernels serve every call from now on")
+        return reason
+
+
 def attention_backward_lse2(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor, do: torch.Tensor, *,
     causal: bool, scale: float, counts: Optional[torch.Tensor], values: Optional[torch.Tensor], shadow: bool,
     config_dkdv=None, config_dq=None, delta: Optional[torch.Tensor] = None,
     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
     mask_grad: bool = False, fused: Optional[bool] = None, config_fused=None,
-    split: Optional[bool] = None, config_dk=None, config_dv=None,
+    split: Optional[bool] = None, config_dk=None, config_dv=None, gluon: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the backward. Two ways, with the same results up to float32 summation order.
 
@@ -855,6 +885,10 @@ def attention_backward_lse2(
     forces it (a pass the table has no entry for takes the one-pass kernel's), ``config_dk``/
     ``config_dv`` override those passes' launch configurations (both ignored where the backward
     is fused or not split).
+    ``gluon``: at D = 256 on an sm_90 GPU, the two kernels' dK/dV runs as one Gluon kernel
+    (``gluon_attention.py``: one pass, 1.2 ms against the two Triton passes' 1.9 ms on the H100)
+    where the call has no mask, dropout or GQA; ``None`` does so where it can and the dK/dV
+    launch is not overridden, ``False`` never, ``True`` raises ValueError where it cannot.
     ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``. Returns
     ``(dq, dk, dv, dmask)``; ``dmask`` (an additive mask's gradient, in its shape and
     dtype) only if ``mask_grad``, else None.
@@ -921,6 +955,15 @@ def attention_backward_lse2(
              MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
              BLOCK_N=block_n, DOT_PRECISION=precision, **cfg.options()),
     )
+    want = gluon
+    if want is None:
+        want = split is None and config_dkdv is None and config_dk is None and config_dv is None and D == 256
+    if want:
+        why = _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, qk_scale, scale, mask.kind, seed)
+        if why is None:
+            return dq, dk, dv, None  # served calls have no mask, so no mask gradient
+        if gluon:
+            raise ValueError(f"gluon=True: the Gluon dK/dV kernel cannot serve this call ({why})")
     if split is None:
         split = config_dkdv is None and all(has_launch_config(p, head_dim, q.dtype) for p in ("dk", "dv"))
     if split:
