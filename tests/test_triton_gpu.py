@@ -361,7 +361,7 @@ def _gluon_layout(t, layout):
                          [(2048, True, "bhnd", torch.bfloat16), (1024, False, "bnhd", torch.bfloat16),
                           (576, True, "qkv_slice", torch.float16), (64, True, "bhnd", torch.bfloat16)],
                          ids=["causal", "hf-layout", "fp16-qkv-slice", "one-block"])
-def test_gluon_dkdv_at_d256(N, causal, layout, dtype):
+def test_gluon_dkdv_at_d256(N, causal, layout, dtype, monkeypatch):
     """At D = 256 on sm_90 the backward's dK/dV is one Gluon kernel: the same dQ, dK and dV as the
     Triton passes within 2^-7 (relative to their largest), and within twice PyTorch's BF16 error
     against float64; calls it cannot serve raise with gluon=True and fall back without it."""
@@ -372,14 +372,21 @@ def test_gluon_dkdv_at_d256(N, causal, layout, dtype):
     kw = dict(causal=causal, scale=D ** -0.5, counts=None, values=None, shadow=False)
     o, lse2 = ta.attention_forward_lse2(q, k, v, stabilize=None, beta=2.0, eps=1e-3, **{
         k_: v_ for k_, v_ in kw.items() if k_ != "shadow"})
+    from instability_watch.kernels import gluon_attention
+
+    calls = []
+    launch = gluon_attention.dkdv
+    monkeypatch.setattr(gluon_attention, "dkdv", lambda *a, **k_: calls.append(1) or launch(*a, **k_))
     glu = ta.attention_backward_lse2(q, k, v, o, lse2, do, gluon=True, **kw)  # raises if it could not serve
     tri = ta.attention_backward_lse2(q, k, v, o, lse2, do, gluon=False, **kw)
+    assert len(calls) == 1
     auto = ta.attention_backward_lse2(q, k, v, o, lse2, do, **kw)
+    assert len(calls) == 2  # the default took the Gluon kernel
     for name, a, b, c in zip(("dq", "dk", "dv"), glu, tri, auto):
         assert torch.isfinite(a).all() and a.abs().max() > 0, name
         assert a.stride() == b.stride(), name
         assert max_err(a, b) <= 2 ** -7 * b.abs().max().item(), (name, max_err(a, b))
-        assert torch.equal(a, c), name  # the default takes the Gluon kernel here
+        assert torch.equal(a, c), name
     f64 = run_fwd_bwd(lambda a, b, c: _sdpa(a, b, c, causal, SDPBackend.MATH), q, k, v, do, torch.float64)
     pt = run_fwd_bwd(lambda a, b, c: _sdpa(a, b, c, causal), q, k, v, do, dtype)
     for name, a, pp, x in zip(("dq", "dk", "dv"), glu, pt[1:], f64[1:]):

@@ -78,6 +78,17 @@ def supported(q, k, v, do, *, masked: bool, dropout: bool) -> Optional[str]:
     return None
 
 
+def available() -> bool:
+    """Whether this Triton has Gluon's Hopper language (Triton 3.6 and later); without it every call
+    keeps the Triton kernels, with nothing to report."""
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec("triton.experimental.gluon.language.nvidia.hopper") is not None
+    except ImportError:
+        return False
+
+
 def _get_kernel():
     global _kernel
     if _kernel is None:

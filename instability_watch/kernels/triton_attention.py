@@ -834,6 +834,8 @@ def _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, qk_scale, scale, mask_
         return "Triton's interpreter"
     from . import gluon_attention
 
+    if not gluon_attention.available():
+        return "this Triton has no Gluon for Hopper"
     why = gluon_attention.supported(q, k, v, do, masked=mask_kind != MASK_NONE, dropout=seed is not None)
     if why is not None:
         return why
@@ -888,7 +890,8 @@ def attention_backward_lse2(
     ``gluon``: at D = 256 on an sm_90 GPU, the two kernels' dK/dV runs as one Gluon kernel
     (``gluon_attention.py``: one pass, 1.2 ms against the two Triton passes' 1.9 ms on the H100)
     where the call has no mask, dropout or GQA; ``None`` does so where it can and the dK/dV
-    launch is not overridden, ``False`` never, ``True`` raises ValueError where it cannot.
+    launch is not overridden, ``False`` never, ``True`` raises ValueError where it cannot (the
+    dK/dV overrides ``split`` and ``config_dk*``/``config_dv`` then apply only to calls it cannot serve).
     ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``. Returns
     ``(dq, dk, dv, dmask)``; ``dmask`` (an additive mask's gradient, in its shape and
     dtype) only if ``mask_grad``, else None.
@@ -914,6 +917,8 @@ def attention_backward_lse2(
                  and not (shadow or mask_grad or torch.are_deterministic_algorithms_enabled()))
     elif fused and (shadow or mask_grad):
         raise ValueError("fused=True: the fused backward computes neither the shadow statistics nor a mask's gradient")
+    if fused and gluon:
+        raise ValueError("gluon=True with a fused backward: the Gluon kernel serves only the two-kernel backward's dK/dV")
     qk_scale = 1.0 if mask.kind == MASK_ADD else scale * LOG2E
 
     def dkdv(cfg: LaunchConfig, dq_acc: Optional[torch.Tensor], part: int = 0) -> None:
