@@ -359,12 +359,14 @@ def _gluon_layout(t, layout):
                     reason="the Gluon dK/dV kernel is for sm_90")
 @pytest.mark.parametrize("N, causal, layout, dtype",
                          [(2048, True, "bhnd", torch.bfloat16), (1024, False, "bnhd", torch.bfloat16),
-                          (576, True, "qkv_slice", torch.float16), (64, True, "bhnd", torch.bfloat16)],
-                         ids=["causal", "hf-layout", "fp16-qkv-slice", "one-block"])
+                          (640, True, "qkv_slice", torch.float16), (576, True, "bhnd", torch.float16),
+                          (128, True, "bhnd", torch.bfloat16), (64, True, "bhnd", torch.bfloat16)],
+                         ids=["causal", "hf-layout", "fp16-qkv-slice", "fp16-n576", "one-query-block", "one-block"])
 def test_gluon_dkdv_at_d256(N, causal, layout, dtype, monkeypatch):
-    """At D = 256 on sm_90 the backward's dK/dV is one Gluon kernel: the same dQ, dK and dV as the
-    Triton passes within 2^-7 (relative to their largest), and within twice PyTorch's BF16 error
-    against float64; calls it cannot serve raise with gluon=True and fall back without it."""
+    """At D = 256 on sm_90 the backward's dK/dV is one Gluon kernel, and dQ another where N is a
+    multiple of 128: the same dQ, dK and dV as the Triton kernels within 2^-7 (relative to their
+    largest), and within twice PyTorch's BF16 error against float64; calls they cannot serve raise
+    with gluon=True and fall back without it."""
     from instability_watch.kernels import triton_attention as ta
 
     B, H, D = 2, 4, 256
@@ -374,14 +376,17 @@ def test_gluon_dkdv_at_d256(N, causal, layout, dtype, monkeypatch):
         k_: v_ for k_, v_ in kw.items() if k_ != "shadow"})
     from instability_watch.kernels import gluon_attention
 
-    calls = []
-    launch = gluon_attention.dkdv
+    calls, dq_calls = [], []
+    launch, launch_dq = gluon_attention.dkdv, gluon_attention.dq
     monkeypatch.setattr(gluon_attention, "dkdv", lambda *a, **k_: calls.append(1) or launch(*a, **k_))
+    monkeypatch.setattr(gluon_attention, "dq", lambda *a, **k_: dq_calls.append(1) or launch_dq(*a, **k_))
     glu = ta.attention_backward_lse2(q, k, v, o, lse2, do, gluon=True, **kw)  # raises if it could not serve
     tri = ta.attention_backward_lse2(q, k, v, o, lse2, do, gluon=False, **kw)
     assert len(calls) == 1
+    assert len(dq_calls) == (1 if N % 128 == 0 else 0)  # the Gluon dQ takes 128 queries a program
     auto = ta.attention_backward_lse2(q, k, v, o, lse2, do, **kw)
-    assert len(calls) == 2  # the default took the Gluon kernel
+    assert len(calls) == 2  # the default took the Gluon kernels
+    assert len(dq_calls) == (2 if N % 128 == 0 else 0)
     for name, a, b, c in zip(("dq", "dk", "dv"), glu, tri, auto):
         assert torch.isfinite(a).all() and a.abs().max() > 0, name
         assert a.stride() == b.stride(), name
@@ -391,6 +396,14 @@ def test_gluon_dkdv_at_d256(N, causal, layout, dtype, monkeypatch):
     pt = run_fwd_bwd(lambda a, b, c: _sdpa(a, b, c, causal), q, k, v, do, dtype)
     for name, a, pp, x in zip(("dq", "dk", "dv"), glu, pt[1:], f64[1:]):
         assert max_err(a, x) <= 2 * max_err(pp, x) + 1e-6, (name, max_err(a, x), max_err(pp, x))
+    # a caller's delta (the high-precision control's): read, not computed; the same as Triton's with it
+    delta = (o.float() * do.float()).sum(-1) * 1.5
+    glu_d = ta.attention_backward_lse2(q, k, v, o, lse2, do, gluon=True, delta=delta, **kw)
+    tri_d = ta.attention_backward_lse2(q, k, v, o, lse2, do, gluon=False, delta=delta, **kw)
+    assert len(dq_calls) == (3 if N % 128 == 0 else 0)
+    for name, a, b in zip(("dq", "dk", "dv"), glu_d, tri_d):
+        assert max_err(a, b) <= 2 ** -7 * b.abs().max().item(), (name, max_err(a, b))
+    assert max_err(glu_d[0], glu[0]) > 2 ** -7 * glu[0].abs().max().item()  # the delta given was used
     # calls it cannot serve: named with gluon=True, the Triton kernels without it
     mask = torch.ones(N, N, dtype=torch.bool, device=DEV).tril()
     with pytest.raises(ValueError, match="mask or dropout"):
@@ -402,6 +415,54 @@ def test_gluon_dkdv_at_d256(N, causal, layout, dtype, monkeypatch):
         ta.attention_backward_lse2(q, k2, v2, o2, lse2b, do, gluon=True, **kw)
     gqa = ta.attention_backward_lse2(q, k2, v2, o2, lse2b, do, **kw)
     assert all(torch.isfinite(t).all() for t in gqa[:3])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() != (9, 0),
+                    reason="the Gluon forward is for sm_90")
+@pytest.mark.parametrize("N, causal, layout, dtype",
+                         [(2048, True, "bhnd", torch.bfloat16), (1024, False, "bnhd", torch.bfloat16),
+                          (640, True, "qkv_slice", torch.float16), (128, True, "bhnd", torch.bfloat16)],
+                         ids=["causal", "hf-layout", "fp16-qkv-slice", "one-block"])
+def test_gluon_forward_at_d256(N, causal, layout, dtype, monkeypatch):
+    """At D = 256 on sm_90 a plain forward (no stabilize, probe, mask, dropout or GQA) is the Gluon
+    kernel: the Triton forward's O and LSE bit for bit (same online softmax), within twice PyTorch's
+    error against float64; the watch's calls (stabilize, probe) and the others stay on the Triton
+    kernel, named with gluon=True."""
+    from instability_watch.kernels import gluon_attention
+    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.probe import Probe
+
+    B, H, D = 2, 4, 256
+    q, k, v, do = (_gluon_layout(t.to(dtype), layout) for t in _inputs(("gluon fwd d256", N, causal), B, H, H, N, D))
+    kw = dict(causal=causal, scale=D ** -0.5, beta=2.0, eps=1e-3, counts=None, values=None)
+    calls = []
+    launch = gluon_attention.forward
+    monkeypatch.setattr(gluon_attention, "forward", lambda *a, **k_: calls.append(1) or launch(*a, **k_))
+    o, lse = ta.attention_forward_lse2(q, k, v, stabilize=None, gluon=True, **kw)
+    o_t, lse_t = ta.attention_forward_lse2(q, k, v, stabilize=None, gluon=False, **kw)
+    o_a, lse_a = ta.attention_forward_lse2(q, k, v, stabilize=None, **kw)
+    assert len(calls) == 2  # gluon=True and the default
+    assert o.stride() == o_t.stride() and torch.equal(o, o_a) and torch.equal(lse, lse_a)
+    assert torch.equal(o, o_t) and torch.equal(lse, lse_t)  # the Triton forward's online softmax, bit for bit
+    f64 = run_fwd_bwd(lambda a, b, c: _sdpa(a, b, c, causal, SDPBackend.MATH), q, k, v, do, torch.float64)
+    pt = run_fwd_bwd(lambda a, b, c: _sdpa(a, b, c, causal), q, k, v, do, dtype)
+    assert max_err(o, f64[0]) <= 2 * max_err(pt[0], f64[0]) + 1e-6, (max_err(o, f64[0]), max_err(pt[0], f64[0]))
+    # the watch's calls: a stabilized head or a probe keeps the Triton forward (its tie tracking)
+    stab = torch.zeros(H, dtype=torch.bool, device=DEV)
+    with pytest.raises(ValueError, match="stabilize, probe"):
+        ta.attention_forward_lse2(q, k, v, stabilize=stab, gluon=True, **kw)
+    probe = Probe(H, device=DEV)
+    kw_probe = {**kw, "counts": probe.counts, "values": probe.values}
+    o_p, _ = ta.attention_forward_lse2(q, k, v, stabilize=stab, **kw_probe)
+    assert len(calls) == 2
+    assert max_err(o_p, o_t) <= 2 ** -8 * o_t.abs().max().item()
+    mask = torch.ones(N, N, dtype=torch.bool, device=DEV).tril()
+    with pytest.raises(ValueError, match="mask"):
+        ta.attention_forward_lse2(q, k, v, stabilize=None, gluon=True, attn_mask=mask, **kw)
+    if N % 128 == 0:
+        with pytest.raises(ValueError, match="multiple of 128"):
+            ta.attention_forward_lse2(q[:, :, :N - 64], k[:, :, :N - 64], v[:, :, :N - 64], stabilize=None,
+                                      gluon=True, **kw)
 
 
 @pytest.mark.parametrize("h_kv, N, causal, mask_kind, p, dtype",

@@ -72,11 +72,15 @@ def dot_precision(dtype: torch.dtype) -> str:
 
 
 class Launcher:
-    """``launcher(grid, tensors, scalars, meta)`` runs ``fn[grid](*tensors, *scalars, **meta)``.
+    """``launcher(grid, tensors, scalars, meta, descs)`` runs ``fn[grid](*descs, *tensors, *scalars, **meta)``.
 
-    ``tensors`` are the kernel's leading pointer arguments (CUDA tensors of any dtype and
-    shape, or None), ``scalars`` the integer and float arguments after them, ``meta`` the
-    constexprs and launch options (the constexprs are the kernel's last parameters).
+    ``descs`` are the kernel's leading host-side TMA descriptors (the Gluon kernels'
+    ``TensorDescriptor``; keyed by block shape, layout, and their base's dtype, 16-byte
+    alignment and device: their shapes and strides are run-time values, passed to the
+    launcher, which encodes each once per launch as Triton's own path does), ``tensors``
+    the pointer arguments after them (CUDA tensors of any dtype and shape, or None),
+    ``scalars`` the integer and float arguments after those, ``meta`` the constexprs and
+    launch options (the constexprs are the kernel's last parameters).
     ``enabled`` (a class attribute, :func:`fast_launch_enabled` at import) turns the fast
     path on; a fast launch that fails turns it off for every launcher, with a warning.
     """
@@ -88,12 +92,15 @@ class Launcher:
         self.cache = {}
         self._device = self._stream = None
 
-    def __call__(self, grid, tensors, scalars, meta):
+    def __call__(self, grid, tensors, scalars, meta, descs=()):
         if not self.enabled:
-            self.fn[grid](*tensors, *scalars, **meta)
+            self.fn[grid](*descs, *tensors, *scalars, **meta)
             return
         ptrs = []
         key = [tuple(meta.values())]
+        for d in descs:
+            base = d.base
+            key.append((tuple(d.block_shape), d.layout, base.dtype, base.data_ptr() % 16 == 0, base.get_device()))
         for t in tensors:
             if t is None:
                 ptrs.append(None)
@@ -115,13 +122,13 @@ class Launcher:
             launch, coop, pdl, function, packed, tail = entry
             try:
                 launch(grid[0], grid[1], 1, self._stream(device), function, coop, pdl, None, None, packed, None, None,
-                       None, *ptrs, *scalars, *tail)
+                       None, *descs, *ptrs, *scalars, *tail)
                 return
             except Exception as exc:  # a launcher that does not take these arguments: Triton's path from now on
                 type(self).enabled = False
                 self.cache.clear()
                 warnings.warn(f"instability_watch: fast kernel launch failed ({exc!r}); using Triton's launch path")
-        compiled = self.fn[grid](*tensors, *scalars, **meta)
+        compiled = self.fn[grid](*descs, *tensors, *scalars, **meta)
         if entry is None:
             self._remember(key, compiled, meta)
 

@@ -1,7 +1,8 @@
-"""dK and dV at head dim 256 on Hopper, in Gluon (Triton's lower-level language, same package).
+"""Attention at head dim 256 on Hopper in Gluon (Triton's lower-level language, same package):
+the backward's dK/dV, its dQ, and the plain forward.
 
-At D = 256 the Triton dK/dV kernel cannot hold both float32 accumulators of a 64-key block
-next to its operands (it spills), so the backward computes them in two passes, five tile
+**dK/dV.** At D = 256 the Triton dK/dV kernel cannot hold both float32 accumulators of a 64-key
+block next to its operands (it spills), so the backward computes them in two passes, five tile
 products where one pass takes four. This kernel places every operand itself: K, V and the
 query tiles (Q, dO, double-buffered by TMA) stay in shared memory, P^T and dS^T go through
 shared memory into the next product, and the two warpgroups split the head dim of dK and dV
@@ -11,10 +12,21 @@ in float32, rounded to the input dtype for dV = P^T dO; dS = P (dP - delta), rou
 dK = dS^T Q; float32 accumulators (``benchmarks/RESULTS.md``: equal to the Triton passes on the
 H100, 1.2 ms against their 1.9 ms at B4 H8 N4096 causal).
 
-It serves the calls it can: sm_90, D = 256, BF16/FP16, no mask, no dropout, one KV head per
-query head, N a multiple of 64, tiles addressable by 2-D TMA (see :func:`tma_view`). Every
-other call stays on the Triton kernels. ``benchmarks/d256_gluon_lab.py`` holds the variants
-that were tried (dQ in the same pass, by atomics or TMA reduce-add; a software-pipelined loop).
+**dQ** (128 queries a program, two warpgroups of 64 rows): Q and dO in shared memory, K
+double-buffered, V in one buffer refilled as soon as dP = dO V^T is done; dS stays in
+registers as wgmma's A operand for dQ += dS K; delta = rowsum(dO * O) in the prologue, written
+for the dK/dV kernel (0.7 against the Triton kernel's 1.1 ms).
+
+**Forward** (128 queries a program; calls without stabilize or probe, whose tie tracking stays
+in the Triton kernel): Q in shared memory, K and V double-buffered, P in registers; S of the
+next key block is issued before P V of this one, so the softmax overlaps the tensor cores
+(FA3's order inside a warpgroup); the Triton forward's online softmax, O and LSE bit for bit
+(0.56 against 0.62 ms).
+
+They serve the calls they can: sm_90, D = 256, BF16/FP16, no mask, no dropout, one KV head per
+query head, N a multiple of 64 (dK/dV) or 128 (dQ, forward), tiles addressable by 2-D TMA (see
+:func:`tma_view`). Every other call stays on the Triton kernels. ``benchmarks/d256_gluon_lab.py``
+and ``benchmarks/d256_gluon_fwd_lab.py`` hold the variants that were tried.
 """
 from __future__ import annotations
 
@@ -27,6 +39,8 @@ HEAD_DIM = 256
 NUM_WARPS = 8
 
 _kernel = None
+_fwd_kernel = None
+_dq_kernel = None
 _failed: Optional[str] = None
 
 
@@ -60,8 +74,9 @@ def tma_view(t: torch.Tensor) -> Optional[Tuple[torch.Tensor, int, int, int]]:
     return view, row_b, row_h, col_h
 
 
-def supported(q, k, v, do, *, masked: bool, dropout: bool) -> Optional[str]:
-    """None if the Gluon kernel can serve this backward call, else why not (a short reason)."""
+def supported(q, k, v, do, *, masked: bool, dropout: bool, block: int = BLOCK) -> Optional[str]:
+    """None if the Gluon kernels can serve this call (``do``: the backward's, or ``q`` again for the
+    forward, whose query tiles are ``block`` = FWD_BLOCK_M rows), else why not (a short reason)."""
     if _failed is not None:
         return _failed
     if masked or dropout:
@@ -71,8 +86,8 @@ def supported(q, k, v, do, *, masked: bool, dropout: bool) -> Optional[str]:
     B, H, N, D = q.shape
     if D != HEAD_DIM or q.dtype not in (torch.bfloat16, torch.float16):
         return "head dim or dtype"
-    if k.shape != q.shape or v.shape != q.shape or do.shape != q.shape or N % BLOCK:
-        return "GQA, cross-attention or N not a multiple of 64"
+    if k.shape != q.shape or v.shape != q.shape or do.shape != q.shape or N % block:
+        return f"GQA, cross-attention or N not a multiple of {block}"
     if any(t.dtype != q.dtype for t in (k, v, do)):
         return "mixed dtypes"
     return None
@@ -94,6 +109,21 @@ def _get_kernel():
     if _kernel is None:
         _kernel = _build_kernel()
     return _kernel
+
+
+_launchers = {}
+
+
+def _launch(build, grid, descs, tensors, scalars, meta) -> None:
+    """Launch a Gluon kernel through the package's launcher (``_launch.Launcher``: after its first
+    launch, a kernel's compiled launcher is called directly, tens of microseconds of host time
+    less than ``kernel[grid](...)``; the same path Triton takes elsewhere)."""
+    from ._launch import Launcher
+
+    launcher = _launchers.get(build)
+    if launcher is None:
+        launcher = _launchers[build] = Launcher(build())
+    launcher(grid, tensors, scalars, meta, descs)
 
 
 def _build_kernel():  # noqa: C901 (one kernel)
@@ -184,9 +214,10 @@ def _build_kernel():  # noqa: C901 (one kernel)
             lse = gl.load(LSE2 + stat0 + offs_m)
             delta = gl.load(Delta + stat0 + offs_m)
             s_t = warpgroup_mma_wait(1, deps=(s_t, ))
-            p_t = gl.exp2(s_t * qk_scale - lse[None, :])
+            p_t = gl.exp2(gl.fma(s_t, qk_scale, -lse[None, :]))
             if CAUSAL:
-                p_t = gl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+                if i == 0:  # the only query block on the diagonal (the loop starts there)
+                    p_t = gl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
             p_smem.store(p_t.to(dtype))
             fence_async_shared()
             cta_barrier()
@@ -216,13 +247,417 @@ def _build_kernel():  # noqa: C901 (one kernel)
     return _gluon_dkdv
 
 
-def _descriptor(view: torch.Tensor):
+def _get_fwd_kernel():
+    global _fwd_kernel
+    if _fwd_kernel is None:
+        _fwd_kernel = _build_fwd_kernel()
+    return _fwd_kernel
+
+
+def _build_fwd_kernel():  # noqa: C901 (one kernel)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+    @gluon.jit
+    def _softmax_step(s, r_i, m_i, l_i, qk_scale, offs_m, cols, MASK):
+        """The Triton forward's online-softmax update of one tile of raw scores ``s`` (float32):
+        P = exp2(s * qk_scale - m) in float32, the rescale alpha (exactly 1 while the row maximum r holds)."""
+        if MASK:
+            s = gl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
+        r_new = gl.maximum(r_i, gl.max(s, 1))
+        m_std = gl.where(r_new > float("-inf"), r_new, 0.0) * qk_scale
+        m_new = gl.where(r_new == r_i, m_i, m_std)
+        alpha = gl.exp2(gl.where(r_i > float("-inf"), m_i - m_new, float("-inf")))
+        p = gl.exp2(gl.fma(s, qk_scale, -m_new[:, None]))  # the Triton kernel's FMA
+        l_i = l_i * alpha + gl.sum(p, 1)
+        return p, alpha, r_new, m_new, l_i
+
+    @gluon.jit
+    def _overlap_step(j, acc, p, r_i, m_i, l_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc,
+                      k_row, k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s,
+                      p_op: gl.constexpr, mma_o: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Key block j (below the diagonal) of the overlapped loop: S_j issued, then P_{j-1} V_{j-1};
+        the softmax of S_j while the latter runs; then the buffers of K_j and V_{j-1} take K_{j+2}
+        and V_{j+1}."""
+        dtype: gl.constexpr = k_desc.dtype
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+        buf = j % 2
+        pb = 1 - buf
+        mbarrier.wait(k_bars.index(buf), (j // 2) & 1)
+        s = warpgroup_mma(q_smem, k_bufs.index(buf).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(v_bars.index(pb), ((j - 1) // 2) & 1)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), v_bufs.index(pb), acc, is_async=True)
+        s = warpgroup_mma_wait(1, deps=(s, ))
+        p, alpha, r_i, m_i, l_i = _softmax_step(s, r_i, m_i, l_i, qk_scale, offs_m, offs_n, False)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+        cta_barrier()  # every warp is done with K_j and V_{j-1}
+        more_k = j + 2 < n_iter
+        mbarrier.expect(k_bars.index(buf), kv_bytes, pred=more_k)
+        tma_load(k_desc, [k_row + (j + 2) * BLOCK_N, k_col], k_bars.index(buf), k_bufs.index(buf), pred=more_k)
+        more_v = j + 1 < n_iter
+        mbarrier.expect(v_bars.index(pb), kv_bytes, pred=more_v)
+        tma_load(v_desc, [v_row + (j + 1) * BLOCK_N, v_col], v_bars.index(pb), v_bufs.index(pb), pred=more_v)
+        return acc, p, r_i, m_i, l_i
+
+    @gluon.jit
+    def _plain_step(j, acc, r_i, m_i, l_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc,
+                    k_row, k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s,
+                    p_op: gl.constexpr, mma_o: gl.constexpr, MASK: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Key block j, one product after the other; then its buffers take K_{j+2} and V_{j+2}."""
+        dtype: gl.constexpr = k_desc.dtype
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+        buf = j % 2
+        phase = (j // 2) & 1
+        mbarrier.wait(k_bars.index(buf), phase)
+        s = warpgroup_mma(q_smem, k_bufs.index(buf).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        p, alpha, r_i, m_i, l_i = _softmax_step(s, r_i, m_i, l_i, qk_scale, offs_m, j * BLOCK_N + offs_n, MASK)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+        mbarrier.wait(v_bars.index(buf), phase)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), v_bufs.index(buf), acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        cta_barrier()  # every warp is done with K_j, V_j
+        more = j + 2 < n_iter
+        mbarrier.expect(k_bars.index(buf), kv_bytes, pred=more)
+        tma_load(k_desc, [k_row + (j + 2) * BLOCK_N, k_col], k_bars.index(buf), k_bufs.index(buf), pred=more)
+        mbarrier.expect(v_bars.index(buf), kv_bytes, pred=more)
+        tma_load(v_desc, [v_row + (j + 2) * BLOCK_N, v_col], v_bars.index(buf), v_bufs.index(buf), pred=more)
+        return acc, r_i, m_i, l_i
+
+    @gluon.jit
+    def _single_step(j, acc, r_i, m_i, l_i, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc,
+                     k_row, k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s,
+                     p_op: gl.constexpr, mma_o: gl.constexpr, MASK: gl.constexpr, BLOCK_N: gl.constexpr):
+        """Key block j with one buffer each for K and V: K_{j+1} loads during the softmax and P V,
+        V_{j+1} during the next S."""
+        dtype: gl.constexpr = k_desc.dtype
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+        phase = j & 1
+        more = j + 1 < n_iter
+        mbarrier.wait(k_bar, phase)
+        s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        cta_barrier()  # every warp is done with K_j
+        mbarrier.expect(k_bar, kv_bytes, pred=more)
+        tma_load(k_desc, [k_row + (j + 1) * BLOCK_N, k_col], k_bar, k_smem, pred=more)
+        p, alpha, r_i, m_i, l_i = _softmax_step(s, r_i, m_i, l_i, qk_scale, offs_m, j * BLOCK_N + offs_n, MASK)
+        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
+        mbarrier.wait(v_bar, phase)
+        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), v_smem, acc, is_async=True)
+        acc = warpgroup_mma_wait(0, deps=(acc, ))
+        cta_barrier()  # every warp is done with V_j
+        mbarrier.expect(v_bar, kv_bytes, pred=more)
+        tma_load(v_desc, [v_row + (j + 1) * BLOCK_N, v_col], v_bar, v_smem, pred=more)
+        return acc, r_i, m_i, l_i
+
+    @gluon.jit
+    def _gluon_fwd(q_desc, k_desc, v_desc, o_desc, LSE2,
+                   q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, o_rb, o_rh, o_ch, H, N, qk_scale,
+                   CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   OVERLAP: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        off_bh = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        if CAUSAL:  # the longest rows first (blocks start in order of their linear id, heads fastest)
+            pid_m = gl.num_programs(1) - 1 - pid_m
+        start_m = pid_m * BLOCK_M
+        b = off_bh // H
+        h = off_bh % H
+        k_row, k_col = b * k_rb + h * k_rh, h * k_ch
+        v_row, v_col = b * v_rb + h * v_rh, h * v_ch
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BLOCK_N, 16])
+        mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+        p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
+
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        mbarrier.init(q_bar, count=1)
+        for i in gl.static_range(STAGES):
+            mbarrier.init(k_bars.index(i), count=1)
+            mbarrier.init(v_bars.index(i), count=1)
+
+        if CAUSAL:
+            hi = start_m + BLOCK_M
+            n_full = start_m // BLOCK_N  # key blocks below the diagonal: no mask
+        else:
+            hi = N
+            n_full = N // BLOCK_N
+        n_iter = hi // BLOCK_N
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+        mbarrier.expect(q_bar, q_desc.block_type.nbytes)
+        tma_load(q_desc, [b * q_rb + h * q_rh + start_m, h * q_ch], q_bar, q_smem)
+        for i in gl.static_range(STAGES):
+            more = i < n_iter
+            mbarrier.expect(k_bars.index(i), kv_bytes, pred=more)
+            tma_load(k_desc, [k_row + i * BLOCK_N, k_col], k_bars.index(i), k_bufs.index(i), pred=more)
+            mbarrier.expect(v_bars.index(i), kv_bytes, pred=more)
+            tma_load(v_desc, [v_row + i * BLOCK_N, v_col], v_bars.index(i), v_bufs.index(i), pred=more)
+
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_s))
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
+        r_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, mma_s))
+        m_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, mma_s))
+        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, mma_s))
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, mma_o)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_s)
+        mbarrier.wait(q_bar, 0)
+        # causal: key blocks [0, n_full) need no mask, [n_full, n_iter) straddle the diagonal; each
+        # range has a loop of its own (a branch inside one loop costs as much as the mask)
+        n_a = n_full if CAUSAL else n_iter
+        if STAGES == 1:
+            for j in range(0, n_a):
+                acc, r_i, m_i, l_i = _single_step(
+                    j, acc, r_i, m_i, l_i, q_smem, k_bufs.index(0), v_bufs.index(0), k_bars.index(0),
+                    v_bars.index(0), k_desc, v_desc, k_row, k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n,
+                    zero_s, p_op, mma_o, False, BLOCK_N)
+            if CAUSAL:
+                for j in range(n_a, n_iter):
+                    acc, r_i, m_i, l_i = _single_step(
+                        j, acc, r_i, m_i, l_i, q_smem, k_bufs.index(0), v_bufs.index(0), k_bars.index(0),
+                        v_bars.index(0), k_desc, v_desc, k_row, k_col, v_row, v_col, n_iter, qk_scale, offs_m,
+                        offs_n, zero_s, p_op, mma_o, True, BLOCK_N)
+        elif OVERLAP:
+            # FA3's order inside a warpgroup: S_j = Q K_j^T is issued, then O += P_{j-1} V_{j-1}
+            # behind it; the softmax of S_j runs while the tensor cores work on P_{j-1} V_{j-1}.
+            # Causal: the blocks below the diagonal (none in the first query block) so, the
+            # diagonal's one product after the other (fewer registers, no mask in the loop).
+            if n_a > 0:
+                mbarrier.wait(k_bars.index(0), 0)
+                s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+                s = warpgroup_mma_wait(0, deps=(s, ))
+                p, alpha, r_i, m_i, l_i = _softmax_step(s, r_i, m_i, l_i, qk_scale, offs_m, offs_n, False)
+                cta_barrier()  # every warp is done with K_0: its buffer takes K_2
+                more = 2 < n_iter
+                mbarrier.expect(k_bars.index(0), kv_bytes, pred=more)
+                tma_load(k_desc, [k_row + 2 * BLOCK_N, k_col], k_bars.index(0), k_bufs.index(0), pred=more)
+                for j in range(1, n_a):
+                    acc, p, r_i, m_i, l_i = _overlap_step(
+                        j, acc, p, r_i, m_i, l_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row,
+                        k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s, p_op, mma_o, BLOCK_N)
+                # the last P V of the overlapped loop
+                last = (n_a - 1) % 2
+                mbarrier.wait(v_bars.index(last), ((n_a - 1) // 2) & 1)
+                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), v_bufs.index(last), acc, is_async=True)
+                acc = warpgroup_mma_wait(0, deps=(acc, ))
+                if CAUSAL:
+                    cta_barrier()  # every warp is done with V_{n_a - 1}: its buffer takes V_{n_a + 1}
+                    more = n_a + 1 < n_iter
+                    mbarrier.expect(v_bars.index(last), kv_bytes, pred=more)
+                    tma_load(v_desc, [v_row + (n_a + 1) * BLOCK_N, v_col], v_bars.index(last), v_bufs.index(last),
+                             pred=more)
+            if CAUSAL:
+                for j in range(n_a, n_iter):
+                    acc, r_i, m_i, l_i = _plain_step(
+                        j, acc, r_i, m_i, l_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row,
+                        k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s, p_op, mma_o, True, BLOCK_N)
+        else:
+            for j in range(0, n_a):
+                acc, r_i, m_i, l_i = _plain_step(
+                    j, acc, r_i, m_i, l_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row, k_col,
+                    v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s, p_op, mma_o, False, BLOCK_N)
+            if CAUSAL:
+                for j in range(n_a, n_iter):
+                    acc, r_i, m_i, l_i = _plain_step(
+                        j, acc, r_i, m_i, l_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row,
+                        k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s, p_op, mma_o, True, BLOCK_N)
+
+        cta_barrier()  # every warp is past its last wait on the barriers
+        mbarrier.invalidate(q_bar)
+        for i in gl.static_range(STAGES):
+            mbarrier.invalidate(k_bars.index(i))
+            mbarrier.invalidate(v_bars.index(i))
+        # epilogue: O rounded once (through Q's buffer, by TMA), LSE in log2 units
+        l_o = gl.convert_layout(l_i, gl.SliceLayout(1, mma_o))
+        q_smem.store((acc / l_o[:, None]).to(dtype))
+        lse2 = m_i + gl.log2(l_i)
+        gl.store(LSE2 + off_bh * N + offs_m, lse2)
+        fence_async_shared()
+        cta_barrier()
+        tma_store(o_desc, [b * o_rb + h * o_rh + start_m, h * o_ch], q_smem)
+        tma.store_wait(0)
+
+    return _gluon_fwd
+
+
+def _get_dq_kernel():
+    global _dq_kernel
+    if _dq_kernel is None:
+        _dq_kernel = _build_dq_kernel()
+    return _dq_kernel
+
+
+def _build_dq_kernel():  # noqa: C901 (one kernel)
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        fence_async_shared,
+        mbarrier,
+        tma,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
+    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
+    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+
+    @gluon.jit
+    def _dq_step(j, dq, q_smem, do_smem, k_bufs, v_smem, k_bars, v_bar, k_desc, v_desc, k_row, k_col, v_row, v_col,
+                 n_iter, qk_scale, lse, delta, offs_m, offs_n, zero_s,
+                 ds_op: gl.constexpr, MASK, BLOCK_N: gl.constexpr):
+        """Key block j: dP = dO V_j^T and S = Q K_j^T in flight together, P = exp2(S * qk_scale - LSE),
+        dS = P (dP - delta), dQ += dS K_j (dS from registers). V's one buffer takes V_{j+1} as soon as
+        dP is done (before the softmax), K_j's buffer takes K_{j+2} once dQ's product is."""
+        dtype: gl.constexpr = k_desc.dtype
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+        buf = j % 2
+        mbarrier.wait(v_bar, j & 1)
+        dp = warpgroup_mma(do_smem, v_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        mbarrier.wait(k_bars.index(buf), (j // 2) & 1)
+        s = warpgroup_mma(q_smem, k_bufs.index(buf).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+        dp = warpgroup_mma_wait(1, deps=(dp, ))
+        cta_barrier()  # every warp is done with V_j
+        more = j + 1 < n_iter
+        mbarrier.expect(v_bar, kv_bytes, pred=more)
+        tma_load(v_desc, [v_row + (j + 1) * BLOCK_N, v_col], v_bar, v_smem, pred=more)
+        s = warpgroup_mma_wait(0, deps=(s, ))
+        p = gl.exp2(gl.fma(s, qk_scale, -lse[:, None]))  # the Triton kernel's FMA
+        if MASK:
+            p = gl.where(offs_m[:, None] >= (j * BLOCK_N + offs_n)[None, :], p, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq = warpgroup_mma(gl.convert_layout(ds.to(dtype), ds_op), k_bufs.index(buf), dq, is_async=True)
+        dq = warpgroup_mma_wait(0, deps=(dq, ))
+        cta_barrier()  # every warp is done with K_j
+        more = j + 2 < n_iter
+        mbarrier.expect(k_bars.index(buf), kv_bytes, pred=more)
+        tma_load(k_desc, [k_row + (j + 2) * BLOCK_N, k_col], k_bars.index(buf), k_bufs.index(buf), pred=more)
+        return dq
+
+    @gluon.jit
+    def _gluon_dq(q_desc, k_desc, v_desc, do_desc, dq_desc, O, DO, LSE2, Delta,
+                  q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, do_rb, do_rh, do_ch, dq_rb, dq_rh, dq_ch,
+                  o_sb, o_sh, o_sn, do_sb, do_sh, do_sn, H, N, qk_scale, scale,
+                  CAUSAL: gl.constexpr, DELTA_FROM_O: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                  BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
+        dtype: gl.constexpr = q_desc.dtype
+        off_bh = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        if CAUSAL:  # the longest rows first
+            pid_m = gl.num_programs(1) - 1 - pid_m
+        start_m = pid_m * BLOCK_M
+        b = off_bh // H
+        h = off_bh % H
+        k_row, k_col = b * k_rb + h * k_rh, h * k_ch
+        v_row, v_col = b * v_rb + h * v_rh, h * v_ch
+        mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, BLOCK_N, 16])
+        mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                        instr_shape=[16, HEAD_DIM, 16])
+        ds_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_q, k_width=2)
+
+        q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
+        do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_smem = gl.allocate_shared_memory(dtype, [BLOCK_N, HEAD_DIM], v_desc.layout)
+        qdo_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        v_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
+        mbarrier.init(qdo_bar, count=1)
+        mbarrier.init(k_bars.index(0), count=1)
+        mbarrier.init(k_bars.index(1), count=1)
+        mbarrier.init(v_bar, count=1)
+
+        if CAUSAL:
+            hi = start_m + BLOCK_M
+            n_a = start_m // BLOCK_N  # key blocks below the diagonal: no mask
+        else:
+            hi = N
+            n_a = N // BLOCK_N
+        n_iter = hi // BLOCK_N
+        kv_bytes: gl.constexpr = k_desc.block_type.nbytes
+        mbarrier.expect(qdo_bar, q_desc.block_type.nbytes + do_desc.block_type.nbytes)
+        tma_load(q_desc, [b * q_rb + h * q_rh + start_m, h * q_ch], qdo_bar, q_smem)
+        tma_load(do_desc, [b * do_rb + h * do_rh + start_m, h * do_ch], qdo_bar, do_smem)
+        for i in gl.static_range(2):
+            more = i < n_iter
+            mbarrier.expect(k_bars.index(i), kv_bytes, pred=more)
+            tma_load(k_desc, [k_row + i * BLOCK_N, k_col], k_bars.index(i), k_bufs.index(i), pred=more)
+        mbarrier.expect(v_bar, kv_bytes)
+        tma_load(v_desc, [v_row, v_col], v_bar, v_smem)
+
+        offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_s))
+        offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
+        stat = off_bh * N + offs_m
+        if DELTA_FROM_O:
+            # delta = rowsum(dO * O) in float32, 64 columns at a time; the dK/dV kernel reads it from Delta
+            CH: gl.constexpr = 64
+            blk: gl.constexpr = gl.BlockedLayout([1, 8], [4, 8], [num_warps, 1], [1, 0])
+            rows = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, blk))
+            cols = gl.arange(0, CH, layout=gl.SliceLayout(0, blk))
+            o_ptr = O + b * o_sb + h * o_sh + rows[:, None] * o_sn + cols[None, :]
+            do_ptr = DO + b * do_sb + h * do_sh + rows[:, None] * do_sn + cols[None, :]
+            acc_d = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, blk))
+            for c in gl.static_range(HEAD_DIM // CH):
+                o_c = gl.load(o_ptr + c * CH).to(gl.float32)
+                do_c = gl.load(do_ptr + c * CH).to(gl.float32)
+                acc_d += gl.sum(o_c * do_c, 1)
+            gl.store(Delta + off_bh * N + rows, acc_d)
+            delta = gl.convert_layout(acc_d, gl.SliceLayout(1, mma_s))
+        else:
+            delta = gl.load(Delta + stat)
+        lse = gl.load(LSE2 + stat)
+        dq = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, mma_q)
+        zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_s)
+        mbarrier.wait(qdo_bar, 0)
+        # one loop (causal: a branch masks the blocks on the diagonal; two loops spill)
+        for j in range(0, n_iter):
+            dq = _dq_step(j, dq, q_smem, do_smem, k_bufs, v_smem, k_bars, v_bar, k_desc, v_desc, k_row, k_col,
+                          v_row, v_col, n_iter, qk_scale, lse, delta, offs_m, offs_n, zero_s, ds_op,
+                          CAUSAL and j >= n_a, BLOCK_N)
+
+        mbarrier.invalidate(qdo_bar)
+        mbarrier.invalidate(k_bars.index(0))
+        mbarrier.invalidate(k_bars.index(1))
+        mbarrier.invalidate(v_bar)
+        q_smem.store((dq * scale).to(dtype))  # through Q's buffer, by TMA
+        fence_async_shared()
+        cta_barrier()
+        tma_store(dq_desc, [b * dq_rb + h * dq_rh + start_m, h * dq_ch], q_smem)
+        tma.store_wait(0)
+
+    return _gluon_dq
+
+
+_layouts = {}
+
+
+def _descriptor(view: torch.Tensor, rows: int = BLOCK):
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
-    dt = gl.bfloat16 if view.dtype == torch.bfloat16 else gl.float16
-    block = [BLOCK, HEAD_DIM]
-    return TensorDescriptor.from_tensor(view, block, gl.NVMMASharedLayout.get_default_for(block, dt))
+    layout = _layouts.get((rows, view.dtype))
+    if layout is None:
+        dt = gl.bfloat16 if view.dtype == torch.bfloat16 else gl.float16
+        layout = _layouts[(rows, view.dtype)] = gl.NVMMASharedLayout.get_default_for([rows, HEAD_DIM], dt)
+    return TensorDescriptor.from_tensor(view, [rows, HEAD_DIM], layout)
 
 
 def dkdv(q, k, v, do, lse2, delta, dk, dv, *, causal: bool, qk_scale: float, scale: float) -> bool:
@@ -232,11 +667,10 @@ def dkdv(q, k, v, do, lse2, delta, dk, dv, *, causal: bool, qk_scale: float, sca
     if any(x is None for x in views):
         return False
     B, H, N, _ = q.shape
-    kernel = _get_kernel()
     descs = [_descriptor(x[0]) for x in views]
     geo = [int(n) for x in views for n in x[1:]]
-    kernel[(N // BLOCK, B * H)](*descs, lse2, delta, *geo, H, N, qk_scale, scale, CAUSAL=causal,
-                                HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK, BLOCK_N=BLOCK, num_warps=NUM_WARPS)
+    _launch(_get_kernel, (N // BLOCK, B * H), descs, (lse2, delta), (*geo, H, N, float(qk_scale), float(scale)),
+            dict(CAUSAL=causal, HEAD_DIM=HEAD_DIM, BLOCK_M=BLOCK, BLOCK_N=BLOCK, num_warps=NUM_WARPS))
     return True
 
 
@@ -244,3 +678,38 @@ def disable(reason: str) -> None:
     """Stop using the Gluon kernel in this process (it failed once; the Triton kernels serve instead)."""
     global _failed
     _failed = reason
+
+
+FWD_BLOCK_M = 128  # queries per program of the forward (two warpgroups of 64 rows)
+
+
+def forward(q, k, v, o, lse2, *, causal: bool, qk_scale: float, overlap: bool = True, block_n: int = BLOCK) -> bool:
+    """O and LSE (log2 units) with the Gluon forward; False (nothing written) where some tensor's
+    layout has no 2-D TMA view. ``lse2``: (B, H, N) float32, contiguous."""
+    views = [tma_view(t) for t in (q, k, v, o)]
+    if any(x is None for x in views):
+        return False
+    B, H, N, _ = q.shape
+    descs = [_descriptor(x[0], rows) for x, rows in zip(views, (FWD_BLOCK_M, block_n, block_n, FWD_BLOCK_M))]
+    geo = [int(n) for x in views for n in x[1:]]
+    _launch(_get_fwd_kernel, (B * H, N // FWD_BLOCK_M), descs, (lse2, ), (*geo, H, N, float(qk_scale)),
+            dict(CAUSAL=causal, HEAD_DIM=HEAD_DIM, BLOCK_M=FWD_BLOCK_M, BLOCK_N=block_n, OVERLAP=overlap,
+                 STAGES=2 if block_n == BLOCK else 1, num_warps=NUM_WARPS))
+    return True
+
+
+def dq(q, k, v, o, do, lse2, delta, dq, *, causal: bool, qk_scale: float, scale: float, delta_from_o: bool) -> bool:
+    """dQ with the Gluon kernel (and delta = rowsum(dO * O) into ``delta`` if ``delta_from_o``, else
+    read from it); False (nothing written) where some tensor's layout has no 2-D TMA view.
+    ``lse2``, ``delta``: (B, H, N) float32, contiguous."""
+    views = [tma_view(t) for t in (q, k, v, do, dq)]
+    if any(x is None for x in views):
+        return False
+    B, H, N, _ = q.shape
+    descs = [_descriptor(x[0], rows) for x, rows in zip(views, (FWD_BLOCK_M, BLOCK, BLOCK, FWD_BLOCK_M, FWD_BLOCK_M))]
+    geo = [int(n) for x in views for n in x[1:]]
+    _launch(_get_dq_kernel, (B * H, N // FWD_BLOCK_M), descs, (o, do, lse2, delta),
+            (*geo, *o.stride()[:3], *do.stride()[:3], H, N, float(qk_scale), float(scale)),
+            dict(CAUSAL=causal, DELTA_FROM_O=delta_from_o, HEAD_DIM=HEAD_DIM, BLOCK_M=FWD_BLOCK_M, BLOCK_N=BLOCK,
+                 num_warps=NUM_WARPS))
+    return True

@@ -772,6 +772,7 @@ def attention_forward_lse2(
     causal: bool, scale: float, stabilize: Optional[torch.Tensor], beta: float, eps: float,
     counts: Optional[torch.Tensor], values: Optional[torch.Tensor], config=None,
     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
+    gluon: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward; ``config`` (a LaunchConfig or a tuple) overrides the launch configuration.
 
@@ -779,6 +780,9 @@ def attention_forward_lse2(
     or None; ``counts``/``values`` the probe's buffers or None. Returns ``(o, lse2)``: o
     (B, H, N, D) in q's dtype and layout, lse2 (B, H, N) float32 in log2 units (with an
     additive mask (2, B, H, N): the shift and log2(l) apart), for :func:`attention_backward_lse2`.
+    ``gluon``: at D = 256 on an sm_90 GPU, a plain call (no stabilize, probe, mask, dropout or GQA)
+    runs the Gluon forward (``gluon_attention.py``; the same online softmax); ``None`` does so
+    where it can and ``config`` is not given, ``False`` never, ``True`` raises ValueError where it cannot.
     """
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
@@ -788,6 +792,16 @@ def attention_forward_lse2(
     # an additive mask: (2, B, H, N), the shift and log2(l) (see the kernel's epilogue)
     lse_shape = (2, B, H, N) if mask.kind == MASK_ADD else (B, H, N)
     lse2 = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    if gluon if gluon is not None else (config is None and D == 256):
+        plain = stabilize is None and counts is None and mask.kind == MASK_NONE and not dropout_p
+        why = "stabilize, probe, mask or dropout"
+        if plain:
+            why = _gluon_call("forward", lambda ga: ga.forward(q, k, v, o, lse2, causal=causal, qk_scale=scale * LOG2E),
+                              q, k, v, q, masked=False, block=128)
+        if why is None:
+            return o, lse2
+        if gluon:
+            raise ValueError(f"gluon=True: the Gluon forward cannot serve this call ({why})")
     head_dim = head_dim_tile(D)
     watched = stabilize is not None or counts is not None
     cfg = launch_config("fwd", head_dim, q.dtype, watched=watched, override=config)
@@ -825,24 +839,24 @@ def attention_forward_lse2(
     return o, lse2
 
 
-def _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, qk_scale, scale, mask_kind, seed) -> Optional[str]:
-    """dK and dV by the Gluon kernel (gluon_attention.py); None if it served the call, else why not.
+def _gluon_call(what: str, launch, q, k, v, do, *, masked: bool, dropout: bool = False,
+                block: int = 64) -> Optional[str]:
+    """Run ``launch(gluon_attention)`` (a Gluon kernel: the forward, or the backward's dQ or dK/dV)
+    where it can serve the call; None if it did, else why not.
 
-    A kernel that fails (a Triton whose Gluon differs, say) is reported once, on rank 0, and not
-    tried again in this process: the Triton kernels serve instead."""
+    A kernel that fails (a Triton whose Gluon differs, say) is reported once, on rank 0, and no
+    Gluon kernel is tried again in this process: the Triton kernels serve instead."""
     if INTERPRET:
         return "Triton's interpreter"
     from . import gluon_attention
 
     if not gluon_attention.available():
         return "this Triton has no Gluon for Hopper"
-    why = gluon_attention.supported(q, k, v, do, masked=mask_kind != MASK_NONE, dropout=seed is not None)
+    why = gluon_attention.supported(q, k, v, do, masked=masked, dropout=dropout, block=block)
     if why is not None:
         return why
-    if not (lse2.is_contiguous() and delta.is_contiguous()):
-        return "statistics not contiguous"
     try:
-        if gluon_attention.dkdv(q, k, v, do, lse2, delta, dk, dv, causal=causal, qk_scale=qk_scale, scale=scale):
+        if launch(gluon_attention):
             return None
         return "a tensor layout without a 2-D TMA view"
     except Exception as exc:  # noqa: BLE001 - any failure: the Triton kernels serve from now on
@@ -851,9 +865,18 @@ def _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, qk_scale, scale, mask_
         from .._dist import rank
 
         if rank() == 0:
-            warnings.warn(f"instability_watch: the Gluon dK/dV kernel (D = 256) failed ({reason}); "
+            warnings.warn(f"instability_watch: the Gluon {what} kernel (D = 256) failed ({reason}); "
                           "the Triton kernels serve every call from now on")
         return reason
+
+
+def _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, qk_scale, scale, mask_kind, seed) -> Optional[str]:
+    """dK and dV by the Gluon kernel (gluon_attention.py); None if it served the call, else why not."""
+    if not (lse2.is_contiguous() and delta.is_contiguous()):
+        return "statistics not contiguous"
+    return _gluon_call(
+        "dK/dV", lambda ga: ga.dkdv(q, k, v, do, lse2, delta, dk, dv, causal=causal, qk_scale=qk_scale, scale=scale),
+        q, k, v, do, masked=mask_kind != MASK_NONE, dropout=seed is not None)
 
 
 def attention_backward_lse2(
@@ -892,6 +915,9 @@ def attention_backward_lse2(
     where the call has no mask, dropout or GQA; ``None`` does so where it can and the dK/dV
     launch is not overridden, ``False`` never, ``True`` raises ValueError where it cannot (the
     dK/dV overrides ``split`` and ``config_dk*``/``config_dv`` then apply only to calls it cannot serve).
+    dQ runs as a Gluon kernel too where it can (the same calls, N a multiple of 128, no shadow
+    statistics or mask gradient) unless ``gluon=False``, or ``config_dq`` is given with ``gluon=None``;
+    ``gluon=True`` does not require it (a call it cannot serve takes the Triton dQ kernel).
     ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``. Returns
     ``(dq, dk, dv, dmask)``; ``dmask`` (an additive mask's gradient, in its shape and
     dtype) only if ``mask_grad``, else None.
@@ -948,18 +974,27 @@ def attention_backward_lse2(
         dq.copy_(dq_acc)
         return dq, dk, dv, None
     # dQ first: its programs write delta, which every dK/dV program reads
-    cfg = launch_config("dq", head_dim, q.dtype, override=config_dq)
-    block_m, block_n = cfg.block_m, cfg.block_n
-    lo, hi, r_strides = mask.rows(block_m) if mask.kind else (None, None, (0, 0, 0))
-    _launch_dq(
-        (cdiv(N, block_m), B * H),
-        (q, k, v, o, do, lse2, delta, dq, counts, values, mask.tensor, lo, hi, seed, dmask),
-        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
-         *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
-        dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, MASK_KIND=mask.kind, DROPOUT=seed is not None,
-             MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
-             BLOCK_N=block_n, DOT_PRECISION=precision, **cfg.options()),
-    )
+    why_dq = "off"
+    if gluon is not False and (gluon or config_dq is None) and D == 256:  # the Gluon kernel, where it can
+        why_dq = "shadow statistics, a mask's gradient or statistics not contiguous"
+        if not (shadow or mask_grad) and lse2.is_contiguous():
+            why_dq = _gluon_call(
+                "dQ", lambda ga: ga.dq(q, k, v, o, do, lse2, delta, dq, causal=causal, qk_scale=qk_scale, scale=scale,
+                                       delta_from_o=delta_from_o),
+                q, k, v, do, masked=mask.kind != MASK_NONE, dropout=seed is not None, block=128)
+    if why_dq is not None:  # the Triton kernel (also the shadow statistics, a mask's gradient)
+        cfg = launch_config("dq", head_dim, q.dtype, override=config_dq)
+        block_m, block_n = cfg.block_m, cfg.block_n
+        lo, hi, r_strides = mask.rows(block_m) if mask.kind else (None, None, (0, 0, 0))
+        _launch_dq(
+            (cdiv(N, block_m), B * H),
+            (q, k, v, o, do, lse2, delta, dq, counts, values, mask.tensor, lo, hi, seed, dmask),
+            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+             *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
+            dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, MASK_KIND=mask.kind, DROPOUT=seed is not None,
+                 MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
+                 BLOCK_N=block_n, DOT_PRECISION=precision, **cfg.options()),
+        )
     want = gluon
     if want is None:
         want = split is None and config_dkdv is None and config_dk is None and config_dv is None and D == 256
