@@ -424,9 +424,9 @@ def test_gluon_dkdv_at_d256(N, causal, layout, dtype, monkeypatch):
                           (640, True, "qkv_slice", torch.float16), (128, True, "bhnd", torch.bfloat16)],
                          ids=["causal", "hf-layout", "fp16-qkv-slice", "one-block"])
 def test_gluon_forward_at_d256(N, causal, layout, dtype, monkeypatch):
-    """At D = 256 on sm_90 a plain forward (no stabilize, probe, mask, dropout or GQA) is the Gluon
-    kernel: the Triton forward's O and LSE bit for bit (same online softmax), within twice PyTorch's
-    error against float64; the watch's calls (stabilize, probe) and the others stay on the Triton
+    """At D = 256 on sm_90 a forward without probe, mask, dropout or GQA is the Gluon kernel, stabilized
+    heads included: the Triton forward's O and LSE bit for bit (same online softmax and tie tracking),
+    within twice PyTorch's error against float64; probe steps and the other calls stay on the Triton
     kernel, named with gluon=True."""
     from instability_watch.kernels import gluon_attention
     from instability_watch.kernels import triton_attention as ta
@@ -447,15 +447,26 @@ def test_gluon_forward_at_d256(N, causal, layout, dtype, monkeypatch):
     f64 = run_fwd_bwd(lambda a, b, c: _sdpa(a, b, c, causal, SDPBackend.MATH), q, k, v, do, torch.float64)
     pt = run_fwd_bwd(lambda a, b, c: _sdpa(a, b, c, causal), q, k, v, do, dtype)
     assert max_err(o, f64[0]) <= 2 * max_err(pt[0], f64[0]) + 1e-6, (max_err(o, f64[0]), max_err(pt[0], f64[0]))
-    # the watch's calls: a stabilized head or a probe keeps the Triton forward (its tie tracking)
-    stab = torch.zeros(H, dtype=torch.bool, device=DEV)
-    with pytest.raises(ValueError, match="stabilize, probe"):
-        ta.attention_forward_lse2(q, k, v, stabilize=stab, gluon=True, **kw)
+    # a switched layer's call: stabilized heads (tie tracking, the shift above a repeated maximum) in the
+    # Gluon kernel too, equal to the Triton kernel's; keys in equal pairs give most rows a tie
+    kt = k.clone()
+    kt[:, :, 1::2] = kt[:, :, 0::2]
+    stab = torch.arange(H, device=DEV) % 2 == 0
+    o_s, lse_s = ta.attention_forward_lse2(q, kt, v, stabilize=stab, gluon=True, **kw)
+    o_st, lse_st = ta.attention_forward_lse2(q, kt, v, stabilize=stab, gluon=False, **kw)
+    o_pl, lse_pl = ta.attention_forward_lse2(q, kt, v, stabilize=None, gluon=False, **kw)
+    assert len(calls) == 3
+    assert torch.equal(o_s, o_st) and torch.equal(lse_s, lse_st)
+    assert not torch.equal(o_s[:, 0::2], o_pl[:, 0::2])  # the stabilized heads' shift moved (P rounds differently)
+    assert torch.equal(o_s[:, 1::2], o_pl[:, 1::2])  # the others are the plain forward's
+    # a probe keeps the Triton forward (its statistics)
     probe = Probe(H, device=DEV)
     kw_probe = {**kw, "counts": probe.counts, "values": probe.values}
-    o_p, _ = ta.attention_forward_lse2(q, k, v, stabilize=stab, **kw_probe)
-    assert len(calls) == 2
-    assert max_err(o_p, o_t) <= 2 ** -8 * o_t.abs().max().item()
+    with pytest.raises(ValueError, match="a probe, mask or dropout"):
+        ta.attention_forward_lse2(q, k, v, stabilize=stab, gluon=True, **kw_probe)
+    o_p, _ = ta.attention_forward_lse2(q, k, v, stabilize=None, **kw_probe)
+    assert len(calls) == 3
+    assert torch.equal(o_p, o_t)
     mask = torch.ones(N, N, dtype=torch.bool, device=DEV).tril()
     with pytest.raises(ValueError, match="mask"):
         ta.attention_forward_lse2(q, k, v, stabilize=None, gluon=True, attn_mask=mask, **kw)

@@ -24,6 +24,19 @@ def at_least(x, thr, ASM: tl.constexpr):
         return tl.where(x >= thr, 1.0, 0.0)
 
 
+@triton.jit
+def add_rn(x, y, ASM: tl.constexpr):
+    """x + y rounded once (float32 tiles of one shape): PTX ``add.rn``, which ptxas never fuses
+    with a product feeding it into an FMA (a plain add may be, differently from kernel to kernel).
+
+    ``ASM``: the PTX instruction; otherwise ``x + y`` (the interpreter's numpy adds round once)."""
+    if ASM:
+        return tl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f", [x, y], dtype=tl.float32, is_pure=True,
+                                         pack=1)
+    else:
+        return x + y
+
+
 # Per-row statistics go to per-head counters in global memory. A tile-wide reduction in
 # Triton is a shared-memory round trip with barriers, and a per-row atomic makes Triton
 # move the operands to another layout through shared memory too; these two helpers can

@@ -1,5 +1,5 @@
 """Attention at head dim 256 on Hopper in Gluon (Triton's lower-level language, same package):
-the backward's dK/dV, its dQ, and the plain forward.
+the backward's dK/dV, its dQ, and the forward.
 
 **dK/dV.** At D = 256 the Triton dK/dV kernel cannot hold both float32 accumulators of a 64-key
 block next to its operands (it spills), so the backward computes them in two passes, five tile
@@ -17,11 +17,12 @@ double-buffered, V in one buffer refilled as soon as dP = dO V^T is done; dS sta
 registers as wgmma's A operand for dQ += dS K; delta = rowsum(dO * O) in the prologue, written
 for the dK/dV kernel (0.7 against the Triton kernel's 1.1 ms).
 
-**Forward** (128 queries a program; calls without stabilize or probe, whose tie tracking stays
-in the Triton kernel): Q in shared memory, K and V double-buffered, P in registers; S of the
-next key block is issued before P V of this one, so the softmax overlaps the tensor cores
-(FA3's order inside a warpgroup); the Triton forward's online softmax, O and LSE bit for bit
-(0.56 against 0.62 ms).
+**Forward** (128 queries a program; calls without a probe, whose statistics stay in the Triton
+kernel): Q in shared memory, K and V double-buffered, P in registers; S of the next key block
+is issued before P V of this one, so the softmax overlaps the tensor cores (FA3's order inside a
+warpgroup); the Triton forward's online softmax and, for stabilized heads, its tie tracking and
+shift: O and LSE bit for bit (B4 H8 N4096 causal: 0.51 against 0.62 ms; with every other head
+stabilized 0.57 against 0.61).
 
 They serve the calls they can: sm_90, D = 256, BF16/FP16, no mask, no dropout, one KV head per
 query head, N a multiple of 64 (dK/dV) or 128 (dQ, forward), tiles addressable by 2-D TMA (see
@@ -270,23 +271,42 @@ def _build_fwd_kernel():  # noqa: C901 (one kernel)
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
 
     @gluon.jit
-    def _softmax_step(s, r_i, m_i, l_i, qk_scale, offs_m, cols, MASK):
+    def _stabilized_shift2(m_std, r, beta, max_shift2):
+        """The Triton kernel's extra shift (log2 units) above m_std = r * qk_scale (reference.stabilized_shift)."""
+        d = gl.where(r > 0, beta - 1.0, -1.0) * m_std  # beta > 1: d >= 0
+        return gl.minimum(d, (max_shift2 - 1.0) + (d - gl.floor(d)))
+
+    @gluon.jit
+    def _softmax_step(s, r_i, m_i, l_i, c_i, qk_scale, eps_raw, beta, max_shift2, offs_m, cols, MASK,
+                      TRACK: gl.constexpr):
         """The Triton forward's online-softmax update of one tile of raw scores ``s`` (float32):
-        P = exp2(s * qk_scale - m) in float32, the rescale alpha (exactly 1 while the row maximum r holds)."""
+        P = exp2(s * qk_scale - m) in float32, the rescale alpha (exactly 1 while the row maximum r
+        holds). ``TRACK`` (a stabilized head): c counts the scores within eps of the running maximum,
+        and where it repeats the shift moves up (paper Alg. 3, as the Triton kernel)."""
         if MASK:
             s = gl.where(offs_m[:, None] >= cols[None, :], s, float("-inf"))
         r_new = gl.maximum(r_i, gl.max(s, 1))
         m_std = gl.where(r_new > float("-inf"), r_new, 0.0) * qk_scale
         m_new = gl.where(r_new == r_i, m_i, m_std)
+        if TRACK:
+            thr = r_new - eps_raw
+            c_i = gl.where(r_i >= thr, c_i, 0) + gl.sum(gl.where(s >= thr[:, None], 1.0, 0.0), 1).to(gl.int32)
+            tie = (c_i > 1) & (r_new > float("-inf"))
+            d = _stabilized_shift2(m_std, r_new, beta, max_shift2)
+            # rounded once (PTX add.rn: no FMA with m_std's product), as the Triton kernel's
+            m_new = gl.maximum(m_new, gl.inline_asm_elementwise("add.rn.f32 $0, $1, $2;", "=f,f,f",
+                                                                [m_std, gl.where(tie, d, 0.0)], dtype=gl.float32,
+                                                                is_pure=True, pack=1))
+            m_new = gl.where(r_i > float("-inf"), gl.maximum(m_i, m_new), m_new)  # the shift never moves down
         alpha = gl.exp2(gl.where(r_i > float("-inf"), m_i - m_new, float("-inf")))
         p = gl.exp2(gl.fma(s, qk_scale, -m_new[:, None]))  # the Triton kernel's FMA
         l_i = l_i * alpha + gl.sum(p, 1)
-        return p, alpha, r_new, m_new, l_i
+        return p, alpha, r_new, m_new, l_i, c_i
 
     @gluon.jit
-    def _overlap_step(j, acc, p, r_i, m_i, l_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc,
-                      k_row, k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s,
-                      p_op: gl.constexpr, mma_o: gl.constexpr, BLOCK_N: gl.constexpr):
+    def _overlap_step(j, acc, p, r_i, m_i, l_i, c_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc,
+                      k_row, k_col, v_row, v_col, n_iter, qk_scale, eps_raw, beta, max_shift2, offs_m, offs_n, zero_s,
+                      p_op: gl.constexpr, mma_o: gl.constexpr, BLOCK_N: gl.constexpr, TRACK: gl.constexpr):
         """Key block j (below the diagonal) of the overlapped loop: S_j issued, then P_{j-1} V_{j-1};
         the softmax of S_j while the latter runs; then the buffers of K_j and V_{j-1} take K_{j+2}
         and V_{j+1}."""
@@ -299,7 +319,8 @@ def _build_fwd_kernel():  # noqa: C901 (one kernel)
         mbarrier.wait(v_bars.index(pb), ((j - 1) // 2) & 1)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), v_bufs.index(pb), acc, is_async=True)
         s = warpgroup_mma_wait(1, deps=(s, ))
-        p, alpha, r_i, m_i, l_i = _softmax_step(s, r_i, m_i, l_i, qk_scale, offs_m, offs_n, False)
+        p, alpha, r_i, m_i, l_i, c_i = _softmax_step(s, r_i, m_i, l_i, c_i, qk_scale, eps_raw, beta, max_shift2,
+                                                     offs_m, offs_n, False, TRACK)
         acc = warpgroup_mma_wait(0, deps=(acc, ))
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
         cta_barrier()  # every warp is done with K_j and V_{j-1}
@@ -309,12 +330,13 @@ def _build_fwd_kernel():  # noqa: C901 (one kernel)
         more_v = j + 1 < n_iter
         mbarrier.expect(v_bars.index(pb), kv_bytes, pred=more_v)
         tma_load(v_desc, [v_row + (j + 1) * BLOCK_N, v_col], v_bars.index(pb), v_bufs.index(pb), pred=more_v)
-        return acc, p, r_i, m_i, l_i
+        return acc, p, r_i, m_i, l_i, c_i
 
     @gluon.jit
-    def _plain_step(j, acc, r_i, m_i, l_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc,
-                    k_row, k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s,
-                    p_op: gl.constexpr, mma_o: gl.constexpr, MASK: gl.constexpr, BLOCK_N: gl.constexpr):
+    def _plain_step(j, acc, r_i, m_i, l_i, c_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc,
+                    k_row, k_col, v_row, v_col, n_iter, qk_scale, eps_raw, beta, max_shift2, offs_m, offs_n, zero_s,
+                    p_op: gl.constexpr, mma_o: gl.constexpr, MASK: gl.constexpr, BLOCK_N: gl.constexpr,
+                    TRACK: gl.constexpr):
         """Key block j, one product after the other; then its buffers take K_{j+2} and V_{j+2}."""
         dtype: gl.constexpr = k_desc.dtype
         kv_bytes: gl.constexpr = k_desc.block_type.nbytes
@@ -323,7 +345,8 @@ def _build_fwd_kernel():  # noqa: C901 (one kernel)
         mbarrier.wait(k_bars.index(buf), phase)
         s = warpgroup_mma(q_smem, k_bufs.index(buf).permute((1, 0)), zero_s, use_acc=False, is_async=True)
         s = warpgroup_mma_wait(0, deps=(s, ))
-        p, alpha, r_i, m_i, l_i = _softmax_step(s, r_i, m_i, l_i, qk_scale, offs_m, j * BLOCK_N + offs_n, MASK)
+        p, alpha, r_i, m_i, l_i, c_i = _softmax_step(s, r_i, m_i, l_i, c_i, qk_scale, eps_raw, beta, max_shift2,
+                                                     offs_m, j * BLOCK_N + offs_n, MASK, TRACK)
         acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
         mbarrier.wait(v_bars.index(buf), phase)
         acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), v_bufs.index(buf), acc, is_async=True)
@@ -334,39 +357,68 @@ def _build_fwd_kernel():  # noqa: C901 (one kernel)
         tma_load(k_desc, [k_row + (j + 2) * BLOCK_N, k_col], k_bars.index(buf), k_bufs.index(buf), pred=more)
         mbarrier.expect(v_bars.index(buf), kv_bytes, pred=more)
         tma_load(v_desc, [v_row + (j + 2) * BLOCK_N, v_col], v_bars.index(buf), v_bufs.index(buf), pred=more)
-        return acc, r_i, m_i, l_i
+        return acc, r_i, m_i, l_i, c_i
 
     @gluon.jit
-    def _single_step(j, acc, r_i, m_i, l_i, q_smem, k_smem, v_smem, k_bar, v_bar, k_desc, v_desc,
-                     k_row, k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s,
-                     p_op: gl.constexpr, mma_o: gl.constexpr, MASK: gl.constexpr, BLOCK_N: gl.constexpr):
-        """Key block j with one buffer each for K and V: K_{j+1} loads during the softmax and P V,
-        V_{j+1} during the next S."""
+    def _fwd_loops(q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row, k_col, v_row, v_col, n_a, n_iter,
+                   qk_scale, eps_raw, beta, max_shift2, offs_m, offs_n, zero_s, p_op: gl.constexpr,
+                   mma_o: gl.constexpr, CAUSAL: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
+                   HEAD_DIM: gl.constexpr, TRACK: gl.constexpr):
+        """O (unnormalised), the shift m and l of one query block, from the key blocks [0, n_iter).
+
+        FA3's order inside a warpgroup: S_j = Q K_j^T is issued, then O += P_{j-1} V_{j-1} behind
+        it, so the softmax of S_j runs while the tensor cores work on P_{j-1} V_{j-1}. Causal: the
+        blocks below the diagonal [0, n_a) (none in the first query block) so, the diagonal's one
+        product after the other, in a loop of their own (a mask branch in the overlapped loop cost
+        8%; the separate loop also needs fewer registers)."""
         dtype: gl.constexpr = k_desc.dtype
         kv_bytes: gl.constexpr = k_desc.block_type.nbytes
-        phase = j & 1
-        more = j + 1 < n_iter
-        mbarrier.wait(k_bar, phase)
-        s = warpgroup_mma(q_smem, k_smem.permute((1, 0)), zero_s, use_acc=False, is_async=True)
-        s = warpgroup_mma_wait(0, deps=(s, ))
-        cta_barrier()  # every warp is done with K_j
-        mbarrier.expect(k_bar, kv_bytes, pred=more)
-        tma_load(k_desc, [k_row + (j + 1) * BLOCK_N, k_col], k_bar, k_smem, pred=more)
-        p, alpha, r_i, m_i, l_i = _softmax_step(s, r_i, m_i, l_i, qk_scale, offs_m, j * BLOCK_N + offs_n, MASK)
-        acc = acc * gl.convert_layout(alpha, gl.SliceLayout(1, mma_o))[:, None]
-        mbarrier.wait(v_bar, phase)
-        acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), v_smem, acc, is_async=True)
-        acc = warpgroup_mma_wait(0, deps=(acc, ))
-        cta_barrier()  # every warp is done with V_j
-        mbarrier.expect(v_bar, kv_bytes, pred=more)
-        tma_load(v_desc, [v_row + (j + 1) * BLOCK_N, v_col], v_bar, v_smem, pred=more)
-        return acc, r_i, m_i, l_i
+        row_l: gl.constexpr = offs_m.type.layout
+        r_i = gl.full([BLOCK_M], float("-inf"), gl.float32, row_l)
+        m_i = gl.zeros([BLOCK_M], gl.float32, row_l)  # finite while r is -inf: P = exp2(-inf - m) = 0
+        l_i = gl.zeros([BLOCK_M], gl.float32, row_l)
+        c_i = gl.zeros([BLOCK_M], gl.int32, row_l)
+        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, mma_o)
+        if n_a > 0:
+            mbarrier.wait(k_bars.index(0), 0)
+            s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
+            s = warpgroup_mma_wait(0, deps=(s, ))
+            p, alpha, r_i, m_i, l_i, c_i = _softmax_step(s, r_i, m_i, l_i, c_i, qk_scale, eps_raw, beta, max_shift2,
+                                                         offs_m, offs_n, False, TRACK)
+            cta_barrier()  # every warp is done with K_0: its buffer takes K_2
+            more = 2 < n_iter
+            mbarrier.expect(k_bars.index(0), kv_bytes, pred=more)
+            tma_load(k_desc, [k_row + 2 * BLOCK_N, k_col], k_bars.index(0), k_bufs.index(0), pred=more)
+            for j in range(1, n_a):
+                acc, p, r_i, m_i, l_i, c_i = _overlap_step(
+                    j, acc, p, r_i, m_i, l_i, c_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row,
+                    k_col, v_row, v_col, n_iter, qk_scale, eps_raw, beta, max_shift2, offs_m, offs_n, zero_s, p_op,
+                    mma_o, BLOCK_N, TRACK)
+            # the last P V of the overlapped loop
+            last = (n_a - 1) % 2
+            mbarrier.wait(v_bars.index(last), ((n_a - 1) // 2) & 1)
+            acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), v_bufs.index(last), acc, is_async=True)
+            acc = warpgroup_mma_wait(0, deps=(acc, ))
+            if CAUSAL:
+                cta_barrier()  # every warp is done with V_{n_a - 1}: its buffer takes V_{n_a + 1}
+                more = n_a + 1 < n_iter
+                mbarrier.expect(v_bars.index(last), kv_bytes, pred=more)
+                tma_load(v_desc, [v_row + (n_a + 1) * BLOCK_N, v_col], v_bars.index(last), v_bufs.index(last),
+                         pred=more)
+        if CAUSAL:
+            for j in range(n_a, n_iter):
+                acc, r_i, m_i, l_i, c_i = _plain_step(
+                    j, acc, r_i, m_i, l_i, c_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row,
+                    k_col, v_row, v_col, n_iter, qk_scale, eps_raw, beta, max_shift2, offs_m, offs_n, zero_s, p_op,
+                    mma_o, True, BLOCK_N, TRACK)
+        return acc, m_i, l_i
 
     @gluon.jit
-    def _gluon_fwd(q_desc, k_desc, v_desc, o_desc, LSE2,
-                   q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, o_rb, o_rh, o_ch, H, N, qk_scale,
-                   CAUSAL: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr, BLOCK_N: gl.constexpr,
-                   OVERLAP: gl.constexpr, STAGES: gl.constexpr, num_warps: gl.constexpr):
+    def _gluon_fwd(q_desc, k_desc, v_desc, o_desc, LSE2, Stab,
+                   q_rb, q_rh, q_ch, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, o_rb, o_rh, o_ch, H, N,
+                   qk_scale, eps_raw, beta, max_shift2,
+                   CAUSAL: gl.constexpr, HAS_STAB: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
+                   BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
         off_bh = gl.program_id(0)
         pid_m = gl.program_id(1)
@@ -384,27 +436,26 @@ def _build_fwd_kernel():  # noqa: C901 (one kernel)
         p_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_o, k_width=2)
 
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
-        k_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], k_desc.layout)
-        v_bufs = gl.allocate_shared_memory(dtype, [STAGES, BLOCK_N, HEAD_DIM], v_desc.layout)
+        k_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], k_desc.layout)
+        v_bufs = gl.allocate_shared_memory(dtype, [2, BLOCK_N, HEAD_DIM], v_desc.layout)
         q_bar = gl.allocate_shared_memory(gl.int64, [1], mbarrier.MBarrierLayout())
-        k_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
-        v_bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
+        k_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
+        v_bars = gl.allocate_shared_memory(gl.int64, [2, 1], mbarrier.MBarrierLayout())
         mbarrier.init(q_bar, count=1)
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(2):
             mbarrier.init(k_bars.index(i), count=1)
             mbarrier.init(v_bars.index(i), count=1)
 
         if CAUSAL:
-            hi = start_m + BLOCK_M
-            n_full = start_m // BLOCK_N  # key blocks below the diagonal: no mask
+            n_iter = (start_m + BLOCK_M) // BLOCK_N
+            n_a = start_m // BLOCK_N  # key blocks below the diagonal: no mask
         else:
-            hi = N
-            n_full = N // BLOCK_N
-        n_iter = hi // BLOCK_N
+            n_iter = N // BLOCK_N
+            n_a = n_iter
         kv_bytes: gl.constexpr = k_desc.block_type.nbytes
         mbarrier.expect(q_bar, q_desc.block_type.nbytes)
         tma_load(q_desc, [b * q_rb + h * q_rh + start_m, h * q_ch], q_bar, q_smem)
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(2):
             more = i < n_iter
             mbarrier.expect(k_bars.index(i), kv_bytes, pred=more)
             tma_load(k_desc, [k_row + i * BLOCK_N, k_col], k_bars.index(i), k_bufs.index(i), pred=more)
@@ -413,75 +464,23 @@ def _build_fwd_kernel():  # noqa: C901 (one kernel)
 
         offs_m = start_m + gl.arange(0, BLOCK_M, layout=gl.SliceLayout(1, mma_s))
         offs_n = gl.arange(0, BLOCK_N, layout=gl.SliceLayout(0, mma_s))
-        r_i = gl.full([BLOCK_M], float("-inf"), gl.float32, gl.SliceLayout(1, mma_s))
-        m_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, mma_s))
-        l_i = gl.zeros([BLOCK_M], gl.float32, gl.SliceLayout(1, mma_s))
-        acc = gl.zeros([BLOCK_M, HEAD_DIM], gl.float32, mma_o)
         zero_s = gl.zeros([BLOCK_M, BLOCK_N], gl.float32, mma_s)
         mbarrier.wait(q_bar, 0)
-        # causal: key blocks [0, n_full) need no mask, [n_full, n_iter) straddle the diagonal; each
-        # range has a loop of its own (a branch inside one loop costs as much as the mask)
-        n_a = n_full if CAUSAL else n_iter
-        if STAGES == 1:
-            for j in range(0, n_a):
-                acc, r_i, m_i, l_i = _single_step(
-                    j, acc, r_i, m_i, l_i, q_smem, k_bufs.index(0), v_bufs.index(0), k_bars.index(0),
-                    v_bars.index(0), k_desc, v_desc, k_row, k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n,
-                    zero_s, p_op, mma_o, False, BLOCK_N)
-            if CAUSAL:
-                for j in range(n_a, n_iter):
-                    acc, r_i, m_i, l_i = _single_step(
-                        j, acc, r_i, m_i, l_i, q_smem, k_bufs.index(0), v_bufs.index(0), k_bars.index(0),
-                        v_bars.index(0), k_desc, v_desc, k_row, k_col, v_row, v_col, n_iter, qk_scale, offs_m,
-                        offs_n, zero_s, p_op, mma_o, True, BLOCK_N)
-        elif OVERLAP:
-            # FA3's order inside a warpgroup: S_j = Q K_j^T is issued, then O += P_{j-1} V_{j-1}
-            # behind it; the softmax of S_j runs while the tensor cores work on P_{j-1} V_{j-1}.
-            # Causal: the blocks below the diagonal (none in the first query block) so, the
-            # diagonal's one product after the other (fewer registers, no mask in the loop).
-            if n_a > 0:
-                mbarrier.wait(k_bars.index(0), 0)
-                s = warpgroup_mma(q_smem, k_bufs.index(0).permute((1, 0)), zero_s, use_acc=False, is_async=True)
-                s = warpgroup_mma_wait(0, deps=(s, ))
-                p, alpha, r_i, m_i, l_i = _softmax_step(s, r_i, m_i, l_i, qk_scale, offs_m, offs_n, False)
-                cta_barrier()  # every warp is done with K_0: its buffer takes K_2
-                more = 2 < n_iter
-                mbarrier.expect(k_bars.index(0), kv_bytes, pred=more)
-                tma_load(k_desc, [k_row + 2 * BLOCK_N, k_col], k_bars.index(0), k_bufs.index(0), pred=more)
-                for j in range(1, n_a):
-                    acc, p, r_i, m_i, l_i = _overlap_step(
-                        j, acc, p, r_i, m_i, l_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row,
-                        k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s, p_op, mma_o, BLOCK_N)
-                # the last P V of the overlapped loop
-                last = (n_a - 1) % 2
-                mbarrier.wait(v_bars.index(last), ((n_a - 1) // 2) & 1)
-                acc = warpgroup_mma(gl.convert_layout(p.to(dtype), p_op), v_bufs.index(last), acc, is_async=True)
-                acc = warpgroup_mma_wait(0, deps=(acc, ))
-                if CAUSAL:
-                    cta_barrier()  # every warp is done with V_{n_a - 1}: its buffer takes V_{n_a + 1}
-                    more = n_a + 1 < n_iter
-                    mbarrier.expect(v_bars.index(last), kv_bytes, pred=more)
-                    tma_load(v_desc, [v_row + (n_a + 1) * BLOCK_N, v_col], v_bars.index(last), v_bufs.index(last),
-                             pred=more)
-            if CAUSAL:
-                for j in range(n_a, n_iter):
-                    acc, r_i, m_i, l_i = _plain_step(
-                        j, acc, r_i, m_i, l_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row,
-                        k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s, p_op, mma_o, True, BLOCK_N)
+        stabilized = False
+        if HAS_STAB:
+            stabilized = gl.load(Stab + h) != 0
+        if stabilized:  # uniform per program: other heads' programs skip all of the tie work
+            acc, m_i, l_i = _fwd_loops(q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row, k_col, v_row,
+                                       v_col, n_a, n_iter, qk_scale, eps_raw, beta, max_shift2, offs_m, offs_n, zero_s,
+                                       p_op, mma_o, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, True)
         else:
-            for j in range(0, n_a):
-                acc, r_i, m_i, l_i = _plain_step(
-                    j, acc, r_i, m_i, l_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row, k_col,
-                    v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s, p_op, mma_o, False, BLOCK_N)
-            if CAUSAL:
-                for j in range(n_a, n_iter):
-                    acc, r_i, m_i, l_i = _plain_step(
-                        j, acc, r_i, m_i, l_i, q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row,
-                        k_col, v_row, v_col, n_iter, qk_scale, offs_m, offs_n, zero_s, p_op, mma_o, True, BLOCK_N)
+            acc, m_i, l_i = _fwd_loops(q_smem, k_bufs, v_bufs, k_bars, v_bars, k_desc, v_desc, k_row, k_col, v_row,
+                                       v_col, n_a, n_iter, qk_scale, eps_raw, beta, max_shift2, offs_m, offs_n, zero_s,
+                                       p_op, mma_o, CAUSAL, BLOCK_M, BLOCK_N, HEAD_DIM, False)
 
         cta_barrier()  # every warp is past its last wait on the barriers
         mbarrier.invalidate(q_bar)
-        for i in gl.static_range(STAGES):
+        for i in gl.static_range(2):
             mbarrier.invalidate(k_bars.index(i))
             mbarrier.invalidate(v_bars.index(i))
         # epilogue: O rounded once (through Q's buffer, by TMA), LSE in log2 units
@@ -683,18 +682,22 @@ def disable(reason: str) -> None:
 FWD_BLOCK_M = 128  # queries per program of the forward (two warpgroups of 64 rows)
 
 
-def forward(q, k, v, o, lse2, *, causal: bool, qk_scale: float, overlap: bool = True, block_n: int = BLOCK) -> bool:
+def forward(q, k, v, o, lse2, *, causal: bool, qk_scale: float, stabilize: Optional[torch.Tensor] = None,
+            eps_raw: float = 0.0, beta: float = 1.0, max_shift2: float = 0.0) -> bool:
     """O and LSE (log2 units) with the Gluon forward; False (nothing written) where some tensor's
-    layout has no 2-D TMA view. ``lse2``: (B, H, N) float32, contiguous."""
+    layout has no 2-D TMA view. ``lse2``: (B, H, N) float32, contiguous. ``stabilize``: (H,) uint8
+    (nonzero: the head's shift moves above a repeated maximum; ``eps_raw``, ``beta``, ``max_shift2``
+    as the Triton forward's) or None."""
     views = [tma_view(t) for t in (q, k, v, o)]
     if any(x is None for x in views):
         return False
     B, H, N, _ = q.shape
-    descs = [_descriptor(x[0], rows) for x, rows in zip(views, (FWD_BLOCK_M, block_n, block_n, FWD_BLOCK_M))]
+    descs = [_descriptor(x[0], rows) for x, rows in zip(views, (FWD_BLOCK_M, BLOCK, BLOCK, FWD_BLOCK_M))]
     geo = [int(n) for x in views for n in x[1:]]
-    _launch(_get_fwd_kernel, (B * H, N // FWD_BLOCK_M), descs, (lse2, ), (*geo, H, N, float(qk_scale)),
-            dict(CAUSAL=causal, HEAD_DIM=HEAD_DIM, BLOCK_M=FWD_BLOCK_M, BLOCK_N=block_n, OVERLAP=overlap,
-                 STAGES=2 if block_n == BLOCK else 1, num_warps=NUM_WARPS))
+    _launch(_get_fwd_kernel, (B * H, N // FWD_BLOCK_M), descs, (lse2, stabilize),
+            (*geo, H, N, float(qk_scale), float(eps_raw), float(beta), float(max_shift2)),
+            dict(CAUSAL=causal, HAS_STAB=stabilize is not None, HEAD_DIM=HEAD_DIM, BLOCK_M=FWD_BLOCK_M, BLOCK_N=BLOCK,
+                 num_warps=NUM_WARPS))
     return True
 
 

@@ -35,7 +35,7 @@ import triton.language as tl
 
 from ..probe import COUNT_FIELDS, VALUE_FIELDS
 from ._launch import INTERPRET, Launcher, cdiv, dot_precision
-from ._ptx import add_rows, at_least, max_rows
+from ._ptx import add_rn, add_rows, at_least, max_rows
 from .configs import LaunchConfig, has_launch_config, head_dim_tile, launch_config
 from .layout import empty_like_layout
 from .reference import (
@@ -252,7 +252,8 @@ def _fwd_inner(
                     #  shared-memory round trip and a barrier per block, more than it saves)
                     tie = (c_new > 1) & (r_new > float("-inf")) & stab_h
                     d = _stabilized_shift2(m_std, r_new, beta, max_shift2)
-                    m_new = tl.maximum(m_new, m_std + tl.where(tie, d, 0.0))
+                    # rounded once (no FMA with m_std's product): the Gluon forward's shift, bit for bit
+                    m_new = tl.maximum(m_new, add_rn(m_std, tl.where(tie, d, 0.0), ASM))
                     # the shift never moves down (the authors' running maximum). Only tracked
                     # programs can have shifted: for a standard row m_new >= m_i already
                     # (r only grows and qk_scale > 0), so untracked programs skip this.
@@ -780,9 +781,10 @@ def attention_forward_lse2(
     or None; ``counts``/``values`` the probe's buffers or None. Returns ``(o, lse2)``: o
     (B, H, N, D) in q's dtype and layout, lse2 (B, H, N) float32 in log2 units (with an
     additive mask (2, B, H, N): the shift and log2(l) apart), for :func:`attention_backward_lse2`.
-    ``gluon``: at D = 256 on an sm_90 GPU, a plain call (no stabilize, probe, mask, dropout or GQA)
-    runs the Gluon forward (``gluon_attention.py``; the same online softmax); ``None`` does so
-    where it can and ``config`` is not given, ``False`` never, ``True`` raises ValueError where it cannot.
+    ``gluon``: at D = 256 on an sm_90 GPU, a call without probe, mask, dropout or GQA (stabilized
+    heads included) runs the Gluon forward (``gluon_attention.py``; the same online softmax and
+    tie tracking); ``None`` does so where it can and ``config`` is not given, ``False`` never,
+    ``True`` raises ValueError where it cannot.
     """
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
@@ -792,12 +794,16 @@ def attention_forward_lse2(
     # an additive mask: (2, B, H, N), the shift and log2(l) (see the kernel's epilogue)
     lse_shape = (2, B, H, N) if mask.kind == MASK_ADD else (B, H, N)
     lse2 = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    # the kernels read the mask at Stab + head: one byte per head, contiguous (a strided mask too)
+    stab = stabilize.contiguous().view(torch.uint8) if stabilize is not None else None
     if gluon if gluon is not None else (config is None and D == 256):
-        plain = stabilize is None and counts is None and mask.kind == MASK_NONE and not dropout_p
-        why = "stabilize, probe, mask or dropout"
-        if plain:
-            why = _gluon_call("forward", lambda ga: ga.forward(q, k, v, o, lse2, causal=causal, qk_scale=scale * LOG2E),
-                              q, k, v, q, masked=False, block=128)
+        why = "a probe, mask or dropout"
+        if counts is None and mask.kind == MASK_NONE and not dropout_p:
+            why = _gluon_call(
+                "forward", lambda ga: ga.forward(q, k, v, o, lse2, causal=causal, qk_scale=scale * LOG2E,
+                                                 stabilize=stab, eps_raw=eps / scale, beta=beta,
+                                                 max_shift2=max_shift_for(q.dtype)),
+                q, k, v, q, masked=False, block=128)
         if why is None:
             return o, lse2
         if gluon:
@@ -810,7 +816,6 @@ def attention_forward_lse2(
     # multi-max statistic, at most 1 in TIE_SAMPLE_MAX (small calls: all of them).
     tiles = B * cdiv(N, block_m)
     tie_stride = max(1, min(TIE_SAMPLE_MAX, tiles // 4))
-    stab = stabilize.view(torch.uint8) if stabilize is not None else None
     has_probe = counts is not None
     lo, hi, r_strides = mask.rows(block_m) if mask.kind else (None, None, (0, 0, 0))
     seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)
