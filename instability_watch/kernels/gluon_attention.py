@@ -39,9 +39,6 @@ BLOCK = 64  # keys per program and queries per step
 HEAD_DIM = 256
 NUM_WARPS = 8
 
-_kernel = None
-_fwd_kernel = None
-_dq_kernel = None
 _failed: Optional[str] = None
 
 
@@ -105,13 +102,6 @@ def available() -> bool:
         return False
 
 
-def _get_kernel():
-    global _kernel
-    if _kernel is None:
-        _kernel = _build_kernel()
-    return _kernel
-
-
 _launchers = {}
 
 
@@ -127,7 +117,9 @@ def _launch(build, grid, descs, tensors, scalars, meta) -> None:
     launcher(grid, tensors, scalars, meta, descs)
 
 
-def _build_kernel():  # noqa: C901 (one kernel)
+def _gluon_api():
+    """The Gluon names the kernels use, Triton version differences resolved (the builders bind
+    them as locals: the kernels read them as closure variables)."""
     from triton.experimental import gluon
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import (
@@ -142,6 +134,36 @@ def _build_kernel():  # noqa: C901 (one kernel)
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after 3.6
+    return (gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait, tma_load, tma_store,
+            cta_barrier)
+
+
+_built = {}
+
+
+def _get(build):
+    """``build()``'s kernel, built once per process."""
+    kernel = _built.get(build)
+    if kernel is None:
+        kernel = _built[build] = build()
+    return kernel
+
+
+def _get_kernel():
+    return _get(_build_kernel)
+
+
+def _get_fwd_kernel():
+    return _get(_build_fwd_kernel)
+
+
+def _get_dq_kernel():
+    return _get(_build_dq_kernel)
+
+
+def _build_kernel():  # noqa: C901 (one kernel)
+    gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait, tma_load, tma_store, \
+        cta_barrier = _gluon_api()
 
     @gluon.jit
     def _gluon_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE2, Delta,
@@ -248,27 +270,9 @@ def _build_kernel():  # noqa: C901 (one kernel)
     return _gluon_dkdv
 
 
-def _get_fwd_kernel():
-    global _fwd_kernel
-    if _fwd_kernel is None:
-        _fwd_kernel = _build_fwd_kernel()
-    return _fwd_kernel
-
-
 def _build_fwd_kernel():  # noqa: C901 (one kernel)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait, tma_load, tma_store, \
+        cta_barrier = _gluon_api()
 
     @gluon.jit
     def _stabilized_shift2(m_std, r, beta, max_shift2):
@@ -496,27 +500,9 @@ def _build_fwd_kernel():  # noqa: C901 (one kernel)
     return _gluon_fwd
 
 
-def _get_dq_kernel():
-    global _dq_kernel
-    if _dq_kernel is None:
-        _dq_kernel = _build_dq_kernel()
-    return _dq_kernel
-
-
 def _build_dq_kernel():  # noqa: C901 (one kernel)
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-    from triton.experimental.gluon.language.nvidia.hopper import (
-        fence_async_shared,
-        mbarrier,
-        tma,
-        warpgroup_mma,
-        warpgroup_mma_wait,
-    )
-
-    tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
-    tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
-    cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier
+    gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait, tma_load, tma_store, \
+        cta_barrier = _gluon_api()
 
     @gluon.jit
     def _dq_step(j, dq, q_smem, do_smem, k_bufs, v_smem, k_bars, v_bar, k_desc, v_desc, k_row, k_col, v_row, v_col,
