@@ -33,8 +33,8 @@ Subcommands::
     # the same in commands of at most 10 minutes, each resuming the last (issue 27's lease)
     bash benchmarks/paper_scale.sh observe
 
-``train`` stops at ``--steps``, at ``--time-limit`` seconds (checkpointing
-first, so the next command goes on), or ``--after-explosion`` steps after the
+``train`` stops at ``--steps``, at ``--time-limit`` seconds or when a file
+``STOP`` appears in ``--out`` (checkpointing first, so the next command goes on), or ``--after-explosion`` steps after the
 loss explodes. An explosion is the first step whose loss is not finite, or
 whose smoothed loss (EMA, ``--ema``) exceeds its running minimum after the
 warm-up by ``--jump`` nats (default 1). The summary also marks a
@@ -225,6 +225,7 @@ def train(args) -> int:
     _barrier(world)  # every rank has looked before rank 0 writes
     if lead:
         out.mkdir(parents=True, exist_ok=True)
+        (out / "STOP").unlink(missing_ok=True)  # a stop asked of an earlier command is done
         if not resume:  # a new run (an earlier attempt that never checkpointed leaves nothing behind)
             (out / "config.json").write_text(json.dumps(asdict(cfg), indent=1))
             (out / TRAIN_CSV).unlink(missing_ok=True)
@@ -354,7 +355,8 @@ def train(args) -> int:
             hist_lr.append(lr)
             if i == cfg.log_every - 1 or step == args.steps:
                 now = time.perf_counter()
-                stop_time = bool(args.time_limit and now - t0 > args.time_limit)
+                # a file STOP in --out (rank 0's) stops the run like its time limit: a lease's last call decides
+                stop_time = bool(args.time_limit and now - t0 > args.time_limit) or (lead and (out / "STOP").exists())
                 ckpt_due = bool(args.ckpt_every and now - t_last > args.ckpt_every)
                 if world > 1:  # the mean loss over ranks; every rank takes rank 0's clock's decisions
                     flags = torch.tensor([stop_time, ckpt_due], dtype=torch.float64, device=device)
