@@ -11,11 +11,12 @@ Arms (what the attention computes):
   the same precision model as FA2: P rounded to BF16 for P V);
 * ``control``: our standard kernel, with the backward's delta = rowsum(dO * O)
   taking O in float32 (the paper's Claim 1 control; ``experimental.high_precision_delta``);
+* ``kernel``: our standard kernel with the ordinary delta (the control's pair: only delta differs);
 * ``stabilized``: every head on our stabilized kernel (the paper's fix) from step 1.
 
 Watch modes: ``off`` (no watch; the control and stabilized arms call our kernel
-directly), ``observe`` (the watch with ``auto_switch=False``; the control arm's
-layers are routed onto our kernel, the stabilized arm's heads switched), ``switch``
+directly), ``observe`` (the watch with ``auto_switch=False``; the control and kernel
+arms' layers are routed onto our kernel, the stabilized arm's heads switched), ``switch``
 (``auto_switch=True``), ``clip_alert`` and ``clip_always`` (observe, with
 ``qk_clip="on_alert"`` / ``"always"`` at ``--qk-clip-tau``).
 
@@ -74,7 +75,7 @@ from instability_watch.nanogpt import GPT, GPTConfig
 
 from _common import DIVERGENCE_JUMP, ExplosionDetector, device_name, explosion_step
 
-ARMS = ("standard", "control", "stabilized")
+ARMS = ("standard", "control", "kernel", "stabilized")
 WATCH_MODES = ("off", "observe", "switch", "clip_alert", "clip_always")
 QK_CLIP = {"clip_alert": "on_alert", "clip_always": "always"}
 CHECKPOINT = "checkpoint.pt"
@@ -257,7 +258,7 @@ def train(args) -> int:
                            qk_clip_tau=cfg.qk_clip_tau)
         writer = RunWriter(out / "run", overwrite=not resume) if lead else None
         watch = InstabilityWatch(model, wcfg, listeners=[writer] if writer else [])
-        if cfg.arm == "control":  # our standard kernel everywhere, observed like any other call
+        if cfg.arm in ("control", "kernel"):  # our standard kernel everywhere, observed like any other call
             for layer in range(len(watch.head_counts)):
                 watch.observation.route(layer)
     exploded = ExplosionDetector(args.ema, args.jump, cfg.warmup)

@@ -43,10 +43,10 @@ def test_resumed_run_equals_an_uninterrupted_one(repro, tmp_path):
 
 
 def test_launch_runs_the_arms_and_summarizes(repro, tmp_path, capsys):
-    runs = "standard:observe,control:observe,stabilized:observe,standard:off"
+    runs = "standard:observe,control:observe,kernel:observe,stabilized:observe,standard:off"
     assert repro.main(["launch", "--root", str(tmp_path), "--runs", runs, *TINY, "--steps", "15"]) == 0
     rows = {r["run"]: r for r in json.loads((tmp_path / "summary.json").read_text())}
-    assert set(rows) == {"standard-observe", "control-observe", "stabilized-observe", "standard-off"}
+    assert set(rows) == {"standard-observe", "control-observe", "kernel-observe", "stabilized-observe", "standard-off"}
     assert all(r["steps"] == 15 and "error" not in r for r in rows.values())
     # The watch does not change training: the unwatched run has the same losses.
     same = [pd.read_csv(tmp_path / n / "train.csv")["loss"] for n in ("standard-observe", "standard-off")]
@@ -54,7 +54,11 @@ def test_launch_runs_the_arms_and_summarizes(repro, tmp_path, capsys):
     # The stabilized arm starts with every head switched; the control arm runs on our kernel.
     ev = pd.read_csv(tmp_path / "stabilized-observe" / "run" / "events.csv")
     assert (ev[ev["event"] == "switch"]["step"] == 0).sum() == 4
-    for name, on_ours in (("standard-observe", False), ("control-observe", True), ("stabilized-observe", True)):
+    # The control and kernel arms differ in the backward's delta only: the same first forward, then apart.
+    control, kernel = (pd.read_csv(tmp_path / n / "train.csv")["loss"] for n in ("control-observe", "kernel-observe"))
+    assert control[0] == kernel[0] and not control.equals(kernel)
+    for name, on_ours in (("standard-observe", False), ("control-observe", True), ("kernel-observe", True),
+                          ("stabilized-observe", True)):
         coverage = json.loads((tmp_path / name / "run" / "meta.json").read_text())["coverage"]
         assert all((c["kernel_calls"] > 0) == on_ours and c["unobserved_calls"] == {} for c in coverage), name
     assert (tmp_path / "loss.png").stat().st_size > 0
