@@ -2,9 +2,10 @@
 
 Every script runs as ``python benchmarks/<script>.py`` from the repository root;
 Python puts the script's folder (``benchmarks/``) first on ``sys.path``, so the
-scripts import this module as ``_common`` (no ``sys.path`` edits, no script
-importing another). ``instability_watch`` itself comes from the installed
-package (``pip install -e .``).
+scripts import this module as ``_common`` (no script importing another). Importing
+it puts ``examples/`` on ``sys.path`` too: the example model and corpus
+(``nanogpt``, ``byte_corpus``) are imported by name. ``instability_watch``
+itself comes from the installed package (``pip install -e .``).
 """
 from __future__ import annotations
 
@@ -18,6 +19,10 @@ from pathlib import Path
 from typing import Iterable, Optional, Sequence, Tuple, Union
 
 import torch
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+if str(EXAMPLES) not in sys.path:
+    sys.path.insert(1, str(EXAMPLES))
 
 __all__ = [
     "DIVERGENCE_JUMP", "ExplosionDetector", "bench", "command", "device_name", "explosion_step", "header", "sync",

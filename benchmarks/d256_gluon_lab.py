@@ -22,8 +22,8 @@ import re
 import sys
 
 import triton
-from triton.experimental import gluon
 from triton._C.libtriton import ir
+from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language._core import builtin
 from triton.experimental.gluon.language.nvidia.hopper import (

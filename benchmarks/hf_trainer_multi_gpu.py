@@ -77,14 +77,13 @@ if ARGS is not None and ARGS.share_device:
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model is built from its config: never download
 
 import torch  # noqa: E402
-from transformers import (LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback,  # noqa: E402
-                          TrainingArguments)
+from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
 from instability_watch import WatchConfig  # noqa: E402
 from instability_watch.callbacks.hf import STATE_FILE, InstabilityWatchTrainerCallback  # noqa: E402
-from instability_watch.corpus import ByteWindows, stdlib_text, train_val_split  # noqa: E402
 
 from _common import device_name, synced_clock  # noqa: E402
+from byte_corpus import ByteWindows, stdlib_text, train_val_split  # noqa: E402
 
 # the checkpointed run's watch: alerts on any rise of a head's multi-max frequency over its first
 # observations and switches the head, so the ranks have decisions to agree on
@@ -141,8 +140,8 @@ class Check(TrainerCallback):
 
     def on_train_begin(self, args, state, control, **kwargs):
         w = self.cb.watch
-        w.listeners.append(lambda metrics, alerts, watch: self.sigma.update(
-            {str(m.step): m["sigma_wq"].tolist() for m in metrics}))
+        w.listeners.append(lambda record: self.sigma.update(
+            {str(m.step): m["sigma_wq"].tolist() for m in record.metrics}))
         self.restored = plain(w.state_dict())
 
     def on_step_end(self, args, state, control, **kwargs):

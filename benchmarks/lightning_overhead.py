@@ -34,9 +34,9 @@ import torch
 from torch.utils.data import DataLoader
 
 from instability_watch import InstabilityWatchCallback, WatchConfig
-from instability_watch.corpus import stdlib_text, train_val_split
 
 from _common import device_name, synced_clock, write_json
+from byte_corpus import stdlib_text, train_val_split
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt2.py"
 

@@ -83,7 +83,8 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 import instability_watch.kernels as iw_kernels
 from instability_watch import flash_attention
 
-from _common import bench, header as common_header, sync, warm_gpu
+from _common import bench, sync, warm_gpu
+from _common import header as common_header
 
 try:
     import triton

@@ -46,9 +46,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
 from instability_watch import InstabilityWatchCallback, WatchConfig
-from instability_watch.corpus import ByteWindows, stdlib_text, train_val_split
 
 from _common import device_name, synced_clock
+from byte_corpus import ByteWindows, stdlib_text, train_val_split
 
 MODELS = ("gpt2-small", "llama-1b")
 _RANK = [0]  # this process's rank, from the last fit
@@ -68,7 +68,7 @@ def build(model: str, tiny: bool) -> torch.nn.Module:
 def _build(model: str, tiny: bool) -> torch.nn.Module:
     torch.manual_seed(0)
     if model == "gpt2-small":
-        from instability_watch.nanogpt import GPT, GPTConfig
+        from nanogpt import GPT, GPTConfig
 
         c = dict(n_layer=2, n_head=2, n_embd=32, block_size=64) if tiny else \
             dict(n_layer=12, n_head=12, n_embd=768, block_size=1024)
@@ -158,8 +158,8 @@ class Check(pl.Callback):
 
     def on_train_start(self, trainer, pl_module):
         w = self.cb.watch
-        w.listeners.append(lambda metrics, alerts, watch: self.sigma.update(
-            {m.step: m["sigma_wq"].tolist() for m in metrics}))
+        w.listeners.append(lambda record: self.sigma.update(
+            {m.step: m["sigma_wq"].tolist() for m in record.metrics}))
         self.restored = _plain(w.state_dict())
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
@@ -206,7 +206,7 @@ def strategy_for(name: str, model: str, devices: int):
     from lightning.pytorch.strategies import FSDPStrategy
 
     if model == "gpt2-small":
-        from instability_watch.nanogpt import Block as block
+        from nanogpt import Block as block
     else:
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer as block
     return FSDPStrategy(auto_wrap_policy={block})

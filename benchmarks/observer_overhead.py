@@ -68,7 +68,7 @@ def hf_llama_1b(tiny: bool):
 
 def nanogpt_small(tiny: bool):
     """The package's nanoGPT-style GPT-2 small (no dropout, nanoGPT's padded vocabulary), as the main job trains it."""
-    from instability_watch.nanogpt import GPT, GPTConfig
+    from nanogpt import GPT, GPTConfig
 
     if tiny:
         return _NanoLM(GPT(GPTConfig(vocab_size=512, block_size=64, n_layer=2, n_head=4, n_embd=64))), 512, 2, 64

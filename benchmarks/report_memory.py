@@ -2,7 +2,7 @@
 
 Writes a synthetic run directory the size of a GPT-2-small run at the paper's
 length (200,000 steps x 144 heads: about 3.5 GB of metrics.csv, in the exact
-format of :class:`~instability_watch.export.RunWriter`), then runs
+format of :class:`~instability_watch.outputs.rundir.RunWriter`), then runs
 ``instability-watch report`` on it end to end (summary and plots) in a child
 process and measures its wall time and peak RSS (``ru_maxrss`` of the child).
 
@@ -37,8 +37,8 @@ from pathlib import Path
 
 import numpy as np
 
-from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS
-from instability_watch.watch import METRICS
+from instability_watch.engine.metrics import METRICS
+from instability_watch.outputs.rundir import EVENT_COLUMNS, METRIC_COLUMNS
 
 from _common import write_json
 

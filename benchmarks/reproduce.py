@@ -1,6 +1,6 @@
 """Reproduce BF16 flash-attention training failures at reduced scale, and time the watch's warnings.
 
-A GPT-2-style model (``instability_watch.nanogpt``) trained byte-level on the
+A GPT-2-style model (``nanogpt``) trained byte-level on the
 Python standard library's source (no download), BF16 autocast, AdamW (0.9,
 beta2), linear warm-up then cosine decay, gradient clipping. Same seed, same
 data order in every run: batch ``s`` is drawn from a generator seeded with ``(seed, s)``.
@@ -68,12 +68,13 @@ import torch
 import torch.distributed as dist
 
 from instability_watch import InstabilityWatch, WatchConfig, flash_attention
-from instability_watch.corpus import CORPORA, corpus_text, site_packages_files, train_val_split
-from instability_watch.export import RunWriter, load_run, open_on_rank_zero
+from instability_watch.callbacks.common import open_on_rank_zero
 from instability_watch.experimental import high_precision_delta
-from instability_watch.nanogpt import GPT, GPTConfig
+from instability_watch.outputs.rundir import RunWriter, load_run
 
 from _common import DIVERGENCE_JUMP, ExplosionDetector, device_name, explosion_step
+from byte_corpus import CORPORA, corpus_text, site_packages_files, train_val_split
+from nanogpt import GPT, GPTConfig
 
 ARMS = ("standard", "control", "kernel", "stabilized")
 WATCH_MODES = ("off", "observe", "switch", "clip_alert", "clip_always")
@@ -103,7 +104,7 @@ class RunConfig:
     clip: float = 1.0
     seed: int = 0
     pos_embedding: bool = True
-    corpus: str = "stdlib"          # or "site-packages" (instability_watch.corpus)
+    corpus: str = "stdlib"          # or "site-packages" (byte_corpus)
     corpus_bytes: int = 0           # 0: all of it
     compile: bool = False           # torch.compile the model (around the watch's wrapped layers)
     watch_warmup: int = 300
@@ -503,7 +504,7 @@ def summarize_run(run_dir: Path, ema: float, jump: float) -> Dict:
     }
     run_path = run_dir / "run"
     if (run_path / "metrics.csv").exists():
-        from instability_watch.report import head_summary
+        from instability_watch.outputs.report import head_summary
 
         run = load_run(run_path)
         ev = run.events
@@ -590,7 +591,7 @@ def bundle(root: Path, dest: Path, every: int) -> Path:
 
     import pandas as pd
 
-    from instability_watch.report import write_plots
+    from instability_watch.outputs.report import write_plots
 
     root = Path(root)
     with tempfile.TemporaryDirectory() as tmp:

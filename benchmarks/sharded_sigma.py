@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from instability_watch.spectral import gram
+from instability_watch.probe.spectral import gram
 
 from _common import device_name, sync, write_json
 

@@ -21,7 +21,8 @@ from torch.utils.data import DataLoader
 
 from instability_watch import InstabilityWatchCallback, WatchConfig
 from instability_watch.cli import report_command
-from instability_watch.corpus import ByteWindows, stdlib_text, train_val_split
+
+from byte_corpus import ByteWindows, stdlib_text, train_val_split
 
 try:
     from transformers import LlamaConfig, LlamaForCausalLM

@@ -21,10 +21,11 @@ from rich.console import Console
 
 from instability_watch import InstabilityWatch, WatchConfig
 from instability_watch.cli import report_command
-from instability_watch.console import ConsoleReporter
-from instability_watch.corpus import ByteWindows, stdlib_text, train_val_split
-from instability_watch.export import RunWriter
-from instability_watch.nanogpt import GPT, GPTConfig
+from instability_watch.outputs.console import ConsoleReporter
+from instability_watch.outputs.rundir import RunWriter
+
+from byte_corpus import ByteWindows, stdlib_text, train_val_split
+from nanogpt import GPT, GPTConfig
 
 
 def main(argv=None) -> int:

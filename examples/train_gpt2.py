@@ -5,7 +5,7 @@
     python examples/train_gpt2.py --preset gpt2-small --devices 2 --strategy ddp
     python examples/train_gpt2.py --preset gpt2-small --devices 2 --strategy fsdp    # or fsdp2
 
-The model is the nanoGPT-style GPT of ``instability_watch.nanogpt`` (a fused
+The model is the nanoGPT-style GPT of ``nanogpt`` (a fused
 ``c_attn`` projection and ``F.scaled_dot_product_attention``; it knows nothing
 about the watch), wrapped in a LightningModule below. The corpus is the
 byte-level text of the Python standard library, which every machine with
@@ -34,8 +34,9 @@ from torch.utils.data import DataLoader
 
 from instability_watch import InstabilityWatchCallback, WatchConfig
 from instability_watch.cli import report_command
-from instability_watch.corpus import ByteWindows, stdlib_text, train_val_split
-from instability_watch.nanogpt import GPT, Block, GPTConfig
+
+from byte_corpus import ByteWindows, stdlib_text, train_val_split
+from nanogpt import GPT, Block, GPTConfig
 
 
 @dataclass(frozen=True)

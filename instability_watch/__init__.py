@@ -16,24 +16,30 @@ Public API (grows with each milestone):
 """
 import importlib
 
-from .locate import AttentionLayer
-from .config import WatchConfig
-from .alerts import ALERT_KINDS, KINDS
-from .detectors import Alert
-from .kernels import flash_attention
-from .probe import Probe
-from .watch import Event, InstabilityWatch, StepMetrics, WatchError
+from instability_watch.act.events import Event
+from instability_watch.detect.detectors import Alert
+from instability_watch.detect.kinds import ALERT_KINDS, KINDS
+from instability_watch.engine.config import WatchConfig
+from instability_watch.engine.metrics import StepMetrics
+from instability_watch.engine.readback import ReadBack
+from instability_watch.engine.watch import InstabilityWatch
+from instability_watch.errors import WatchError
+from instability_watch.kernels import flash_attention
+from instability_watch.model.layer import AttentionLayer
+from instability_watch.probe.bank import Probe
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "flash_attention", "Probe", "InstabilityWatch", "WatchConfig", "Alert", "Event", "StepMetrics",
-    "WatchError", "AttentionLayer", "KINDS", "ALERT_KINDS", "InstabilityWatchCallback", "load_run", "__version__",
+    "flash_attention", "Probe", "InstabilityWatch", "WatchConfig", "Alert", "Event", "StepMetrics", "ReadBack",
+    "WatchError", "AttentionLayer", "KINDS", "ALERT_KINDS", "InstabilityWatchCallback", "load_run", "RunWriter",
+    "ConsoleReporter", "__version__",
 ]
 
 
 # imported on first use: Lightning and pandas load only when asked for
-_LAZY = {"InstabilityWatchCallback": ".callbacks.lightning", "load_run": ".export"}
+_LAZY = {"InstabilityWatchCallback": ".callbacks.lightning", "load_run": ".outputs.rundir",
+         "RunWriter": ".outputs.rundir", "ConsoleReporter": ".outputs.console"}
 
 
 def __getattr__(name):

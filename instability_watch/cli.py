@@ -8,7 +8,7 @@ import tempfile
 from pathlib import Path
 from typing import List, Optional
 
-from . import __version__
+from instability_watch import __version__
 
 
 class _Parser(argparse.ArgumentParser):
@@ -40,7 +40,7 @@ _positive_int = _int_in(1)
 
 def _device(text: str):
     """``--device``: a device the demo runs on and this machine has (see ``demo.resolve_device``)."""
-    from . import demo
+    from instability_watch import demo
 
     try:
         return demo.resolve_device(text)
@@ -82,7 +82,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     Bad arguments end with one line on stderr and exit status 2 (argparse's convention).
     """
-    from . import demo as demo_module
+    from instability_watch import demo as demo_module
 
     parser = _Parser(
         prog="instability-watch",
@@ -122,8 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def _report(args: argparse.Namespace) -> int:
     """Run `instability-watch report`; a bad run directory is one line on stderr and status 2."""
-    from . import report
-    from .export import RunDirError
+    from instability_watch.outputs import report
+    from instability_watch.outputs.rundir import RunDirError
 
     try:
         return report.main(args.run_dir, out_dir=args.out, top=args.top, plots=not args.no_plots)
@@ -151,7 +151,7 @@ def main(argv: Optional[List[str]] = None) -> int:
     parser = build_parser()
     args = parser.parse_args(argv)
     if args.command == "demo":
-        from . import demo
+        from instability_watch import demo
 
         return demo.main(draws=args.draws, seq=args.seq, device=args.device)
     if args.command == "report":

@@ -19,7 +19,7 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-from .mechanism import measure_bias, near_tie_inputs
+from instability_watch.mechanism import measure_bias, near_tie_inputs
 
 N_TIES = 4  # near-tied keys per row in the second and third cases
 DEFAULT_SEQ = 256  # the four tied keys hold about half of each row's softmax weight: the bias is clear
@@ -300,7 +300,7 @@ def backend_label(device: torch.device) -> str:
     """Which implementation the demo's kernels run on ``device``, for the table's title."""
     if device.type == "cpu":
         return "CPU reference path"
-    from .kernels import resolve_backend
+    from instability_watch.kernels import resolve_backend
 
     like = torch.empty(0, 1, 1, 64, dtype=torch.bfloat16, device=device)  # what the demo passes: BF16 on device
     impl = "Triton kernels" if resolve_backend(like, "auto") == "triton" else "PyTorch reference path"

@@ -14,9 +14,9 @@ from typing import Dict, Optional
 
 import torch
 
-from .kernels import flash_attention
-from .kernels.reference import attention_forward_lse
-from .probe import Probe
+from instability_watch.kernels import flash_attention
+from instability_watch.kernels.reference import attention_forward_lse
+from instability_watch.probe.bank import Probe
 
 
 @dataclass

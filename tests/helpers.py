@@ -1,10 +1,24 @@
 """Shared test helpers (imported by the test modules; tests/ is on sys.path under pytest)."""
 import math
+import os
 import zlib
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
+
+REPO = Path(__file__).resolve().parents[1]
+EXAMPLES = REPO / "examples"  # nanogpt.py and byte_corpus.py, imported by name
+
+
+def child_env(home, **extra) -> dict:
+    """A clean environment for a process a test starts: the repository and ``examples/`` importable, offline
+    (no model download), one thread; ``extra`` adds or replaces variables."""
+    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(home),
+           "PYTHONPATH": os.pathsep.join([str(REPO), str(EXAMPLES)]), "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env.update(extra)
+    return env
 
 
 def seeded(*key) -> torch.Generator:

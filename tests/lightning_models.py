@@ -5,7 +5,7 @@ import lightning.pytorch as pl
 import torch
 from torch.utils.data import DataLoader, Dataset
 
-from instability_watch.nanogpt import GPT, GPTConfig
+from nanogpt import GPT, GPTConfig
 from watch_models import TiedAttention, tied_batch, tied_loss
 
 

@@ -13,7 +13,7 @@ from typing import Callable, Dict, NamedTuple
 import pytest
 import torch
 
-from instability_watch.nanogpt import GPT, GPTConfig
+from nanogpt import GPT, GPTConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # never download: every model is built from a config
 
@@ -112,7 +112,7 @@ def train(spec, steps: int, config=None):
     metrics = []
     watch = None
     if config is not None:
-        watch = InstabilityWatch(model, config, listeners=[lambda ms, al, w: metrics.extend(ms)])
+        watch = InstabilityWatch(model, config, listeners=[lambda r: metrics.extend(r.metrics)])
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(1)
     losses = []

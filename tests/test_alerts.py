@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 
 from instability_watch import WatchConfig
-from instability_watch import detectors as det_mod
-from instability_watch.alerts import ALERT_KINDS, KINDS, STABILIZABLE, AlertKind, alert_table_markdown
-from instability_watch.config import STABILIZABLE as CONFIG_STABILIZABLE
+from instability_watch.detect import detectors as det_mod
+from instability_watch.detect.kinds import ALERT_KINDS, KINDS, STABILIZABLE, AlertKind, alert_table_markdown
+from instability_watch.engine.config import STABILIZABLE as CONFIG_STABILIZABLE
 
 ROOT = Path(__file__).resolve().parents[1]
 BEGIN, END = "<!-- alert-kinds:begin -->", "<!-- alert-kinds:end -->"
@@ -79,7 +79,7 @@ def test_markdown_table_has_a_row_per_kind_and_plain_text_drops_the_markup():
 
 
 def test_module_prints_the_table():
-    out = subprocess.run([sys.executable, "-m", "instability_watch.alerts"], capture_output=True, text=True,
+    out = subprocess.run([sys.executable, "-m", "instability_watch.detect"], capture_output=True, text=True,
                          check=True, cwd=ROOT)
     assert out.stdout.strip() == alert_table_markdown()
     assert out.stderr == ""
@@ -87,7 +87,7 @@ def test_module_prints_the_table():
 
 def test_readme_alert_table_is_the_rendered_table():
     """README.md holds ``alert_table_markdown()`` between the alert-kinds markers (regenerate it with
-    ``python -m instability_watch.alerts``)."""
+    ``python -m instability_watch.detect``)."""
     readme = (ROOT / "README.md").read_text(encoding="utf-8")
     if BEGIN not in readme or END not in readme:
         pytest.fail(f"README.md lacks the markers {BEGIN} and {END} around its alert table")

@@ -4,8 +4,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from helpers import seeded
 from instability_watch import Probe, flash_attention
+
+from helpers import seeded
 
 
 class TinyAttention(nn.Module):
@@ -65,14 +66,15 @@ def test_no_graph_break_at_attention():
 def _watched_gpt(cfg=None):
     """A small nanoGPT (NoPE and 8 tokens: many rows with repeated maxima) with the watch attached."""
     from instability_watch import InstabilityWatch, WatchConfig
-    from instability_watch.nanogpt import GPT, GPTConfig
+
+    from nanogpt import GPT, GPTConfig
 
     torch.manual_seed(0)
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, pos_embedding=False))
     metrics = []
     cfg = cfg or dict(probe_every=2, shadow_every=4, spectral_every=2, log_every=4)
     watch = InstabilityWatch(model, WatchConfig(warmup_steps=100, strict=True, **cfg),
-                             listeners=[lambda ms, alerts, w: metrics.extend(ms)])
+                             listeners=[lambda r: metrics.extend(r.metrics)])
     return model, watch, metrics
 
 
@@ -107,7 +109,7 @@ def _train_gpt(model, forward, watch, steps, *, switch_at=None, counter=None):
 
 
 def _assert_same_metrics(ms_eager, ms_compiled, rtol=1e-5):
-    from instability_watch.watch import METRICS
+    from instability_watch.engine.metrics import METRICS
 
     assert [m.step for m in ms_compiled] == [m.step for m in ms_eager]
     for me, mc in zip(ms_eager, ms_compiled):
@@ -163,7 +165,7 @@ def test_compiled_watched_model_one_graph_per_kind_of_step():
 
 def test_compiled_unwatched_and_watched_training_are_identical():
     """Observing changes nothing a compiled model computes: losses bitwise equal to the unwatched model's."""
-    from instability_watch.nanogpt import GPT, GPTConfig
+    from nanogpt import GPT, GPTConfig
 
     torch._dynamo.reset()
     model_c, watch_c, _ = _watched_gpt(dict(probe_every=1, shadow_every=1, spectral_every=1, log_every=2))
@@ -190,8 +192,8 @@ def test_compiled_model_moved_after_attaching(monkeypatch):
     strategy moves the model, then it is compiled): the first traced call brings the probes and
     masks over at trace time, without reaching the model from the traced code (Dynamo's "already
     tracked for mutation") and without a graph break. On a CPU the watch starts on ``meta``."""
-    from instability_watch.observe import Observation
-    from instability_watch.probe import ProbeBank
+    from instability_watch.observe.observation import Observation
+    from instability_watch.probe.bank import ProbeBank
 
     torch._dynamo.reset()
     model_e, watch_e, ms_e = _watched_gpt()
@@ -200,7 +202,7 @@ def test_compiled_model_moved_after_attaching(monkeypatch):
     model_c, watch_c, ms_c = _watched_gpt()
     obs = watch_c.observation
     moves = []
-    relocate = Observation._relocate
+    relocate = Observation.relocate
 
     def fresh_from_meta(self, device):  # meta tensors hold no data: come back as fresh buffers
         moves.append((self.bank.device.type, torch.device(device).type))
@@ -211,8 +213,8 @@ def test_compiled_model_moved_after_attaching(monkeypatch):
             site.stabilize = torch.zeros_like(site.stabilize, device=device)
         self._sync()
 
-    monkeypatch.setattr(Observation, "_relocate", fresh_from_meta)
-    obs._relocate(torch.device("meta"))  # "attached on another device"
+    monkeypatch.setattr(Observation, "relocate", fresh_from_meta)
+    obs.relocate(torch.device("meta"))  # "attached on another device"
     watch_c._ring = None
     compiled = torch.compile(model_c, backend="aot_eager", fullgraph=True)
     _train_gpt(model_c, compiled, watch_c, 2)

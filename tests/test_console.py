@@ -12,7 +12,8 @@ from rich.console import Console
 from rich.progress import Progress
 
 from instability_watch import Alert, InstabilityWatch, InstabilityWatchCallback, WatchConfig
-from instability_watch.console import AlertPanel, ConsoleReporter, _short_names
+from instability_watch.outputs.console import AlertPanel, ConsoleReporter, _short_names
+
 from lightning_models import TiedModule
 from watch_models import TiedAttention, train_tied
 

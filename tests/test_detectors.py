@@ -5,7 +5,7 @@ import numpy as np
 import pytest
 
 from instability_watch import WatchConfig
-from instability_watch.detectors import KINDS, build_detectors
+from instability_watch.detect.detectors import KINDS, build_detectors
 
 SHAPE = (4, 8)  # layers x heads
 STEPS = 10_000

@@ -13,6 +13,8 @@ import torch
 from instability_watch import load_run
 from instability_watch.cli import main as cli_main
 
+from helpers import child_env
+
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 
 
@@ -91,11 +93,9 @@ def test_plain_pytorch_shortened(tmp_path, capsys):
 def test_train_gpt2_fsdp2_on_two_cpu_processes(tmp_path):
     """``--devices 2 --strategy fsdp2``: Lightning's ModelParallelStrategy, FSDP2 on every block (in
     GPTModule.configure_model), gloo; a subprocess, since Lightning launches rank 1 by re-running the script."""
-    import os
     import subprocess
 
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(EXAMPLES.parent), "HF_HUB_OFFLINE": "1"}
+    env = child_env(tmp_path)
     proc = subprocess.run([sys.executable, str(EXAMPLES / "train_gpt2.py"), "--devices", "2", "--strategy", "fsdp2",
                            "--steps", "6", "--batch", "2", "--no-live-table", "--no-checkpoint", "--out",
                            str(tmp_path / "runs")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)

@@ -10,8 +10,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from instability_watch import AttentionLayer, InstabilityWatch, WatchConfig
-from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, RunDirError, RunWriter, load_run
-from instability_watch.watch import METRICS
+from instability_watch.engine.metrics import METRICS
+from instability_watch.outputs.rundir import EVENT_COLUMNS, METRIC_COLUMNS, RunDirError, RunWriter, load_run
+
 from watch_models import TiedAttention, train_tied, write_tied_run
 
 CFG = WatchConfig(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
@@ -21,7 +22,7 @@ CFG = WatchConfig(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, 
 def tied_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("run")
     metrics = []
-    watch, _ = write_tied_run(d, CFG, 30, listeners=[lambda m, a, w: metrics.extend(m)])
+    watch, _ = write_tied_run(d, CFG, 30, listeners=[lambda r: metrics.extend(r.metrics)])
     return d, watch, metrics
 
 

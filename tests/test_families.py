@@ -17,10 +17,11 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from instability_watch import InstabilityWatch, WatchConfig
+from instability_watch.model.layer import AttentionLayer, find_attention_layers
+
 from family_models import FAMILIES, need
 from real_models import train
-from instability_watch import InstabilityWatch, WatchConfig
-from instability_watch.locate import AttentionLayer, find_attention_layers
 
 STEPS = 5
 CFG = dict(probe_every=1, shadow_every=1, spectral_every=1, log_every=STEPS, warmup_steps=100)

@@ -22,8 +22,10 @@ import pytest
 import torch
 
 from instability_watch import InstabilityWatch, InstabilityWatchCallback, WatchConfig, load_run
-from instability_watch import export
-from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, RunWriteError, RunWriter, _keep_through
+from instability_watch.outputs.rundir import EVENT_COLUMNS, METRIC_COLUMNS, RunDirError, RunWriteError, RunWriter
+from instability_watch.outputs.rundir import writer as writer_module
+from instability_watch.outputs.rundir.writer import keep_through
+
 from lightning_models import TiedModule
 from watch_models import TiedAttention, train_tied, write_tied_run
 
@@ -42,7 +44,7 @@ class Disk:
     next one raises ``ENOSPC``, as ``write(2)`` does; with ``counted=False`` it
     raises at once, after writing what fit (a layer in between that loses the
     count). ``close_error``: closing that file raises (as a network filesystem
-    reports a failed write-back). Installed as ``export.open``.
+    reports a failed write-back). Installed as the writer module's ``open``.
     """
 
     def __init__(self, capacity: int = 1 << 40, *, only=None, counted: bool = True, close_error=None) -> None:
@@ -91,7 +93,7 @@ class _DiskFile:
 def _plain_run(run_dir, steps, *, disk=None, monkeypatch=None, strict=False, close=True):
     """The plain loop of the README: returns (watch, writer); the disk (if any) is in place throughout."""
     if disk is not None:
-        monkeypatch.setattr(export, "open", disk.open, raising=False)
+        monkeypatch.setattr(writer_module, "open", disk.open, raising=False)
     return write_tied_run(run_dir, WatchConfig(**CFG, strict=strict), steps, close=close)
 
 
@@ -150,7 +152,7 @@ def test_full_disk_in_a_plain_loop_keeps_whole_steps_and_reports_once(reference,
 def test_strict_raises_the_write_failure_once_and_closing_does_not_raise_again(reference, tmp_path, monkeypatch,
                                                                                caplog):
     ref_metrics, _ = reference
-    monkeypatch.setattr(export, "open", Disk(_capacity_to_mid_step(ref_metrics, 8), only="metrics.csv").open,
+    monkeypatch.setattr(writer_module, "open", Disk(_capacity_to_mid_step(ref_metrics, 8), only="metrics.csv").open,
                         raising=False)
     torch.manual_seed(0)
     model = TiedAttention()
@@ -202,7 +204,7 @@ def _trainer(tmp_path, **kw):
 def test_lightning_on_a_full_disk(tmp_path, monkeypatch, caplog, strict):
     """Without strict, fit completes and the failure is logged once; with strict, fit raises it, once."""
     disk = Disk(len(METRICS_HEADER) + len(EVENTS_HEADER) + 1500)  # steps 1 and part of 2-5: fails at 2..5
-    monkeypatch.setattr(export, "open", disk.open, raising=False)
+    monkeypatch.setattr(writer_module, "open", disk.open, raising=False)
     model = TiedModule()
     cb = InstabilityWatchCallback({**CFG, "strict": strict}, layers=model.watch_layers(), run_dir=tmp_path / "run",
                                   alerts=False)
@@ -236,17 +238,17 @@ def test_keep_through_skips_lines_that_do_not_parse_and_keeps_the_good_rows_afte
     data = header + b"".join(rows[:12]) + bad[0] + bad[1] + b"".join(rows[14:28]) + bad[2] + b"".join(rows[28:])
     path = tmp_path / "metrics.csv"
     path.write_bytes(data + rows[40][:25])  # and a torn last line
-    assert _keep_through(path, 9, METRIC_COLUMNS) == (9 * 4 - 2, 4)
+    assert keep_through(path, 9, METRIC_COLUMNS) == (9 * 4 - 2, 4)
     assert path.read_bytes() == header + b"".join(rows[:12] + rows[14:36])
 
     events = tmp_path / "events.csv"
     events.write_bytes(ref_events[:-10])  # the last alert torn
-    assert _keep_through(events, 30, EVENT_COLUMNS) == (ref_events.count(b"\n") - 2, 1)
-    with pytest.raises(export.RunDirError, match="unexpected header"):
-        _keep_through(events, 30, METRIC_COLUMNS)
+    assert keep_through(events, 30, EVENT_COLUMNS) == (ref_events.count(b"\n") - 2, 1)
+    with pytest.raises(RunDirError, match="unexpected header"):
+        keep_through(events, 30, METRIC_COLUMNS)
     for content in (b"", METRICS_HEADER[:7]):  # an empty file, a torn header: the header, no rows
         path.write_bytes(content)
-        assert _keep_through(path, 9, METRIC_COLUMNS) == (0, 0)
+        assert keep_through(path, 9, METRIC_COLUMNS) == (0, 0)
         assert path.read_bytes() == METRICS_HEADER
     assert not (tmp_path / "metrics.csv.tmp").exists()
 
@@ -327,7 +329,7 @@ def test_resume_writes_again_the_restored_events_that_the_cut_removed(tmp_path):
 _TMPFS_SCRIPT = r"""
 import json, logging, shutil, sys, torch
 from instability_watch import InstabilityWatch, WatchConfig
-from instability_watch.export import RunWriter
+from instability_watch.outputs.rundir import RunWriter
 from watch_models import TiedAttention, train_tied
 
 mnt, out = sys.argv[1], sys.argv[2]
@@ -374,7 +376,7 @@ def test_a_real_full_tmpfs(tmp_path):
         pytest.skip(why)
     mnt, out = tmp_path / "mnt", tmp_path / "out"
     mnt.mkdir()
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent)]))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(TESTS), str(TESTS.parent), str(TESTS.parent / "examples")]))
     r = subprocess.run(cmd + [str(mnt), sys.executable, "-c", _TMPFS_SCRIPT, str(mnt), str(out)],
                        capture_output=True, text=True, timeout=300, env=env, cwd=str(TESTS))
     assert r.returncode == 0, r.stderr[-3000:]

@@ -8,13 +8,14 @@ halves of each global batch as two micro-batches: the same gradients bit for bit
 """
 import json
 import math
-import os
 import socket
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+
+from helpers import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "fsdp_watch.py"
@@ -33,8 +34,7 @@ def _port():
 
 def _run(jobs, out):
     """Run ``[(mode, model), ...]`` in one launch; ``{(mode, model): [rank 0's result, rank 1's]}`` (one for single)."""
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(out), "PYTHONPATH": str(REPO),
-           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = child_env(out)
     proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(_port()), *(f"{m}:{n}" for m, n in jobs)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]

@@ -84,7 +84,7 @@ def test_forward_with_gluon_true_raises_where_it_cannot_serve():
         attention_forward_lse2(q, k, v, stabilize=None, gluon=True, **kw)
     with pytest.raises(ValueError, match="gluon=True.*interpreter"):  # stabilized heads: served where it can
         attention_forward_lse2(q, k, v, stabilize=torch.ones(1, dtype=torch.bool), gluon=True, **kw)
-    from instability_watch.probe import Probe
+    from instability_watch.probe.bank import Probe
 
     probe = Probe(1)
     with pytest.raises(ValueError, match="gluon=True.*a probe, mask or dropout"):

@@ -22,8 +22,9 @@ pytest.importorskip("accelerate")  # transformers.Trainer needs it
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from instability_watch import WatchConfig, load_run  # noqa: E402
-from instability_watch.callbacks.hf import (  # noqa: E402
-    STATE_FILE, InstabilityWatchTrainerCallback, _clean_name, _unsupported)
+from instability_watch.callbacks.hf import STATE_FILE, InstabilityWatchTrainerCallback, _clean_name, _unsupported  # noqa: E402
+
+from helpers import child_env  # noqa: E402
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "hf_trainer_run.py"
@@ -181,8 +182,7 @@ def test_resume_from_checkpoint_is_identical_to_an_uninterrupted_run(tmp_path):
 
 
 def _clean_env(tmp_path):
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "PYTHONPATH": str(REPO),
-            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return child_env(tmp_path)
 
 
 TORCHRUN_MODES = ("ddp", "fsdp1", "fsdp2")

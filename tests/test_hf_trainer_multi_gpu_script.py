@@ -4,18 +4,18 @@ One launch: a timed round (unwatched, watched), a checkpointed run whose watch a
 and its resumption, in the same two processes.
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from helpers import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "hf_trainer_multi_gpu.py"
 
 
 def _env(tmp_path):
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "PYTHONPATH": str(REPO),
-            "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    return child_env(tmp_path)
 
 
 def test_hf_trainer_driver_on_two_cpu_processes(tmp_path):

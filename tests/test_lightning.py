@@ -2,7 +2,6 @@
 from __future__ import annotations
 
 import json
-import os
 import signal
 import subprocess
 import sys
@@ -19,6 +18,8 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from instability_watch import InstabilityWatchCallback, WatchConfig, load_run
 from instability_watch.callbacks.lightning import _unsupported_strategy
+
+from helpers import child_env
 from lightning_models import TiedModule, TinyGPT
 
 REPO = Path(__file__).resolve().parents[1]
@@ -134,8 +135,7 @@ def test_default_run_dir_continues_after_resume(tmp_path):
 
 
 def _clean_env(tmp_path):
-    return {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "PYTHONPATH": str(REPO),
-            "OMP_NUM_THREADS": "1"}
+    return child_env(tmp_path)
 
 
 # The 2-process runs (DDP, ModelParallel) that the tests below check, one after the other in one launch of

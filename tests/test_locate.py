@@ -1,8 +1,9 @@
 """locate.py: the attention layers found in unmodified models, and W_Q per head (H, D, C) as each layout stores it."""
 import torch
 
-from instability_watch.locate import find_attention_layers
-from instability_watch.nanogpt import GPT, GPTConfig
+from instability_watch.model.layer import find_attention_layers
+
+from nanogpt import GPT, GPTConfig
 from real_models import hf_bert_padding, hf_gpt2_default, hf_llama_gqa
 
 

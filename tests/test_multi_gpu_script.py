@@ -3,17 +3,17 @@
 One launch in a subprocess with a clean environment (Lightning's DDP re-launches the script for rank 1).
 """
 import json
-import os
 import subprocess
 import sys
 from pathlib import Path
+
+from helpers import child_env
 
 REPO = Path(__file__).resolve().parents[1]
 
 
 def test_multi_gpu_driver_on_two_cpu_processes(tmp_path):
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "PYTHONPATH": str(REPO),
-           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = child_env(tmp_path)
     out = tmp_path / "out"
     proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "multi_gpu.py"), "--accelerator", "cpu",
                            "--devices", "2", "--tiny", "--strategies", "ddp,fsdp2", "--rounds", "1", "--steps", "8",

@@ -10,9 +10,10 @@ from torch.overrides import TorchFunctionMode
 
 from instability_watch import InstabilityWatch, WatchConfig
 from instability_watch.kernels import stats as st
-from instability_watch.locate import AttentionLayer, find_attention_layers
-from instability_watch.nanogpt import GPT, GPTConfig
-from instability_watch.probe import Probe
+from instability_watch.model.layer import AttentionLayer, find_attention_layers
+from instability_watch.probe.bank import Probe
+
+from nanogpt import GPT, GPTConfig
 from real_models import MODELS, hf_llama_gqa, train
 
 CFG = dict(probe_every=2, shadow_every=4, spectral_every=4, log_every=10, warmup_steps=100)
@@ -109,7 +110,7 @@ def test_float32_qk_under_autocast_are_observed_as_bf16():
 
 
 def test_switched_layer_runs_on_our_kernels_in_the_autocast_dtype(monkeypatch):
-    import instability_watch.observe as observe_mod
+    import instability_watch.observe.sdpa as observe_mod
 
     torch.manual_seed(0)
     model = hf_llama_gqa()

@@ -16,9 +16,10 @@ import torch
 from rich.console import Console
 
 from instability_watch import InstabilityWatch, WatchConfig
-from instability_watch.console import ConsoleReporter
-from instability_watch.export import RunWriter, load_run
-from instability_watch.nanogpt import GPT, GPTConfig
+from instability_watch.outputs.console import ConsoleReporter
+from instability_watch.outputs.rundir import RunWriter, load_run
+
+from nanogpt import GPT, GPTConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -259,7 +260,7 @@ def test_events_csv_console_and_report_show_the_clips(tmp_path):
     clips = ev[ev["event"] == "qk_clip"]
     assert len(clips) == total == int(watch.clip_counts.sum()) > 0
     assert ((clips["value"] > 0) & (clips["value"] < 1)).all() and (clips["threshold"] == 0.05).all()
-    from instability_watch import report
+    from instability_watch.outputs import report
 
     summary = report.head_summary(load_run(tmp_path / "run"))
     by = summary.set_index(["layer", "head"])
@@ -288,7 +289,7 @@ def test_a_failing_clip_is_reported_once_and_training_goes_on(caplog):
     def broken(gamma):
         raise RuntimeError("no luck")
 
-    watch.qk_layouts[0].apply = broken
+    watch.clipper.layouts[0].apply = broken
     x = batch("cpu")
     with caplog.at_level(logging.ERROR, logger="instability_watch"):
         for _ in range(3):
@@ -298,7 +299,7 @@ def test_a_failing_clip_is_reported_once_and_training_goes_on(caplog):
     assert watch.last_metrics[-1]["max_score"][0].max() > 1.0  # statistics go on
     watch.detach()
     strict = InstabilityWatch(model, config(qk_clip="always", qk_clip_tau=1.0, strict=True))
-    strict.qk_layouts[0].apply = broken
+    strict.clipper.layouts[0].apply = broken
     with pytest.raises(RuntimeError, match="no luck"):
         probe_step(model, strict, x, "cpu")
     strict.detach()
@@ -330,7 +331,7 @@ def test_user_described_layers_are_checked_when_the_watch_attaches():
     ok = AttentionLayer(m, 8, w_q, w_k=lambda: m.wk.weight.view(1, 8, 64), b_q=lambda: m.wq.bias.view(8, 8),
                         b_k=lambda: m.wk.bias.view(1, 8))
     watch = InstabilityWatch(m, cfg, layers=[ok])
-    assert watch.qk_layouts[0].grouped
+    assert watch.clipper.layouts[0].grouped
     watch.detach()
 
 
@@ -340,9 +341,9 @@ def test_lightning_callback_clips_after_the_optimizer_step_under_bf16_mixed(tmp_
     from pathlib import Path
 
     sys.path.insert(0, str(Path(__file__).parent))
-    from lightning_models import TinyGPT
-
     from instability_watch import InstabilityWatchCallback
+
+    from lightning_models import TinyGPT
 
     torch.manual_seed(0)
     module = TinyGPT()

@@ -17,6 +17,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from helpers import child_env
+
 REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "qk_clip_dist.py"
 HAVE_LLAMA = importlib.util.find_spec("transformers") is not None
@@ -39,8 +41,7 @@ def _cases(*cases):
 @pytest.fixture(scope="module")
 def out(tmp_path_factory):
     out = tmp_path_factory.mktemp("qk_clip_dist")
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(out), "PYTHONPATH": str(REPO),
-           "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": "1"}
+    env = child_env(out)
     commands = {
         "dist": [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
                  str(SCRIPT), str(out), *TRAIN, *TAU_CASES],

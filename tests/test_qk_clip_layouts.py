@@ -1,4 +1,4 @@
-"""QK-clip layouts (``instability_watch.qkclip``) checked against real models we did not write.
+"""QK-clip layouts (``instability_watch.act.qkclip``) checked against real models we did not write.
 
 For every model family, one attention layer at a time: the q, k and v tensors each
 layer hands to ``F.scaled_dot_product_attention`` are recorded (a
@@ -38,12 +38,13 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
+from instability_watch import AttentionLayer, InstabilityWatch, WatchConfig
+from instability_watch.model.families import qk_layouts as build_layouts
+from instability_watch.model.layer import resolve_layers
+
 import family_models
 import real_models
-from instability_watch import AttentionLayer, InstabilityWatch, WatchConfig
-from instability_watch.locate import resolve_layers
-from instability_watch.nanogpt import GPT, GPTConfig
-from instability_watch.qkclip import build_layouts
+from nanogpt import GPT, GPTConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 

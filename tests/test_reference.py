@@ -4,7 +4,6 @@ import math
 import pytest
 import torch
 
-from helpers import max_err, run_fwd_bwd, sdpa_math, seeded
 from instability_watch import Probe, flash_attention
 from instability_watch.kernels.reference import (
     LOG2E,
@@ -14,6 +13,8 @@ from instability_watch.kernels.reference import (
     stabilized_shift,
 )
 from instability_watch.mechanism import exact_attention, measure_bias, near_tie_inputs
+
+from helpers import max_err, run_fwd_bwd, sdpa_math, seeded
 
 # ---------------------------------------------------------------------------
 # Accuracy against float64: at most 2x PyTorch's own BF16 SDPA error

@@ -14,9 +14,11 @@ import pandas as pd
 import pytest
 from rich.console import Console
 
-from instability_watch import WatchConfig, cli, export, report
-from instability_watch.detectors import KINDS
-from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, load_run
+from instability_watch import WatchConfig, cli
+from instability_watch.detect.detectors import KINDS
+from instability_watch.outputs import report, rundir
+from instability_watch.outputs.rundir import EVENT_COLUMNS, METRIC_COLUMNS, load_run
+
 from watch_models import write_tied_run
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -443,8 +445,8 @@ def test_plots_leave_pyplot_alone(real_run, tmp_path):
     """write_plots uses Figure + FigureCanvasAgg only: pyplot (and its global backend) is never loaded."""
     code = (
         "import sys\n"
-        "from instability_watch import report\n"
-        "from instability_watch.export import load_run\n"
+        "from instability_watch.outputs import report\n"
+        "from instability_watch.outputs.rundir import load_run\n"
         f"report.write_plots(load_run({str(real_run)!r}), {str(tmp_path / 'out')!r})\n"
         "assert 'matplotlib.pyplot' not in sys.modules, 'pyplot imported'\n"
     )
@@ -467,7 +469,8 @@ def test_report_streams_the_metrics_and_never_loads_them_whole(run_copy, monkeyp
     def no(*args, **kwargs):
         raise AssertionError("the report loaded the whole run")
 
-    monkeypatch.setattr(export, "load_run", no)
+    monkeypatch.setattr(rundir, "load_run", no)
+    monkeypatch.setattr(rundir.reader, "load_run", no)
     monkeypatch.setattr(report, "digest", no)
     assert cli.main(["report", str(run_copy)]) == 0
     assert "27 delta_drift" in capsys.readouterr().out

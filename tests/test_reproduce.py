@@ -9,6 +9,8 @@ from pathlib import Path
 import pandas as pd
 import pytest
 
+from helpers import child_env
+
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block", "32", "--batch", "2", "--warmup", "5",
         "--watch-warmup", "10", "--corpus-bytes", "50000", "--lr", "1e-2", "--log-every", "5"]
@@ -102,12 +104,10 @@ def test_resume_after_a_stop_between_log_steps(repro, tmp_path):
 
 def _torchrun(out, args, steps, tmp_path):
     """``reproduce.py train`` in 2 CPU processes (torchrun, gloo), in a subprocess with a clean environment."""
-    import os
     import subprocess
     import sys
 
-    env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "HOME": str(tmp_path), "OMP_NUM_THREADS": "1",
-           "PYTHONPATH": str(BENCHMARKS.parent), "HF_HUB_OFFLINE": "1"}
+    env = child_env(tmp_path)
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2",
            str(BENCHMARKS / "reproduce.py"), "train", "--out", str(out), *args, "--steps", str(steps)]
     # A launch takes ~8 s. Once in this session's runs (1 of ~10) a launch hung until the timeout with both
@@ -170,7 +170,7 @@ def test_paper_preset_and_batch_errors(repro, tmp_path):
 
 
 def test_site_packages_corpus():
-    from instability_watch.corpus import corpus_text, site_packages_files, site_packages_text
+    from byte_corpus import corpus_text, site_packages_files, site_packages_text
 
     files = site_packages_files()
     assert files == sorted(set(files)) and len(files) > 100

@@ -9,7 +9,8 @@ import pandas as pd
 import pytest
 
 from instability_watch import WatchConfig
-from instability_watch.export import EVENT_COLUMNS, METRIC_COLUMNS, RunDirError, load_run, stream_run
+from instability_watch.outputs.rundir import EVENT_COLUMNS, METRIC_COLUMNS, RunDirError, load_run, stream_run
+
 from watch_models import write_tied_run
 
 STEPS, HEADS = 12, 4

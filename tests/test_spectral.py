@@ -2,7 +2,7 @@
 import pytest
 import torch
 
-from instability_watch.spectral import SpectralNorms, top_singular_values
+from instability_watch.probe.spectral import SpectralNorms, top_singular_values
 
 
 def _rel_err(sigmas, weights):

@@ -10,9 +10,10 @@ import math
 import pytest
 import torch
 
-from helpers import seeded
 from instability_watch.kernels import stats as st
-from instability_watch.probe import Probe
+from instability_watch.probe.bank import Probe
+
+from helpers import seeded
 
 EPS = 1e-3
 SCALE = 2.0 ** -10

@@ -40,12 +40,12 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 from torch.overrides import TorchFunctionMode
 
-import family_models as fm
-import real_models as rm
 from instability_watch import InstabilityWatch, WatchConfig, flash_attention
 from instability_watch.experimental import high_precision_delta
-from instability_watch.kernels import dropout_mask, dropout_seed
-from instability_watch.kernels import reference
+from instability_watch.kernels import dropout_mask, dropout_seed, reference
+
+import family_models as fm
+import real_models as rm
 
 FLOOR = 1e-6
 BF16 = torch.bfloat16

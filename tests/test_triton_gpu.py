@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from helpers import assert_probe_counts_equal, fused_and_split_backward, max_err, run_fwd_bwd, seeded
 from instability_watch import Probe, flash_attention
 from instability_watch.mechanism import exact_attention, measure_bias, near_tie_inputs
+
+from helpers import assert_probe_counts_equal, fused_and_split_backward, max_err, run_fwd_bwd, seeded
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -430,7 +431,7 @@ def test_gluon_forward_at_d256(N, causal, layout, dtype, monkeypatch):
     kernel, named with gluon=True."""
     from instability_watch.kernels import gluon_attention
     from instability_watch.kernels import triton_attention as ta
-    from instability_watch.probe import Probe
+    from instability_watch.probe.bank import Probe
 
     B, H, D = 2, 4, 256
     q, k, v, do = (_gluon_layout(t.to(dtype), layout) for t in _inputs(("gluon fwd d256", N, causal), B, H, H, N, D))

@@ -14,11 +14,10 @@ pytest.importorskip("triton")
 if torch.cuda.is_available():
     pytest.skip("the interpreter tests are for CPU-only machines", allow_module_level=True)
 
-from helpers import (  # noqa: E402
-    assert_probe_counts_equal, fused_and_split_backward, max_err, run_fwd_bwd, sdpa_math, seeded,
-)
 from instability_watch import Probe, flash_attention  # noqa: E402
 from instability_watch.mechanism import exact_attention, measure_bias, near_tie_inputs  # noqa: E402
+
+from helpers import assert_probe_counts_equal, fused_and_split_backward, max_err, run_fwd_bwd, sdpa_math, seeded  # noqa: E402
 
 
 def _inputs(key, B, H, h_kv, N, D, dtype=torch.bfloat16, n_kv=None):

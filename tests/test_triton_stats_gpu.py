@@ -14,9 +14,11 @@ import torch.nn.functional as F
 pytestmark = pytest.mark.gpu
 pytest.importorskip("triton")
 
-from helpers import seeded  # noqa: E402
 from instability_watch.kernels import stats  # noqa: E402
-from instability_watch.probe import COUNT_FIELDS, VALUE_FIELDS, Probe  # noqa: E402
+from instability_watch.probe.bank import Probe  # noqa: E402
+from instability_watch.probe.fields import COUNT_FIELDS, VALUE_FIELDS
+
+from helpers import seeded  # noqa: E402
 
 V_MAXS, V_DSUM, V_DABS = (VALUE_FIELDS.index(n) for n in ("max_score", "delta_err_sum", "delta_err_abs"))
 DEV = "cuda"

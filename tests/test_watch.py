@@ -7,8 +7,9 @@ import pytest
 import torch
 
 from instability_watch import InstabilityWatch, WatchConfig, WatchError
-from instability_watch.locate import AttentionLayer
-from instability_watch.nanogpt import GPT, GPTConfig
+from instability_watch.model.layer import AttentionLayer
+
+from nanogpt import GPT, GPTConfig
 from watch_models import TiedAttention, train_tied
 
 E2E = dict(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3)
@@ -17,7 +18,7 @@ E2E = dict(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_
 def _collect(watch):
     """Every read-back's metrics, in order (a listener)."""
     metrics = []
-    watch.listeners.append(lambda ms, alerts, w: metrics.extend(ms))
+    watch.listeners.append(lambda r: metrics.extend(r.metrics))
     return metrics
 
 
@@ -160,10 +161,10 @@ def test_listeners_receive_metrics_and_a_failing_listener_is_dropped(caplog):
     model = TiedAttention()
     seen = []
 
-    def good(metrics, alerts, watch):
-        seen.append((len(metrics), len(alerts)))
+    def good(record):
+        seen.append((len(record.metrics), len(record.alerts)))
 
-    def bad(metrics, alerts, watch):
+    def bad(record):
         raise RuntimeError("disk full")
 
     watch = InstabilityWatch(model, WatchConfig(**E2E), layers=model.layers(), listeners=[bad, good])
@@ -259,7 +260,7 @@ def test_nan_metric_is_reported_not_fatal(caplog):
 
 
 def test_kernel_failure_falls_back_to_pytorch_sdpa(monkeypatch, caplog):
-    import instability_watch.observe as observe_mod
+    import instability_watch.observe.sdpa as observe_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("kernel launch failed")
@@ -292,7 +293,7 @@ def test_kernel_failure_falls_back_to_pytorch_sdpa(monkeypatch, caplog):
 
 
 def test_statistics_failure_leaves_the_users_output(monkeypatch, caplog):
-    import instability_watch.observe as observe_mod
+    import instability_watch.observe.sdpa as observe_mod
 
     def broken(*args, **kwargs):
         raise RuntimeError("stats kernel failed")
@@ -388,7 +389,7 @@ def test_detach_reads_back_pending_steps():
     model = TiedAttention()
     seen = []
     watch = InstabilityWatch(model, WatchConfig(**E2E), layers=model.layers(),
-                             listeners=[lambda m, a, w: seen.extend(x.step for x in m)])
+                             listeners=[lambda r: seen.extend(x.step for x in r.metrics)])
     _train_tied(model, watch, 7)
     watch.detach()
     assert seen == list(range(1, 8))
@@ -409,7 +410,7 @@ def test_nonfinite_weights_alert():
 
 
 def test_statistics_failure_keeps_switched_heads_stabilized(monkeypatch):
-    import instability_watch.observe as observe_mod
+    import instability_watch.observe.sdpa as observe_mod
 
     model = _nano()
     watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=1))

@@ -7,8 +7,9 @@ import torch
 
 from instability_watch import InstabilityWatch, WatchConfig
 from instability_watch.kernels import stats as st
-from instability_watch.nanogpt import GPT, GPTConfig
-from instability_watch.probe import Probe
+from instability_watch.probe.bank import Probe
+
+from nanogpt import GPT, GPTConfig
 
 pytestmark = pytest.mark.gpu
 
@@ -48,7 +49,7 @@ def test_watched_training_on_gpu_is_identical_and_fills_every_head():
     again = _train(twin, 6)
     metrics = []
     watch = InstabilityWatch(watched, WatchConfig(probe_every=1, log_every=3, shadow_every=2, spectral_every=2),
-                             listeners=[lambda ms, a, w: metrics.extend(ms)])
+                             listeners=[lambda r: metrics.extend(r.metrics)])
     losses = _train(watched, 6, watch)
     deterministic = all(torch.equal(a, b) for a, b in zip(ref, again))
     if deterministic:  # PyTorch's own run-to-run result: the watch must not change a bit of it

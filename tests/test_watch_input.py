@@ -7,7 +7,8 @@ import torch
 
 from instability_watch import InstabilityWatch, WatchConfig
 from instability_watch.kernels import flash_attention
-from instability_watch.nanogpt import GPT, GPTConfig
+
+from nanogpt import GPT, GPTConfig
 
 EVERY = dict(probe_every=1, shadow_every=1, spectral_every=1, log_every=2, warmup_steps=0)
 
@@ -22,7 +23,7 @@ def _watched(strict=False, **config):
     model = _model()
     watch = InstabilityWatch(model, WatchConfig(**{**EVERY, **config}, strict=strict))
     metrics = []
-    watch.listeners.append(lambda ms, alerts, w: metrics.extend(ms))
+    watch.listeners.append(lambda r: metrics.extend(r.metrics))
     return model, watch, metrics
 
 
@@ -136,7 +137,7 @@ def test_a_model_built_on_meta_is_watched_once_materialized(caplog):
     model = _model("meta")
     watch = InstabilityWatch(model, WatchConfig(**EVERY))
     metrics = []
-    watch.listeners.append(lambda ms, alerts, w: metrics.extend(ms))
+    watch.listeners.append(lambda r: metrics.extend(r.metrics))
     with caplog.at_level(logging.WARNING, logger="instability_watch"):
         x = torch.zeros(2, 16, dtype=torch.long, device="meta")
         model(x, x)[1]
@@ -218,13 +219,13 @@ def test_loading_a_bad_state_changes_nothing_and_names_the_key():
 
 def test_device_memory_is_bounded_whatever_log_every():
     """log_every=10**6 preallocates no 10**6-row ring: the ring holds RING_ROWS_MAX rows and reads back when full."""
-    from instability_watch.watch import RING_ROWS_MAX
+    from instability_watch.engine.ring import RING_ROWS_MAX
 
     model, watch, metrics = _watched(log_every=10**6)
     _forward(model)  # the first probe step observes a call (the coverage check passes)
     for _ in range(RING_ROWS_MAX + 3):
         watch.step(1.0)  # then no forward is needed: the rows fill (zero statistics), the ring must not overflow
-    assert watch._ring.shape[0] == RING_ROWS_MAX
+    assert watch.ring.tensor(watch.observation.bank.device).shape[0] == RING_ROWS_MAX
     # step 1 is read back at once (the coverage check), then a full ring: steps 2 .. RING_ROWS_MAX + 1
     assert [m.step for m in metrics] == list(range(1, RING_ROWS_MAX + 2))
     watch.flush()

@@ -5,8 +5,8 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from instability_watch.locate import AttentionLayer
 from instability_watch.mechanism import near_tie_inputs
+from instability_watch.model.layer import AttentionLayer
 
 
 class TiedAttention(nn.Module):
@@ -66,7 +66,7 @@ def write_tied_run(run_dir, config, steps: int, *, listeners=(), close: bool = T
     """A real run directory: ``steps`` of :func:`train_tied` from seed 0, written by ``RunWriter`` (the
     README's plain loop); returns ``(watch, writer)``, the watch detached."""
     from instability_watch import InstabilityWatch
-    from instability_watch.export import RunWriter
+    from instability_watch.outputs.rundir import RunWriter
 
     torch.manual_seed(0)
     model = TiedAttention()

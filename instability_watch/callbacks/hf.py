@@ -27,7 +27,7 @@ FSDP2 (``fsdp_config["version"] = 2``, the default: ``fully_shard`` in place,
 (``FullyShardedDataParallel``, which the Trainer hands to callbacks as the
 model) inside ``summon_full_params`` of the unit holding each layer; the
 callback unwraps FSDP1's root to find the layers and gives the root to the
-engine (``watch.sharding_roots``). See :mod:`instability_watch._sharding`.
+engine (``watch.sharding_roots``). See :mod:`instability_watch.model.sharding`.
 Refused with a ``ValueError`` at train begin: DeepSpeed ZeRO-3 (partitioned
 parameters), DeepSpeed ZeRO 1/2 (not tested with this callback), tensor,
 context, sequence and pipeline parallelism.
@@ -55,11 +55,13 @@ except ImportError as exc:  # transformers is an optional dependency
         'pip install "instability_watch[hf]"'
     ) from exc
 
-from .._sharding import _fsdp1_class, fsdp1_units, full_params, innermost_unit, zero3_parameters
-from ..export import RUN_DIR_NAME, broadcast_from_rank_zero, run_dir_under
-from ..locate import AttentionLayer, find_attention_layers, not_found_message
-from ..watch import InstabilityWatch, StepMetrics
-from ._common import WatchAdapter, scalars
+from instability_watch._dist import broadcast_from_rank_zero
+from instability_watch.callbacks.common import WatchAdapter, run_dir_under, scalars
+from instability_watch.engine.readback import ReadBack
+from instability_watch.engine.watch import InstabilityWatch
+from instability_watch.model.layer import AttentionLayer, find_attention_layers, not_found_message
+from instability_watch.model.sharding import fsdp1_class, fsdp1_units, full_params, innermost_unit, zero3_parameters
+from instability_watch.outputs.rundir import RUN_DIR_NAME
 
 log = logging.getLogger("instability_watch")
 
@@ -75,7 +77,7 @@ def _unwrap(model: nn.Module) -> nn.Module:
     (``trainer.model`` is replaced by it); its ``.module`` is the user's model
     (FSDP1's ``_fsdp_wrapped_module``). FSDP2 shards the model in place: nothing to unwrap.
     """
-    fsdp1 = _fsdp1_class()
+    fsdp1 = fsdp1_class()
     for _ in range(8):
         if isinstance(model, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             model = model.module
@@ -260,7 +262,7 @@ def _fsdp1_layers(layers: List[AttentionLayer], model: nn.Module, wrapper: nn.Mo
     for root in [u for u in units if id(u) not in inner]:
         # before any forward: FSDP1 takes the first unit it gathers for the root; gather the real
         # root first (its own parameters only), so that a layer's unit is not taken for one
-        with _fsdp1_class().summon_full_params(root, recurse=False, writeback=False):
+        with fsdp1_class().summon_full_params(root, recurse=False, writeback=False):
             pass
     out: List[AttentionLayer] = []
     seen: List[Any] = []
@@ -529,7 +531,7 @@ class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
         watch = self.watch
         if watch is None or not module.training or not torch.is_grad_enabled():
             return
-        if not watch.records(self._last_step + 1):
+        if not watch.is_recorded(self._last_step + 1):
             return
         loss = output.get("loss") if isinstance(output, dict) else getattr(output, "loss", None)
         if not isinstance(loss, torch.Tensor) or loss.numel() != 1 or not loss.is_floating_point():
@@ -564,14 +566,14 @@ class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
         for i in range(stepped):
             watch.step(loss if i == stepped - 1 else None)
         if 0 < state.max_steps <= state.global_step:
-            watch.flush()  # every rank; the last steps' scalars then reach the Trainer's final logs
+            watch.read_back()  # every rank; the last steps' scalars then reach the Trainer's final logs
 
     # ------------------------------------------------------------------ outputs
 
-    def _collect_scalars(self, metrics: List[StepMetrics], alerts, watch: InstabilityWatch) -> None:
-        if not metrics:
+    def _collect_scalars(self, record: ReadBack) -> None:
+        if not record.metrics:
             return
-        self._pending_scalars = scalars(watch, metrics) or {}
+        self._pending_scalars = scalars(record) or {}
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         """Add the latest read-back's scalars to ``logs`` (and to the entry just appended to ``log_history``)."""
@@ -599,7 +601,7 @@ class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
             # rank-local rows, so every rank's state is the same and one file serves any number of
             # processes on resume (one process's pending rows, loaded by every rank of a DDP run,
             # would be summed once per rank).
-            watch.flush()
+            watch.read_back()
         return {
             "version": _STATE_VERSION,
             "world_size": torch.distributed.get_world_size() if _distributed() else 1,

@@ -1,7 +1,7 @@
 """``InstabilityWatchCallback``: the watch in a Lightning ``Trainer``.
 
 An adapter over :class:`~instability_watch.InstabilityWatch` (all logic lives
-in the engine, the run-directory policy in :mod:`~instability_watch.export`,
+in the engine, the run-directory policy in :mod:`~instability_watch.outputs.rundir`,
 what both framework callbacks share in :class:`._common.WatchAdapter`): it attaches in ``setup``, calls ``watch.step`` once per
 optimizer step, pauses the statistics during validation and sanity checking,
 sends a few scalars to the trainer's loggers, keeps the watch's state in
@@ -27,10 +27,10 @@ except ImportError as exc:  # pragma: no cover - lightning is a dependency
         "InstabilityWatchCallback needs PyTorch Lightning: pip install 'lightning>=2.4'"
     ) from exc
 
-from ..export import run_dir_under
-from ..locate import AttentionLayer
-from ..watch import InstabilityWatch, StepMetrics
-from ._common import WatchAdapter, scalars
+from instability_watch.callbacks.common import WatchAdapter, run_dir_under, scalars
+from instability_watch.engine.readback import ReadBack
+from instability_watch.engine.watch import InstabilityWatch
+from instability_watch.model.layer import AttentionLayer
 
 log = logging.getLogger("instability_watch")
 
@@ -42,7 +42,7 @@ def _unsupported_strategy(strategy: Any) -> Optional[str]:
     """Why a strategy cannot be watched (``None`` if it can).
 
     Sharded weights are read whole where needed: FSDP2 ``DTensor`` objects (``ModelParallelStrategy``)
-    and FSDP1 units (``FSDPStrategy``), see :mod:`instability_watch._sharding`. DeepSpeed
+    and FSDP1 units (``FSDPStrategy``), see :mod:`instability_watch.model.sharding`. DeepSpeed
     ZeRO-3 partitions parameters in its own way, which the watch cannot gather.
     """
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
@@ -137,7 +137,7 @@ class InstabilityWatchCallback(WatchAdapter, Callback):
 
         if may_wait and is_overridden("configure_model", pl_module, pl.LightningModule):
             return None
-        from ..locate import not_found_message
+        from instability_watch.model.layer import not_found_message
 
         raise MisconfigurationException(
             f"InstabilityWatchCallback, in {type(pl_module).__name__}: {not_found_message(pl_module)}")
@@ -205,7 +205,7 @@ class InstabilityWatchCallback(WatchAdapter, Callback):
             return
         loss = outputs.get("loss") if isinstance(outputs, dict) else outputs
         # the loss is kept on recorded steps only: between probe steps the callback does nothing on the device
-        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and watch.records(self._last_global_step + 1):
+        if isinstance(loss, torch.Tensor) and loss.numel() == 1 and watch.is_recorded(self._last_global_step + 1):
             loss = loss.detach().float().reshape(())
             if pl_module.automatic_optimization:
                 # Lightning hands back the loss divided by accumulate_grad_batches (what it backpropagated)
@@ -233,20 +233,20 @@ class InstabilityWatchCallback(WatchAdapter, Callback):
 
     # ------------------------------------------------------------------ outputs
 
-    def _log_scalars(self, metrics: List[StepMetrics], alerts, watch: InstabilityWatch) -> None:
+    def _log_scalars(self, record: ReadBack) -> None:
         trainer = self._trainer
-        values = scalars(watch, metrics)
+        values = scalars(record)
         if trainer is None or not trainer.loggers or values is None:
             return
         for logger in trainer.loggers:  # log_metrics is rank-zero only
-            logger.log_metrics(values, step=metrics[-1].step)
+            logger.log_metrics(values, step=record.step)
 
     # ------------------------------------------------------------------ end
 
     def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
         """Read back the pending steps (every rank: a collective under DDP) and stop the live table."""
         if self.watch is not None:
-            self.watch.flush()
+            self.watch.read_back()
         if self.reporter is not None:
             self.reporter.close()  # stop the live table before the progress bar stops
 
@@ -269,7 +269,7 @@ class InstabilityWatchCallback(WatchAdapter, Callback):
             if self.watch.distributed and not self._finished:
                 # every rank saves (Lightning calls this on all ranks): read back first, so the
                 # checkpoint holds no rank-local pending rows (rank 0's would be summed world-size times)
-                self.watch.flush()
+                self.watch.read_back()
             watch_state = self.watch.state_dict()
         return {
             "version": _STATE_VERSION,

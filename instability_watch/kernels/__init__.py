@@ -16,9 +16,8 @@ from typing import Optional, Union
 
 import torch
 
-from ..probe import Probe, probe_buffers
-from .ops import FlashAttention
-from .reference import (
+from instability_watch.kernels.ops import FlashAttention
+from instability_watch.kernels.reference import (
     DEFAULT_BETA,
     DEFAULT_EPS,
     FLOAT32_MAX,
@@ -28,6 +27,7 @@ from .reference import (
     dropout_mask,
     dropout_seed,
 )
+from instability_watch.probe.bank import Probe, probe_buffers
 
 __all__ = [
     "flash_attention",

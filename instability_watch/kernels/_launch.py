@@ -26,7 +26,7 @@ import warnings
 import torch
 import triton
 
-from . import interpreting
+from instability_watch.kernels import interpreting
 
 # Triton decides at import whether @triton.jit kernels run in its interpreter, so the
 # launchers read the flag once too (an environment lookup per launch is host time).

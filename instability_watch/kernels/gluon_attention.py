@@ -109,7 +109,7 @@ def _launch(build, grid, descs, tensors, scalars, meta) -> None:
     """Launch a Gluon kernel through the package's launcher (``_launch.Launcher``: after its first
     launch, a kernel's compiled launcher is called directly, tens of microseconds of host time
     less than ``kernel[grid](...)``; the same path Triton takes elsewhere)."""
-    from ._launch import Launcher
+    from instability_watch.kernels._launch import Launcher
 
     launcher = _launchers.get(build)
     if launcher is None:

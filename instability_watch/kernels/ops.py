@@ -21,9 +21,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from ..probe import Probe
-from . import reference
-from .layout import empty_like_layout
+from instability_watch.kernels import reference
+from instability_watch.kernels.layout import empty_like_layout
+from instability_watch.probe.bank import Probe
 
 
 def _into(like: Tensor, t: Tensor) -> Tensor:
@@ -113,7 +113,9 @@ _TRITON_MODULE = None
 def _triton():
     global _TRITON_MODULE
     if _TRITON_MODULE is None:
-        from . import triton_attention  # imported on first use: CPU-only users never load Triton
+        from instability_watch.kernels import (
+            triton_attention,  # imported on first use: CPU-only users never load Triton
+        )
 
         _TRITON_MODULE = triton_attention
     return _TRITON_MODULE

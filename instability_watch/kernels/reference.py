@@ -46,7 +46,7 @@ from typing import Optional, Tuple
 
 import torch
 
-from ..probe import Probe
+from instability_watch.probe.bank import Probe
 
 DEFAULT_BETA = 2.0  # the authors' choice; the paper recommends beta in [2, 8]
 DEFAULT_EPS = 1e-3  # the paper's tolerance for "the same maximum"

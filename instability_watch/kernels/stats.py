@@ -60,10 +60,14 @@ from typing import Optional
 import torch
 from torch import Tensor
 
-from ..probe import COUNT_FIELDS, VALUE_FIELDS
-from .reference import MASK_FLOOR  # an additive mask at or below this counts as masked
-from .reference import dropout_bits, dropout_scale, dropout_threshold
-from .reference import mask4 as _mask4
+from instability_watch.kernels.reference import (
+    MASK_FLOOR,  # an additive mask at or below this counts as masked
+    dropout_bits,
+    dropout_scale,
+    dropout_threshold,
+)
+from instability_watch.kernels.reference import mask4 as _mask4
+from instability_watch.probe.fields import COUNT_FIELDS, VALUE_FIELDS
 
 CHUNK_ELEMENTS = 1 << 22  # scores per chunk on the PyTorch path (16 MiB of float32)
 
@@ -243,7 +247,7 @@ _TRITON_MODULE = None
 def _triton():
     global _TRITON_MODULE
     if _TRITON_MODULE is None:
-        from . import triton_stats  # imported on first use: CPU-only users never load Triton
+        from instability_watch.kernels import triton_stats  # imported on first use: CPU-only users never load Triton
 
         _TRITON_MODULE = triton_stats
     return _TRITON_MODULE

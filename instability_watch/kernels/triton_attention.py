@@ -33,12 +33,11 @@ import torch
 import triton
 import triton.language as tl
 
-from ..probe import COUNT_FIELDS, VALUE_FIELDS
-from ._launch import INTERPRET, Launcher, cdiv, dot_precision
-from ._ptx import add_rn, add_rows, at_least, max_rows
-from .configs import LaunchConfig, has_launch_config, head_dim_tile, launch_config
-from .layout import empty_like_layout
-from .reference import (
+from instability_watch.kernels._launch import INTERPRET, Launcher, cdiv, dot_precision
+from instability_watch.kernels._ptx import add_rn, add_rows, at_least, max_rows
+from instability_watch.kernels.configs import LaunchConfig, has_launch_config, head_dim_tile, launch_config
+from instability_watch.kernels.layout import empty_like_layout
+from instability_watch.kernels.reference import (
     LOG2E,
     MASK_FLOOR,
     PHILOX_M0,
@@ -52,6 +51,7 @@ from .reference import (
     max_shift_for,
     reduce_to,
 )
+from instability_watch.probe.fields import COUNT_FIELDS, VALUE_FIELDS
 
 # Rows of the probe buffers, as constexprs for the kernels.
 C_ROWS = tl.constexpr(COUNT_FIELDS.index("rows"))
@@ -853,7 +853,7 @@ def _gluon_call(what: str, launch, q, k, v, do, *, masked: bool, dropout: bool =
     Gluon kernel is tried again in this process: the Triton kernels serve instead."""
     if INTERPRET:
         return "Triton's interpreter"
-    from . import gluon_attention
+    from instability_watch.kernels import gluon_attention
 
     if not gluon_attention.available():
         return "this Triton has no Gluon for Hopper"
@@ -867,7 +867,7 @@ def _gluon_call(what: str, launch, q, k, v, do, *, masked: bool, dropout: bool =
     except Exception as exc:  # noqa: BLE001 - any failure: the Triton kernels serve from now on
         reason = f"{type(exc).__name__}: {str(exc)[:200]}"
         gluon_attention.disable(f"failed once ({reason})")
-        from .._dist import rank
+        from instability_watch._dist import rank
 
         if rank() == 0:
             warnings.warn(f"instability_watch: the Gluon {what} kernel (D = 256) failed ({reason}); "

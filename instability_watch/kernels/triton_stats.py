@@ -35,12 +35,12 @@ import torch
 import triton
 import triton.language as tl
 
-from ..probe import COUNT_FIELDS, VALUE_FIELDS
-from .stats import MASK_FLOOR, _mask4
-from .reference import dropout_scale, dropout_threshold
-from ._launch import INTERPRET, Launcher, cdiv, dot_precision
-from .configs import head_dim_tile, launch_config
-from .triton_attention import _dropout_key, _dropout_keep
+from instability_watch.kernels._launch import INTERPRET, Launcher, cdiv, dot_precision
+from instability_watch.kernels.configs import head_dim_tile, launch_config
+from instability_watch.kernels.reference import dropout_scale, dropout_threshold
+from instability_watch.kernels.stats import MASK_FLOOR, _mask4
+from instability_watch.kernels.triton_attention import _dropout_keep, _dropout_key
+from instability_watch.probe.fields import COUNT_FIELDS, VALUE_FIELDS
 
 # Rows of the probe buffers, as constexprs for the kernel.
 C_ROWS = tl.constexpr(COUNT_FIELDS.index("rows"))

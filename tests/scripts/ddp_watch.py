@@ -20,6 +20,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 
 def run(rank, out_dir, fail_rank, fail_step):
     from instability_watch import InstabilityWatch, WatchConfig
+
     from watch_models import TiedAttention, tied_batch, tied_loss
 
     torch.manual_seed(0)
@@ -27,14 +28,14 @@ def run(rank, out_dir, fail_rank, fail_step):
     cfg = WatchConfig(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
     watch = InstabilityWatch(model, cfg, layers=model.layers())
     if rank == fail_rank:
-        original = watch._record
+        original = watch.ring.next_row
 
-        def record(s, loss):
-            if s >= fail_step:
+        def next_row(device):  # recording a step's row fails on this rank from fail_step on
+            if watch.step_count >= fail_step:
                 raise RuntimeError("injected failure")
-            return original(s, loss)
+            return original(device)
 
-        watch._record = record
+        watch.ring.next_row = next_row
     opt = torch.optim.SGD(model.parameters(), lr=1e-3)
     for i in range(40):
         o = model(*tied_batch(2 * i + rank))  # each rank its own data

@@ -38,7 +38,7 @@ STEPS, RESUME_AT, VOCAB, SEQ, GLOBAL_BATCH = 6, 4, 61, 24, 4
 def build(name):
     torch.manual_seed(0)
     if name == "nanogpt":
-        from instability_watch.nanogpt import GPT, GPTConfig
+        from nanogpt import GPT, GPTConfig
 
         model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=2, n_head=4, n_embd=64, pos_embedding=False))
         return model, list(model.h)
@@ -70,7 +70,7 @@ def make_watch(model):
     cfg = WatchConfig(probe_every=1, shadow_every=2, spectral_every=1, log_every=3, warmup_steps=2, sustain=1,
                       auto_switch=True)
     seen = []
-    watch = InstabilityWatch(model, cfg, listeners=[lambda metrics, alerts, w: seen.extend(metrics)])
+    watch = InstabilityWatch(model, cfg, listeners=[lambda r: seen.extend(r.metrics)])
     watch.seen = seen  # every read-back's per-step metrics
     return watch
 
@@ -105,7 +105,7 @@ def reference_sigma(model, watch, mode):
     out = []
     for site in watch.observation.sites:
         if mode.startswith("fsdp1"):
-            from instability_watch._sharding import fsdp1_units, full_params, innermost_unit
+            from instability_watch.model.sharding import fsdp1_units, full_params, innermost_unit
 
             unit = innermost_unit(site.layer.module, fsdp1_units([model]))
             with full_params(unit):
@@ -138,7 +138,7 @@ def summary(model, watch, mode):
                     for m in watch.seen],
         "sigma_ref": reference_sigma(model, watch, mode),
         "coverage": [c.to_dict() if hasattr(c, "to_dict") else str(c) for c in watch.coverage()],
-        "problems": sorted(watch._reported_problems),
+        "problems": watch.faults.reported,
     }
 
 

@@ -23,8 +23,9 @@ import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 
 from instability_watch import InstabilityWatchCallback  # noqa: E402
-from instability_watch.nanogpt import GPT, GPTConfig  # noqa: E402
+
 from lightning_models import TiedModule, TinyGPT  # noqa: E402
+from nanogpt import GPT, GPTConfig  # noqa: E402
 
 CFG = dict(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
 

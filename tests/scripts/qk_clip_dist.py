@@ -52,7 +52,7 @@ def _boost(q, k, heads, damped):
 def build(name, layers):
     torch.manual_seed(0)
     if name == "nanogpt":
-        from instability_watch.nanogpt import GPT, GPTConfig
+        from nanogpt import GPT, GPTConfig
 
         model = GPT(GPTConfig(vocab_size=VOCAB, block_size=SEQ, n_layer=layers, n_head=4, n_embd=32))
         for block in model.h:
@@ -161,19 +161,19 @@ def run_case(case, out_dir, rank, world):
     model = wrap(mode, model, blocks, world)
     clips, metrics, local = [], [], []
 
-    def listener(ms, alerts, w):
-        clips.extend([c.step, c.layer, c.head, c.factor, c.max_logit, c.tau, c.layer_name] for c in w.last_clips)
-        metrics.extend({"step": m.step, "max_score": m.values["max_score"].tolist()} for m in ms)
+    def listener(record):
+        clips.extend([c.step, c.layer, c.head, c.factor, c.max_logit, c.tau, c.layer_name] for c in record.clips)
+        metrics.extend({"step": m.step, "max_score": m.values["max_score"].tolist()} for m in record.metrics)
 
     watch = InstabilityWatch(model, config(mode, name), listeners=[listener])
-    own_clip = watch._qk_clip
+    own_clip = watch.clipper.clip
 
-    def qk_clip():  # this rank's own largest logits, before the watch max-reduces them over the ranks
-        smax = watch._smax
+    def qk_clip(**kwargs):  # this rank's own largest logits, before the watch max-reduces them over the ranks
+        smax = watch.clipper.pending_logits
         local.append([watch.step_count, None if smax is None else smax.tolist()])
-        own_clip()
+        return own_clip(**kwargs)
 
-    watch._qk_clip = qk_clip
+    watch.clipper.clip = qk_clip
     initial = whole_parameters(model)
     opt = torch.optim.AdamW(model.parameters(), lr=0.0 if mode.startswith("tau") else 3e-3)
     half = GLOBAL_BATCH // 2
@@ -198,7 +198,7 @@ def run_case(case, out_dir, rank, world):
         "clips": clips, "metrics": metrics, "local_max": local, "initial_hash": digest(initial), "hashes": hashes,
         "clip_counts": watch.clip_counts.tolist(),
         "state": json.loads(json.dumps(watch.state_dict(), default=str)),
-        "disabled": dict(watch.disabled), "problems": sorted(watch._reported_problems),
+        "disabled": dict(watch.disabled), "problems": watch.faults.reported,
     }
     watch.detach()
     suffix = "single" if world == 1 else f"rank{rank}"

@@ -1,6 +1,6 @@
 """Find a model's attention layers and the query projection ``W_Q`` of each head.
 
-Layers are recognised by shape, not by name (first match wins):
+Layers are recognised by shape, not by name (first match wins; :mod:`~instability_watch.model.families`):
 
 =========================  ==========================================================
 nanoGPT                    a fused ``c_attn`` ``nn.Linear`` (``3 * n_embd`` outputs)
@@ -55,6 +55,8 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
 import torch
 import torch.nn as nn
 
+from instability_watch.model.families import FAMILIES
+
 
 @dataclass
 class AttentionLayer:
@@ -108,189 +110,17 @@ class AttentionLayer:
 
 
 Layers = Union[Sequence[AttentionLayer], Callable[[nn.Module], Sequence[AttentionLayer]]]
-Located = Optional[Tuple[int, Callable[[], torch.Tensor]]]
-
-
-def _heads_view(weight_rows: torch.Tensor, num_heads: int) -> torch.Tensor:
-    """``(H * D, d_in)`` -> ``(H, D, d_in)``."""
-    out, d_in = weight_rows.shape
-    return weight_rows.view(num_heads, out // num_heads, d_in)
-
-
-def _queries_first(weight: torch.Tensor, num_heads: int, head_dim: int) -> torch.Tensor:
-    """The query rows of a fused ``[Q | K | V]`` weight: ``(H * D + ..., d_in)`` -> ``(H, D, d_in)``."""
-    return _heads_view(weight[:num_heads * head_dim], num_heads)
-
-
-def _grouped_queries(weight: torch.Tensor, num_heads: int, num_kv: int, head_dim: int) -> torch.Tensor:
-    """The query rows of a weight grouped per key/value head, ``(KV * (H / KV + 2) * D, d_in)`` -> ``(H, D, d_in)``.
-
-    Each group holds its ``H / KV`` query heads, then its key head, then its value head.
-    """
-    per_kv, d_in = num_heads // num_kv, weight.shape[1]
-    groups = weight.view(num_kv, per_kv + 2, head_dim, d_in)  # (KV, H / KV + 2, D, d_in)
-    return groups[:, :per_kv].reshape(num_heads, head_dim, d_in)  # (H, D, d_in); a copy when KV < H
-
-
-def _kv_heads(rows: int, num_heads: int, head_dim: int) -> Optional[int]:
-    """``KV`` such that ``rows == (H + 2 * KV) * D`` and ``KV`` divides ``H``, else ``None``."""
-    if head_dim < 1 or rows % head_dim or (rows // head_dim - num_heads) % 2:
-        return None
-    num_kv = (rows // head_dim - num_heads) // 2
-    return num_kv if num_kv >= 1 and num_heads % num_kv == 0 else None
-
-
-def _int_attr(module: nn.Module, *names: str) -> Optional[int]:
-    """The first of ``names`` that is an int on the module, else on its ``config``."""
-    for owner in (module, getattr(module, "config", None)):
-        for name in names:
-            value = getattr(owner, name, None)
-            if isinstance(value, int) and not isinstance(value, bool):
-                return value
-    return None
-
-
-def _nanogpt(module: nn.Module) -> Located:
-    c_attn = getattr(module, "c_attn", None)
-    n_head = getattr(module, "n_head", None)
-    if not isinstance(c_attn, nn.Linear) or not isinstance(n_head, int):
-        return None
-    e = c_attn.in_features
-    if c_attn.out_features != 3 * e or e % n_head:
-        return None
-    return n_head, lambda: _heads_view(c_attn.weight[:e], n_head)
-
-
-def _hf_gpt2(module: nn.Module) -> Located:
-    c_attn = getattr(module, "c_attn", None)
-    n_head = getattr(module, "num_heads", None)
-    if c_attn is None or type(c_attn).__name__ != "Conv1D" or not isinstance(n_head, int):
-        return None
-    if getattr(module, "is_cross_attention", False):
-        q_attn = module.q_attn
-        return n_head, lambda: _heads_view(q_attn.weight.t(), n_head)
-    # Conv1D stores (in, out); its out size from the attribute, not the weight's shape, which is a
-    # piece of a flat shard under FSDP1 outside the forward
-    e = c_attn.nf // 3 if isinstance(getattr(c_attn, "nf", None), int) else c_attn.weight.shape[1] // 3
-    return n_head, lambda: _heads_view(c_attn.weight[:, :e].t(), n_head)
-
-
-def _separate_linears(module: nn.Module, names: Tuple[str, ...], head_attrs: Tuple[str, ...]) -> Located:
-    """A query projection that is its own ``nn.Linear`` beside the key (and value) ones.
-
-    ``names[0]`` is the query module; every name must be an ``nn.Linear`` on ``module``. The head
-    count is the first integer attribute of ``head_attrs``; it must divide the query's out features.
-    """
-    if not all(isinstance(getattr(module, n, None), nn.Linear) for n in names):
-        return None
-    query = getattr(module, names[0])
-    n_head = _int_attr(module, *head_attrs)
-    if n_head is None or query.out_features % n_head:
-        return None
-    return n_head, lambda: _heads_view(query.weight, n_head)
-
-
-def _q_proj(module: nn.Module) -> Located:
-    """Llama-style ``q_proj`` / ``k_proj`` modules (Llama, Mistral, Qwen, Gemma, ...)."""
-    return _separate_linears(module, ("q_proj", "k_proj"), ("num_heads", "num_attention_heads"))
-
-
-def _query_key_value(module: nn.Module) -> Located:
-    """BERT-style ``query`` / ``key`` / ``value`` modules."""
-    return _separate_linears(module, ("query", "key", "value"), ("num_attention_heads", "num_heads"))
-
-
-def _gpt_neox(module: nn.Module) -> Located:
-    """``query_key_value`` grouped per key/value head (GPT-NeoX, Pythia, Falcon, Persimmon)."""
-    fused = getattr(module, "query_key_value", None)
-    n_head = _int_attr(module, "num_heads", "num_attention_heads")
-    if not isinstance(fused, nn.Linear) or n_head is None:
-        return None
-    head_dim = _int_attr(module, "head_size", "head_dim") or fused.in_features // n_head
-    n_kv = _kv_heads(fused.out_features, n_head, head_dim)
-    if n_kv is None:
-        return None
-    return n_head, lambda: _grouped_queries(fused.weight, n_head, n_kv, head_dim)
-
-
-def _phi3(module: nn.Module) -> Located:
-    """``qkv_proj``, queries first, with ``num_key_value_heads`` (Phi-3; GQA included)."""
-    fused = getattr(module, "qkv_proj", None)
-    n_head = _int_attr(module, "num_heads", "num_attention_heads")
-    n_kv = _int_attr(module, "num_key_value_heads")
-    if not isinstance(fused, nn.Linear) or n_head is None or n_kv is None:
-        return None
-    head_dim = _int_attr(module, "head_dim") or fused.in_features // n_head
-    if n_kv < 1 or n_head % n_kv or fused.out_features != (n_head + 2 * n_kv) * head_dim:
-        return None
-    return n_head, lambda: _queries_first(fused.weight, n_head, head_dim)
-
-
-def _t5(module: nn.Module) -> Located:
-    """``q`` / ``k`` / ``v`` / ``o`` with ``n_heads`` (T5, mT5; self- and cross-attention alike)."""
-    if not all(isinstance(getattr(module, n, None), nn.Linear) for n in ("q", "k", "v", "o")):
-        return None
-    q = module.q
-    n_head = _int_attr(module, "n_heads", "num_heads")
-    if n_head is None or q.out_features % n_head:
-        return None
-    return n_head, lambda: _heads_view(q.weight, n_head)
-
-
-def _litgpt(module: nn.Module) -> Located:
-    """litgpt's ``CausalSelfAttention``: ``qkv`` queries first; a legacy ``attn`` grouped per query group."""
-    n_head, groups = _int_attr(module, "n_head"), _int_attr(module, "n_query_groups")
-    head_size = _int_attr(module, "head_size")
-    if n_head is None or groups is None or head_size is None or groups < 1 or n_head % groups:
-        return None
-    rows = (n_head + 2 * groups) * head_size
-    fused = getattr(module, "qkv", None)
-    if isinstance(fused, nn.Linear) and fused.out_features == rows:
-        return n_head, lambda: _queries_first(fused.weight, n_head, head_size)
-    legacy = getattr(module, "attn", None)
-    if isinstance(legacy, nn.Linear) and legacy.out_features == rows:
-        return n_head, lambda: _grouped_queries(legacy.weight, n_head, groups, head_size)
-    return None
-
-
-def _timm(module: nn.Module) -> Located:
-    """A fused ``qkv`` with ``num_heads``, rows ``(3, H, D)`` (timm's ``Attention`` and kin)."""
-    fused = getattr(module, "qkv", None)
-    n_head = getattr(module, "num_heads", None)
-    if not isinstance(fused, nn.Linear) or not isinstance(n_head, int) or n_head < 1:
-        return None
-    head_dim = getattr(module, "head_dim", None)
-    if not isinstance(head_dim, int):
-        head_dim = fused.out_features // (3 * n_head)
-    if fused.out_features != 3 * n_head * head_dim:
-        return None
-    return n_head, lambda: _queries_first(fused.weight, n_head, head_dim)
-
-
-def _mha(module: nn.Module) -> Located:
-    if not isinstance(module, nn.MultiheadAttention):
-        return None
-    n_head, e = module.num_heads, module.embed_dim
-    if module._qkv_same_embed_dim:
-        return n_head, lambda: _heads_view(module.in_proj_weight[:e], n_head)
-    return n_head, lambda: _heads_view(module.q_proj_weight, n_head)
-
-
-LOCATORS = (
-    ("nanogpt", _nanogpt), ("hf-gpt2", _hf_gpt2), ("q_proj", _q_proj), ("query/key/value", _query_key_value),
-    ("gpt-neox", _gpt_neox), ("phi-3", _phi3), ("t5", _t5), ("litgpt", _litgpt), ("timm", _timm), ("mha", _mha),
-)
 
 
 def find_attention_layers(model: nn.Module) -> List[AttentionLayer]:
     """The attention layers of ``model`` that a built-in locator recognises, in module order."""
     found: List[AttentionLayer] = []
     for name, module in model.named_modules():
-        for kind, locate in LOCATORS:
-            hit = locate(module)
+        for family in FAMILIES:
+            hit = family.locate(module)
             if hit is not None:
                 n_head, w_q = hit
-                found.append(AttentionLayer(module, n_head, w_q, name or type(module).__name__, layout=kind))
+                found.append(AttentionLayer(module, n_head, w_q, name or type(module).__name__, layout=family.name))
                 break
     return found
 

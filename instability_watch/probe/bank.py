@@ -42,18 +42,7 @@ from typing import Dict, List, Optional, Sequence
 
 import torch
 
-# Integer counters: rows of ``Probe.counts`` (int64, shape (len(COUNT_FIELDS), H)).
-COUNT_FIELDS = (
-    "rows", "multi_max_rows", "tie_rows", "nonfinite_rows", "shadow_rows", "delta_err_pos", "masked_rows",
-    # the observer's call counts (the same value in every head's column; see observe.py)
-    "observed_calls", "shadow_calls", "unobserved_calls", "shadow_skipped_calls", "kernel_calls", "fallback_calls",
-)
-# The rows of COUNT_FIELDS that count calls, not attention rows.
-CALL_FIELDS = COUNT_FIELDS[7:]
-# Real-valued statistics: rows of ``Probe.values`` (float32, shape (len(VALUE_FIELDS), H)).
-VALUE_FIELDS = ("max_score", "delta_err_sum", "delta_err_abs")
-# The value each statistic is reset to.
-_VALUE_RESET = {"max_score": float("-inf"), "delta_err_sum": 0.0, "delta_err_abs": 0.0}
+from instability_watch.probe.fields import COUNT_FIELDS, VALUE_FIELDS, VALUE_RESET
 
 
 class Probe:
@@ -132,7 +121,7 @@ class Probe:
         """Reset every statistic in place (no reallocation, no host sync)."""
         self.counts.zero_()
         for i, name in enumerate(VALUE_FIELDS):
-            self.values[i].fill_(_VALUE_RESET[name])
+            self.values[i].fill_(VALUE_RESET[name])
         return self
 
     def to(self, device: torch.device | str) -> "Probe":
@@ -200,7 +189,7 @@ class ProbeBank:
         return torch.cat([p.values.reshape(-1) for p in self.probes])
 
     def _make_resets(self) -> None:
-        reset = torch.tensor([_VALUE_RESET[f] for f in VALUE_FIELDS], dtype=torch.float32, device=self.device)
+        reset = torch.tensor([VALUE_RESET[f] for f in VALUE_FIELDS], dtype=torch.float32, device=self.device)
         self._value_resets = [reset[:, None].expand(len(VALUE_FIELDS), h).contiguous() for h in self.head_counts]
 
     def to(self, device: torch.device | str) -> "ProbeBank":

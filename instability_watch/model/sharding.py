@@ -2,7 +2,7 @@
 
 * **FSDP2** (``fully_shard``): parameters are ``DTensor`` objects outside the forward.
   The locators' ``w_q()`` views work on them (DTensor redistributes where it must)
-  and :func:`~instability_watch.spectral.gram` gathers only the per-head Grams.
+  and :func:`~instability_watch.probe.spectral.gram` gathers only the per-head Grams.
   Nothing to do here.
 * **FSDP1** (``FullyShardedDataParallel``, what Lightning's ``FSDPStrategy`` wraps
   with): outside the forward a module's parameters are pieces of a flat shard (or
@@ -18,12 +18,13 @@
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator, List, Optional
+from typing import Callable, Iterator, List, Optional, Sequence, Tuple
 
 import torch.nn as nn
 
 
-def _fsdp1_class():
+def fsdp1_class():
+    """FSDP1's ``FullyShardedDataParallel`` class (``None``: torch built without distributed)."""
     try:
         from torch.distributed.fsdp import FullyShardedDataParallel
     except ImportError:  # pragma: no cover - torch built without distributed
@@ -33,7 +34,7 @@ def _fsdp1_class():
 
 def fsdp1_units(roots: List[nn.Module]) -> List[nn.Module]:
     """The FSDP1 units under ``roots`` (each counted once), outermost first."""
-    cls = _fsdp1_class()
+    cls = fsdp1_class()
     if cls is None:
         return []
     seen, out = set(), []
@@ -64,9 +65,32 @@ def full_params(unit: Optional[nn.Module], writeback: bool = False) -> Iterator[
     if unit is None:
         yield
         return
-    cls = _fsdp1_class()
+    cls = fsdp1_class()
     with cls.summon_full_params(unit, recurse=True, writeback=writeback):
         yield
+
+
+def each_in_its_unit(modules: Sequence[nn.Module], roots: Sequence[nn.Module], fn: Callable[[int], None], *,
+                     writeback: bool = False) -> Optional[Tuple[int, BaseException, bool]]:
+    """Call ``fn(i)`` for each of ``modules``, inside the full parameters of the FSDP1 unit under ``roots`` that
+    holds it (directly where none does).
+
+    Every rank enters every unit's gather (a collective), in the same order, also after a failure here:
+    a rank that skipped the later ones would leave the others waiting forever. So a failure does not stop
+    the loop; the first one is returned as ``(index, exception, inside a unit)`` (``None``: none failed),
+    and ``fn`` is not called again after it.
+    """
+    units = fsdp1_units(list(roots))
+    failed: Optional[Tuple[int, BaseException, bool]] = None
+    for i, module in enumerate(modules):
+        unit = innermost_unit(module, units) if units else None
+        with full_params(unit, writeback=writeback):
+            if failed is None:
+                try:
+                    fn(i)
+                except Exception as exc:  # noqa: BLE001
+                    failed = (i, exc, unit is not None)
+    return failed
 
 
 def zero3_parameters(module: nn.Module) -> bool:

@@ -32,12 +32,13 @@ from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
-from .alerts import ALERT_KINDS
-from .detectors import Alert
+from instability_watch.detect.detectors import Alert
+from instability_watch.detect.kinds import ALERT_KINDS
 
 if TYPE_CHECKING:  # pragma: no cover
-    from .observe import LayerCoverage
-    from .watch import InstabilityWatch, StepMetrics
+    from instability_watch.engine.metrics import StepMetrics
+    from instability_watch.engine.readback import ReadBack
+    from instability_watch.observe.coverage import LayerCoverage
 
 def coverage_line(coverage: Sequence["LayerCoverage"], head_counts: Sequence[int]) -> str:
     """One line on what the watch observes, e.g. ``12 layers × 12 heads observed; 0 calls unobserved``."""
@@ -190,11 +191,11 @@ class HeadTracker:
             self.last["delta_cum"] = metrics[-1]["delta_cum"]
         self.step = metrics[-1].step
 
-    def rows(self, watch: "InstabilityWatch") -> List[dict]:
-        """Per-head records, worst first."""
+    def rows(self, record: "ReadBack") -> List[dict]:
+        """Per-head records of the watch as of ``record``, worst first."""
         if not self.last:
             return []
-        shape = watch.shape
+        shape = record.shape
         nan = np.full(shape, np.nan)
         mmf = self.last.get("multi_max_freq", nan)
         score = self.last.get("max_score", nan)
@@ -206,20 +207,20 @@ class HeadTracker:
                      for x in (mmf, score, dcum, growth)]
             badness = np.nanmax(np.stack([np.nan_to_num(p, nan=0.0, posinf=1e300) for p in parts]), axis=0)
         alerts: Dict[Tuple[int, int], List[str]] = {}
-        for a in watch.alerts:
+        for a in record.all_alerts:
             alerts.setdefault((a.layer, a.head), []).append(a.kind)
         out = []
-        for layer, heads in enumerate(watch.head_counts):
+        for layer, heads in enumerate(record.head_counts):
             for head in range(heads):
                 kinds = alerts.get((layer, head), [])
-                stab = (layer, head) in watch.switched
+                stab = (layer, head) in record.switched
                 state = []
                 if stab:
-                    state.append(f"stabilized@{watch.switched[(layer, head)]}")
+                    state.append(f"stabilized@{record.switched[(layer, head)]}")
                 if kinds:
                     state.append(",".join(ALERT_KINDS[k].short if k in ALERT_KINDS else k for k in dict.fromkeys(kinds)))
                 out.append({
-                    "layer": layer, "layer_name": watch.layer_names[layer], "head": head,
+                    "layer": layer, "layer_name": record.layer_names[layer], "head": head,
                     "multi_max_freq": float(mmf[layer, head]), "max_score": float(score[layer, head]),
                     "delta_cum": float(dcum[layer, head]), "sigma_wq": float(sig[layer, head]),
                     "sigma_growth": float(growth[layer, head]), "alerts": len(kinds), "stabilized": stab,
@@ -279,41 +280,37 @@ class ConsoleReporter:
         self.tracker = HeadTracker()
         self._live = None
         self._closed = False
-        self._watch: Optional["InstabilityWatch"] = None
+        self._record: Optional["ReadBack"] = None  # the last read-back
         self.show_coverage = bool(coverage)
         self._coverage_shown = False
-        self._events_shown = 0
 
-    def table(self, watch: Optional["InstabilityWatch"] = None) -> Optional[HeadTable]:
+    def table(self, record: Optional["ReadBack"] = None) -> Optional[HeadTable]:
         """The current worst-heads table (``None`` before the first read-back)."""
-        watch = watch or self._watch
-        if watch is None or not self.tracker.last:
+        record = record or self._record
+        if record is None or not self.tracker.last:
             return None
-        return HeadTable(self.tracker.rows(watch), step=self.tracker.step, top=self.top)
+        return HeadTable(self.tracker.rows(record), step=self.tracker.step, top=self.top)
 
-    def __call__(self, metrics: List["StepMetrics"], alerts: List[Alert], watch: "InstabilityWatch") -> None:
-        self._watch = watch
+    def __call__(self, record: "ReadBack") -> None:
+        self._record = record
         if self.show_coverage and not self._coverage_shown:
-            coverage = watch.coverage()
+            coverage = record.coverage
             if any(c.observed_calls or c.unobserved_calls for c in coverage):
                 self._coverage_shown = True
-                self.console.print(Text(f"instability_watch: {coverage_line(coverage, watch.head_counts)}"))
-        for e in watch.events[self._events_shown:] if self.show_coverage else ():
+                self.console.print(Text(f"instability_watch: {coverage_line(coverage, record.head_counts)}"))
+        for e in record.events if self.show_coverage else ():
             if e.kind == "switch_not_applied":
-                self.console.print(Text(
-                    f"instability_watch: {e.layer_name} head {e.head} is switched, but calls with {e.reason} "
-                    "stay on PyTorch's SDPA (our kernels cannot serve them)", style="yellow"))
-        self._events_shown = len(watch.events)
-        self._show_clips(getattr(watch, "last_clips", []))
+                self.console.print(Text(f"instability_watch: {e.sentence()}", style="yellow"))
+        self._show_clips(record.clips)
         if self.live_table:
-            self.tracker.update(metrics)
+            self.tracker.update(record.metrics)
         if self.show_alerts:
-            for a in alerts:
+            for a in record.alerts:
                 self.console.print(AlertPanel(a))
         if self.live_table:
-            table = self.table(watch)
+            table = self.table(record)
             if table is not None:
-                self._show(table, force_print=bool(alerts))
+                self._show(table, force_print=bool(record.alerts))
 
     def _show_clips(self, clips: list, final: bool = False) -> None:
         """One line summing the clips since the last such line, at most every ``clip_every_s``."""

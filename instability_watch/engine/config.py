@@ -5,7 +5,10 @@ import math
 from dataclasses import asdict, dataclass, fields
 from typing import Optional, Tuple
 
-from .alerts import KINDS, STABILIZABLE  # STABILIZABLE: the kinds the stabilized kernel addresses
+from instability_watch.detect.kinds import (  # STABILIZABLE: the kinds the stabilized kernel addresses
+    KINDS,
+    STABILIZABLE,
+)
 
 
 @dataclass(frozen=True)
@@ -26,7 +29,7 @@ class WatchConfig:
             to check what is observed). The observed steps in between stay on the
             device (at most 256; more read back early), so none is lost.
 
-    Detectors (see :mod:`instability_watch.detectors`):
+    Detectors (see :mod:`instability_watch.detect.detectors`):
         detectors: which rules run, a subset of ``KINDS``.
         warmup_steps: steps whose metrics form the baselines; no
             baseline-relative alert fires before it ends.
@@ -52,7 +55,7 @@ class WatchConfig:
             step of each probe step, rescale ``W_q``/``W_k`` of the heads whose
             largest logit (measured in that step's forward) exceeds
             ``qk_clip_tau``, so it comes back to ``qk_clip_tau``
-            (:mod:`~instability_watch.qkclip`). ``"on_alert"`` acts on the heads
+            (:mod:`~instability_watch.act.qkclip`). ``"on_alert"`` acts on the heads
             that raised ``logit_growth`` (from that read-back on; sticky),
             ``"always"`` on every head. Each clip is an event.
         qk_clip_tau: the logit cap (Kimi K2 uses 100).
@@ -138,12 +141,12 @@ class WatchConfig:
         number("beta", 1.0, inclusive=False)
         number("eps", 0.0)
         number("qk_clip_tau", 0.0, inclusive=False)
-        from .qkclip import MODES
+        from instability_watch.act.qkclip import MODES
 
         if self.qk_clip is not None and self.qk_clip not in MODES:
             raise ValueError(f"WatchConfig.qk_clip must be None (off), {' or '.join(map(repr, MODES))}, "
                              f"got {self.qk_clip!r}")
-        from .kernels.reference import FLOAT32_MAX, MAX_BETA
+        from instability_watch.kernels.reference import FLOAT32_MAX, MAX_BETA
 
         if self.beta > MAX_BETA:
             raise ValueError(f"WatchConfig.beta must be in (1, {MAX_BETA:g}] (the paper uses 2 to 8; the kernels cap "

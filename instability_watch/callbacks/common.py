@@ -3,7 +3,9 @@
 :class:`WatchAdapter` is the framework-free part of a callback; the Lightning and
 Hugging Face callbacks add their framework's hooks to it. It uses only public
 names of the engine (:class:`~instability_watch.InstabilityWatch`) and of the
-run directory (:mod:`~instability_watch.export`, which holds its policy).
+run directory (:mod:`~instability_watch.outputs.rundir`). The policy of writing that
+directory from rank 0 alone (:func:`open_on_rank_zero`, :func:`run_dir_under`) is here;
+plain loops under ``torchrun`` use it too.
 """
 from __future__ import annotations
 
@@ -11,12 +13,17 @@ import logging
 import math
 import os
 from pathlib import Path
-from typing import Any, Callable, Dict, List, Optional, Tuple, Type, Union
+from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
-from ..config import WatchConfig
-from ..console import ConsoleReporter
-from ..export import Broadcast, RunWriter, open_on_rank_zero
-from ..locate import AttentionLayer, find_attention_layers
+from instability_watch._dist import broadcast_from_rank_zero, rank
+from instability_watch.engine.config import WatchConfig
+from instability_watch.engine.metrics import summarize
+from instability_watch.model.layer import AttentionLayer, find_attention_layers
+from instability_watch.outputs.console import ConsoleReporter
+from instability_watch.outputs.rundir import RUN_DIR_NAME, RunWriter
+
+if TYPE_CHECKING:  # pragma: no cover
+    from instability_watch.engine.watch import InstabilityWatch
 
 log = logging.getLogger("instability_watch")
 
@@ -55,12 +62,64 @@ def check_arguments(config: Any, layers: Any, run_dir: Any, top: Any, console: A
     return config, layers
 
 
-def scalars(watch, metrics: List[Any]) -> Optional[Dict[str, float]]:
+def scalars(record) -> Optional[Dict[str, float]]:
     """The aggregate scalars sent to the trainer's loggers after a read-back (``None``: nothing to send)."""
-    if not metrics:
+    if not record.metrics:
         return None
-    out = {f"instability_watch/{k}": v for k, v in watch.summary().items() if math.isfinite(v)}
+    summary = summarize(record.metrics, len(record.switched), len(record.all_alerts))
+    out = {f"instability_watch/{k}": v for k, v in summary.items() if math.isfinite(v)}
     return out or None
+
+
+# --------------------------------------------------------------------------- the run directory on rank 0
+
+Broadcast = Callable[[object], object]
+
+
+def run_dir_under(base: str | os.PathLike, *, new_version: bool = False,
+                  broadcast: Broadcast = broadcast_from_rank_zero) -> Path:
+    """Where a run directory goes by default: ``<base>/instability_watch``, or with ``new_version`` its first
+    ``version_N`` that does not exist yet (rank 0 looks; every rank gets its answer: call it on every rank)."""
+    root = Path(base) / RUN_DIR_NAME
+    if not new_version:
+        return root
+    n = 0
+    if rank() == 0:
+        while (root / f"version_{n}").exists():
+            n += 1
+    return root / f"version_{broadcast(n)}"
+
+
+def open_on_rank_zero(writer: Optional[RunWriter], watch: "InstabilityWatch", *, resume_step: Optional[int] = None,
+                      extra_meta: Optional[dict] = None,
+                      broadcast: Broadcast = broadcast_from_rank_zero) -> Optional[RunWriter]:
+    """Open the run directory for a run of one or more processes; call it on every rank, after the watch state
+    was restored (``resume_step``: the step a restored run continues from, ``None`` for a new run).
+
+    Only rank 0 holds a ``writer`` (the other ranks pass ``None``). It checks the directory
+    (:meth:`RunWriter.conflict`) and every rank raises the same ``FileExistsError``, so no rank trains alone.
+    A directory that cannot be written (``OSError``, ``ValueError``: a read-only disk, a run of other layers)
+    does not stop training: it is logged, ``writer`` is removed from ``watch.listeners`` and ``None`` is
+    returned (raised with ``watch.config.strict``). Returns the open writer otherwise.
+    """
+    problem = writer.conflict(resuming=resume_step is not None) if writer is not None else None
+    problem = broadcast(problem)
+    if problem:
+        raise FileExistsError(problem)
+    if writer is None:
+        return None
+    try:
+        writer.open(watch, resume_step=resume_step, extra_meta=extra_meta)
+    except FileExistsError:
+        raise
+    except (OSError, ValueError) as exc:
+        if watch.config.strict:
+            raise
+        log.error("instability_watch: cannot write the run directory %s (%s); no CSV for this run",
+                  writer.run_dir, exc)
+        watch.listeners = [f for f in watch.listeners if f is not writer]
+        return None
+    return writer
 
 
 def finish(watch, reporter, writer, *, strict: bool, crashed: bool) -> None:
@@ -102,14 +161,14 @@ class WatchAdapter:
 
     Takes the callbacks' common arguments (see the callbacks' docs), checks them, and then for one training
     run: builds the listeners (console panels and the run directory on rank 0; the scalars on every rank),
-    opens the run directory (:func:`~instability_watch.export.open_on_rank_zero`), and ends the run
+    opens the run directory (:func:`~instability_watch.outputs.rundir.open_on_rank_zero`), and ends the run
     (:func:`finish`). A subclass adds the framework's hooks and sets :attr:`error`, the exception its
     framework shows for a run it cannot start.
 
     Attributes:
         watch: the engine (from the start of training on).
-        writer: the run directory's :class:`~instability_watch.export.RunWriter` (rank 0, while writable).
-        reporter: the :class:`~instability_watch.console.ConsoleReporter` (rank 0, with alerts or live_table).
+        writer: the run directory's :class:`~instability_watch.outputs.rundir.RunWriter` (rank 0, while writable).
+        reporter: the :class:`~instability_watch.outputs.console.ConsoleReporter` (rank 0, with alerts or live_table).
         run_dir: the run directory (the argument until training starts, then where the run is written).
     """
 

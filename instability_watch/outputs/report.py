@@ -1,6 +1,6 @@
 """`instability-watch report`: a postmortem of one run directory.
 
-Reads a run directory written by :class:`~instability_watch.export.RunWriter`
+Reads a run directory written by :class:`~instability_watch.outputs.rundir.RunWriter`
 (also one left by a killed run) and shows, per attention head, what the watch
 saw and did:
 
@@ -11,7 +11,7 @@ saw and did:
   and the growth of sigma(W_Q). Heads that raised alerts come first (earliest
   alert first), then the heads with the largest accumulated delta drift. What
   the reader skipped or ignored (a torn last line, an incomplete last step,
-  see :mod:`instability_watch.export`) is listed once under the header;
+  see :mod:`instability_watch.outputs.rundir`) is listed once under the header;
 * one PNG per metric (:func:`write_plots`), the metric against the step above
   the loss: the heads most extreme in *that* metric in colour and labelled,
   heads that alerted or switched too, all others thin and gray; every alert (a
@@ -42,7 +42,7 @@ such points are left out of every plot and summary value.
 
 Example::
 
-    from instability_watch import report
+    from instability_watch.outputs import report
 
     digest = report.digest_run("runs/exp1")     # or report.digest(load_run("runs/exp1"))
     print(report.head_summary(digest).head())
@@ -63,8 +63,8 @@ from rich.console import Console, ConsoleOptions, RenderResult
 from rich.table import Table
 from rich.text import Text
 
-from .alerts import ALERT_KINDS, KINDS
-from .export import BLOCK_BYTES, HeadIndex, Run, stream_run
+from instability_watch.detect.kinds import ALERT_KINDS, KINDS
+from instability_watch.outputs.rundir import BLOCK_BYTES, HeadIndex, Run, stream_run
 
 if TYPE_CHECKING:  # pragma: no cover
     from matplotlib.axes import Axes
@@ -161,7 +161,7 @@ class _Buckets:
 
 
 class _Digester:
-    """A :func:`~instability_watch.export.stream_run` sink: reduces metrics rows to a :class:`RunDigest`."""
+    """A :func:`~instability_watch.outputs.rundir.stream_run` sink: reduces metrics rows to a :class:`RunDigest`."""
 
     def __init__(self, points: int = PLOT_POINTS) -> None:
         if points < 2 or points % 2:
@@ -272,7 +272,7 @@ class RunDigest:
     """What the report shows of a run, in memory that does not grow with steps times heads.
 
     Attributes:
-        run_dir, meta, events, problems: as in :class:`~instability_watch.export.Run`.
+        run_dir, meta, events, problems: as in :class:`~instability_watch.outputs.rundir.Run`.
         heads: one row per (layer, head) of metrics.csv: ``layer``, ``layer_name``,
             ``head``, ``peak_multi_max_freq``, ``peak_max_score`` (largest
             observed, inf kept), ``final_delta_cum`` (last finite),
@@ -307,14 +307,14 @@ def digest_run(run_dir: str | os.PathLike, *, points: int = PLOT_POINTS,
         block_bytes: CSV bytes parsed at a time.
 
     Raises:
-        RunDirError: as :func:`~instability_watch.export.load_run`.
+        RunDirError: as :func:`~instability_watch.outputs.rundir.load_run`.
     """
     read = stream_run(run_dir, lambda: _Digester(points), block_bytes=block_bytes)
     return read.sink.digest(read.run_dir, read.meta, read.events, read.problems)
 
 
 def digest(run: Run, *, points: int = PLOT_POINTS) -> RunDigest:
-    """The :class:`RunDigest` of a run already loaded by :func:`~instability_watch.export.load_run`."""
+    """The :class:`RunDigest` of a run already loaded by :func:`~instability_watch.outputs.rundir.load_run`."""
     sink = _Digester(points)
     if len(run.metrics):
         sink.add(run.metrics)
@@ -354,13 +354,13 @@ def head_summary(run: AnyRun) -> pd.DataFrame:
 
     Args:
         run: a :class:`RunDigest` (:func:`digest_run`), or a run loaded by
-            :func:`~instability_watch.export.load_run`.
+            :func:`~instability_watch.outputs.rundir.load_run`.
 
     Returns:
         A DataFrame with the columns :data:`SUMMARY_COLUMNS`:
 
         * ``layer``, ``layer_name``, ``head``;
-        * ``first_<kind>`` for every kind of :data:`~instability_watch.detectors.KINDS`:
+        * ``first_<kind>`` for every kind of :data:`~instability_watch.detect.detectors.KINDS`:
           the step of the first alert of that kind (nullable ``Int64``, ``<NA>``
           if none);
         * ``alerts``: the number of alerts of the head;
@@ -473,7 +473,7 @@ class SummaryView:
     is cut at the left to fit (at 80 columns a GPT-2 name keeps ``h.11.attn``).
 
     Args:
-        run: a :class:`RunDigest` or a loaded :class:`~instability_watch.export.Run`.
+        run: a :class:`RunDigest` or a loaded :class:`~instability_watch.outputs.rundir.Run`.
         summary: its :func:`head_summary` (computed if not given).
         top: show at most this many heads (the first ones of the summary's
             order); a line says how many are not shown.
@@ -580,7 +580,7 @@ class SummaryView:
 
     def advice(self) -> Text:
         """One line per alert kind the run raised: what it means and what to do (from
-        :data:`~instability_watch.alerts.ALERT_KINDS`); empty without alerts."""
+        :data:`~instability_watch.detect.kinds.ALERT_KINDS`); empty without alerts."""
         text = Text()
         seen = [k for k in KINDS if len(self.summary) and self.summary[f"first_{k}"].notna().any()]
         if seen:

@@ -11,7 +11,7 @@ Each kind alerts at most once per head (the alert is latched); the metric keeps
 going to the CSV. Baselines come from the warm-up window ``step <=
 warmup_steps``; no baseline-relative alert fires inside it. What each kind
 means, its message and what to do about it are in
-:data:`~instability_watch.alerts.ALERT_KINDS`; each detector class states its
+:data:`~instability_watch.detect.kinds.ALERT_KINDS`; each detector class states its
 rule in terms of its ``WatchConfig`` fields.
 """
 from __future__ import annotations
@@ -21,7 +21,7 @@ from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
-from .alerts import ALERT_KINDS, KINDS
+from instability_watch.detect.kinds import ALERT_KINDS, KINDS
 
 
 @dataclass(frozen=True)
@@ -82,7 +82,7 @@ class Detector:
 
     ``metric`` names the per-step metric the rule reads (a key of
     ``StepMetrics.values``; see ``watch.derive_metrics``); ``kind`` is its key
-    in :data:`~instability_watch.alerts.ALERT_KINDS`.
+    in :data:`~instability_watch.detect.kinds.ALERT_KINDS`.
     """
 
     kind = ""
@@ -101,7 +101,7 @@ class Detector:
         raise NotImplementedError
 
     def message(self, value: float, threshold: float) -> str:
-        """One trip's sentence, from :data:`~instability_watch.alerts.ALERT_KINDS`."""
+        """One trip's sentence, from :data:`~instability_watch.detect.kinds.ALERT_KINDS`."""
         return ALERT_KINDS[self.kind].describe(value, threshold, self.sustain)
 
     def _trips(self, hit: np.ndarray, value: np.ndarray, threshold: np.ndarray) -> List[Trip]:

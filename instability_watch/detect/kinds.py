@@ -1,15 +1,15 @@
 """The alert kinds: one table of what each kind means and what to do about it.
 
 Everything the package says about an alert kind comes from :data:`ALERT_KINDS`:
-the detectors' messages (:mod:`~instability_watch.detectors`), the console's
-panels and head table (:mod:`~instability_watch.console`), the report's plot
-marks (:mod:`~instability_watch.report`), which kinds ``WatchConfig.switch_on``
+the detectors' messages (:mod:`~instability_watch.detect.detectors`), the console's
+panels and head table (:mod:`~instability_watch.outputs.console`), the report's plot
+marks (:mod:`~instability_watch.outputs.report`), which kinds ``WatchConfig.switch_on``
 accepts (:data:`STABILIZABLE`) and the README's alert table
-(:func:`alert_table_markdown`; ``python -m instability_watch.alerts`` prints it).
+(:func:`alert_table_markdown`; ``python -m instability_watch.detect`` prints it).
 
 Example::
 
-    from instability_watch.alerts import ALERT_KINDS
+    from instability_watch.detect.kinds import ALERT_KINDS
     k = ALERT_KINDS["multi_max"]
     print(k.title, "->", k.action)
 """

@@ -1,0 +1,38 @@
+"""What the watch did, or could not do, to a head: the :class:`Event` record."""
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class Event:
+    """Something the watch did or could not do.
+
+    ``kind`` is ``"switch"`` (a head moved to the stabilized kernel),
+    ``"switch_not_applied"`` (a switched head's layer made a call our kernels
+    cannot serve; that call stayed on PyTorch's SDPA; ``reason`` says why) or
+    ``"qk_clip_on"`` (``qk_clip="on_alert"``: the head is clipped from the next
+    probe step on; ``reason`` is the alert kind). Clips themselves are
+    :class:`~instability_watch.act.qkclip.Clip` records.
+    """
+
+    step: int
+    layer: int
+    head: int
+    kind: str
+    reason: str
+    layer_name: str = ""
+
+    def to_dict(self) -> dict:
+        """The fields as a plain ``dict`` (JSON-ready)."""
+        return asdict(self)
+
+    def sentence(self) -> str:
+        """The event in words (the run directory's ``message`` column)."""
+        if self.kind == "switch_not_applied":
+            return (f"{self.layer_name} head {self.head}: switch not applied to calls with {self.reason}; "
+                    "they stay on PyTorch's SDPA")
+        if self.kind == "qk_clip_on":
+            return (f"{self.layer_name} head {self.head}: QK-clip acts on this head from the next probe step "
+                    f"({self.reason})")
+        return f"{self.layer_name} head {self.head} moved to the stabilized kernel ({self.reason})"

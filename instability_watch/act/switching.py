@@ -1,0 +1,84 @@
+"""Switching heads onto the stabilized kernel: which heads are switched, since when, and the events it makes.
+
+A switched head's layer runs every call on our kernels (standard for its other
+heads, stabilized for the switched ones); a call they cannot serve stays on
+PyTorch's SDPA, and a ``switch_not_applied`` event says why (once per head and
+reason). Switches are sticky.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Tuple
+
+import numpy as np
+
+from instability_watch.act.events import Event
+from instability_watch.observe.coverage import NOT_APPLIED
+
+
+class Switchboard:
+    """The switched heads of one observation.
+
+    Args:
+        observation: the watched layers (:class:`~instability_watch.observe.observation.Observation`).
+        events: the watch's event list (switches are events).
+
+    Attributes:
+        switched: ``{(layer, head): step}`` of the heads on the stabilized kernel.
+    """
+
+    def __init__(self, observation, events: List[Event]) -> None:
+        self.observation = observation
+        self.events = events
+        self.switched: Dict[Tuple[int, int], int] = {}
+
+    def __contains__(self, head: Tuple[int, int]) -> bool:
+        return head in self.switched
+
+    def switch(self, layer: int, head: int, reason: str, step: int) -> None:
+        """Move one head to the stabilized kernel (sticky; recorded as an event).
+
+        Raises:
+            ValueError: ``layer`` or ``head`` is out of range.
+        """
+        sites = self.observation.sites
+        if not 0 <= layer < len(sites):
+            raise ValueError(f"layer must be in [0, {len(sites)}), got {layer}")
+        if (layer, head) in self.switched:
+            return
+        self.observation.set_stabilized(layer, head, True)
+        self.switched[(layer, head)] = step
+        site = sites[layer]
+        self.events.append(Event(step, layer, head, "switch", reason, site.name))
+        for why in site.reasons.get(NOT_APPLIED, []):  # already known for this layer
+            self.events.append(Event(step, layer, head, "switch_not_applied", why, site.name))
+
+    def not_applied(self, layer: int, reason: str, step: int) -> None:
+        """A layer met a call our kernels cannot serve: an event for each of its switched heads."""
+        site = self.observation.sites[layer]
+        for (l, head) in sorted(self.switched):
+            if l == layer:
+                self.events.append(Event(step, l, head, "switch_not_applied", reason, site.name))
+
+    def routing_failed(self, exc: BaseException, step: int) -> None:
+        """Our kernels failed: every call goes to PyTorch's SDPA from now on; each switched head says so."""
+        self.observation.routing = False
+        for (layer, head) in sorted(self.switched):
+            site = self.observation.sites[layer]
+            self.events.append(Event(step, layer, head, "switch_not_applied",
+                                     f"our kernel failed ({type(exc).__name__})", site.name))
+
+    def stabilized(self, shape: Tuple[int, int], routing: bool) -> np.ndarray:
+        """``(L, H)``: 1 where a head's switch is applied to every call of its layer."""
+        out = np.zeros(shape)
+        for (layer, head) in self.switched:
+            if routing and not self.observation.sites[layer].reasons.get(NOT_APPLIED):
+                out[layer, head] = 1.0
+        return out
+
+    def restore(self, switched: Dict[Tuple[int, int], int]) -> None:
+        """Exactly these heads switched (a resumed state)."""
+        self.observation.reset_switches()
+        self.switched = {}
+        for (layer, head), s in switched.items():
+            self.observation.set_stabilized(layer, head, True)
+            self.switched[(layer, head)] = s

@@ -1,0 +1,333 @@
+"""The watched layers of one model: their probes, ``stabilize`` masks and observers, installed only when needed.
+
+* **Between probe steps** a layer with no switched head is left alone: its
+  ``forward`` is the module's own (nothing is installed, nothing runs).
+* **On probe steps** (and always on a switched layer) the layer's ``forward``
+  runs inside its observer (:class:`~instability_watch.observe.sdpa.SdpaObserver`),
+  which observes or routes its attention calls.
+* ``W_Q`` of each layer is read here for sigma(W_Q) (:meth:`Observation.grams`),
+  whole on every rank however it is sharded.
+
+Only calls made while the module is in training mode are observed. Coverage:
+:mod:`~instability_watch.observe.coverage`.
+"""
+from __future__ import annotations
+
+import logging
+import types
+import weakref
+from dataclasses import dataclass, field
+from typing import Callable, Dict, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn as nn
+
+from instability_watch._dist import log_rank_zero
+from instability_watch.kernels.reference import DEFAULT_BETA, DEFAULT_EPS
+from instability_watch.model.layer import AttentionLayer, without_sdpa
+from instability_watch.model.sharding import each_in_its_unit
+from instability_watch.observe.coverage import NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED, LayerCoverage, layer_coverage
+from instability_watch.observe.sdpa import SdpaObserver, param_device
+from instability_watch.probe.bank import ProbeBank
+from instability_watch.probe.spectral import gram
+
+
+class GatheredReadError(RuntimeError):
+    """Reading a layer's ``W_Q`` inside an FSDP1 gather failed (the rest of the gathers were still taken part in)."""
+
+    def __init__(self, layer: str, exc: BaseException, rest: int) -> None:
+        super().__init__(f"reading W_Q of layer {layer} inside its FSDP gather failed: {exc!r} "
+                         f"(this rank still took part in the {rest} gathers after it)")
+
+
+
+# ----------------------------------------------------------------------------- layers
+
+
+@dataclass
+class Site:
+    """One watched layer: its probe, its ``stabilize`` mask and observer."""
+
+    index: int
+    layer: AttentionLayer
+    stabilize: torch.Tensor
+    observer: Optional[SdpaObserver] = field(default=None, repr=False)
+    routed: bool = False  # runs on our kernels (a head switched, or asked for)
+    armed: bool = False  # its forward goes through the observer now
+    reasons: Dict[str, List[str]] = field(default_factory=dict)  # kind -> reasons seen
+    _bound: Optional[Callable] = field(default=None, repr=False)
+    _own: Optional[Callable] = field(default=None, repr=False)
+
+    @property
+    def name(self) -> str:
+        """The layer's module name."""
+        return self.layer.name
+
+    @property
+    def num_heads(self) -> int:
+        """The layer's number of query heads ``H`` (the length of ``stabilize``, a bool ``(H,)``)."""
+        return self.layer.num_heads
+
+
+# module -> observer: the installed forward looks its observer up here, so a deepcopy of an
+# observed model (an EMA or eval copy) runs its own forward on its own weights, and pickling works.
+_OBSERVED: "weakref.WeakKeyDictionary[nn.Module, Tuple[SdpaObserver, Optional[Callable]]]" = weakref.WeakKeyDictionary()
+# module -> the observation watching it (armed or not): a module is watched by one watch at a time
+_WATCHED: "weakref.WeakKeyDictionary[nn.Module, Observation]" = weakref.WeakKeyDictionary()
+
+
+def _observed_forward(self: nn.Module, *args, **kwargs):
+    entry = _OBSERVED.get(self)
+    if entry is None:  # a copy of an observed module
+        return type(self).forward(self, *args, **kwargs)
+    observer, own = entry
+    if not self.training and not observer.route:
+        return _forward(self, own, args, kwargs)  # evaluation: not a training step, nothing to observe
+    if torch.compiler.is_compiling():
+        with observer:
+            return _forward(self, own, args, kwargs)
+    before = observer.sdpa_calls
+    with observer:
+        out = _forward(self, own, args, kwargs)
+    if observer.sdpa_calls == before and observer.stats and self.training:
+        observer.count(UNOBSERVED, "no F.scaled_dot_product_attention call in the layer's forward "
+                                    "(attention computed another way, e.g. attn_implementation='eager')")
+    return out
+
+
+def _forward(module: nn.Module, own: Optional[Callable], args, kwargs):
+    """The module's own forward: an instance-level one the user set, else its class's."""
+    if own is not None:
+        return own(*args, **kwargs)
+    return type(module).forward(module, *args, **kwargs)
+
+
+class Observation:
+    """The watched layers of one model: their probes, masks and observers. Created by :func:`observe`.
+
+    Attributes:
+        model: the model.
+        sites: one :class:`Site` per layer, in module order.
+        bank: the layers' probes (:class:`~instability_watch.probe.bank.ProbeBank`).
+        beta, eps: the stabilized kernel's shift factor and tie tolerance.
+        on_error: called as ``on_error(component, exc)`` when observing a call
+            (``"statistics"``: the user's output then stands) or running it on
+            our kernels (``"routing"``: the call then goes to PyTorch) fails;
+            ``None`` re-raises.
+        on_note: called as ``on_note(site, kind, reason)`` the first time a
+            layer meets a reason (``"unobserved"``, ``"shadow_skipped"``,
+            ``"not_applied"``).
+    """
+
+    def __init__(self, model: nn.Module, layers: Sequence[AttentionLayer], *, beta: float, eps: float) -> None:
+        self.model = model
+        # modules above ``model`` that may hold FSDP1 units wrapping it (e.g. Lightning's
+        # FSDPStrategy wraps the LightningModule itself): searched for units too
+        self.sharding_roots: List[nn.Module] = []
+        self.beta, self.eps = float(beta), float(eps)
+        self.on_error: Optional[Callable[[str, BaseException], None]] = None
+        self.on_note: Optional[Callable[[Site, str, str], None]] = None
+        self._stats = self._shadow = False
+        self._collect = True
+        self._routing = True
+        device = param_device(model)
+        self.bank = ProbeBank([layer.num_heads for layer in layers], device)
+        self.sites: List[Site] = []
+        for i, layer in enumerate(layers):
+            if layer.module in _WATCHED or any(layer.module is s.layer.module for s in self.sites):
+                raise ValueError(f"layer {layer.name!r} is already watched; detach that watch first")
+            site = Site(i, layer, torch.zeros(layer.num_heads, dtype=torch.bool, device=device))
+            site.observer = SdpaObserver(site, self)
+            site._own = layer.module.__dict__.get("forward")  # an instance-level forward the user set, if any
+            site._bound = types.MethodType(_observed_forward, layer.module)  # one object: no recompiles
+            self.sites.append(site)
+        self._check_implementations()
+        for site in self.sites:
+            _WATCHED[site.layer.module] = self
+        self.attached = True
+        self._sync()
+
+    def _check_implementations(self) -> None:
+        """Layers built to compute attention without SDPA cannot be observed: an error if none can.
+
+        E.g. Hugging Face models with ``attn_implementation='eager'`` (see :func:`~.locate.without_sdpa`).
+        """
+        off = [(s, without_sdpa(s.layer.module, self.model)) for s in self.sites]
+        off = [(s, why) for s, why in off if why is not None]
+        if off and len(off) == len(self.sites):
+            setting, remedy = off[0][1]
+            raise ValueError(
+                f"the model computes attention with {setting}, without F.scaled_dot_product_attention, "
+                f"so no attention call can be observed; {remedy}"
+            )
+        for site, (setting, _) in off:
+            self.note(site, UNOBSERVED, f"{setting} does not call F.scaled_dot_product_attention")
+
+    # -- what the observers read -------------------------------------------------------
+
+    def _sync(self) -> None:
+        for site in self.sites:
+            ob = site.observer
+            probe = self.bank.probes[site.index]
+            ob.counts, ob.values = probe.counts, probe.values
+            ob.stabilize = site.stabilize
+            ob.stats = self._stats and self._collect
+            ob.shadow = self._shadow and self._collect
+            ob.route = site.routed and self._routing
+            ob.beta, ob.eps = self.beta, self.eps
+            ob.on_error = self.on_error
+
+    def arm(self, *, stats: bool, shadow: bool) -> None:
+        """Set what the next calls do: statistics, shadow; install or remove the layers' observers.
+
+        Only layers that observe or route get an observer; the others keep
+        their own ``forward``. Cheap when nothing changes.
+        """
+        self._stats, self._shadow = bool(stats), bool(shadow)
+        self._sync()
+        for site in self.sites:
+            self._install(site, self.attached and (site.observer.stats or site.observer.shadow or site.observer.route))
+
+    def collect(self, on: bool) -> None:
+        """Pause (``False``) or resume observation, e.g. around validation; routing is unaffected."""
+        self._collect = bool(on)
+        self.arm(stats=self._stats, shadow=self._shadow)
+
+    @property
+    def routing(self) -> bool:
+        """Whether switched layers may run on our kernels (``False``: every call on PyTorch's SDPA)."""
+        return self._routing
+
+    @routing.setter
+    def routing(self, on: bool) -> None:
+        """``False`` sends every call to PyTorch's SDPA (the fail-open switch for our kernels)."""
+        self._routing = bool(on)
+        self.arm(stats=self._stats, shadow=self._shadow)
+
+    def _install(self, site: Site, on: bool) -> None:
+        if on == site.armed:
+            return
+        module = site.layer.module
+        if on:
+            _OBSERVED[module] = (site.observer, site._own)
+            module.forward = site._bound
+        else:
+            _OBSERVED.pop(module, None)
+            if site._own is not None:
+                module.forward = site._own
+            else:
+                module.__dict__.pop("forward", None)
+        site.armed = on
+
+    def detach(self) -> None:
+        """Restore every module's ``forward`` exactly as it was."""
+        if not self.attached:
+            return
+        for site in self.sites:
+            self._install(site, False)
+            if _WATCHED.get(site.layer.module) is self:
+                del _WATCHED[site.layer.module]
+        self.attached = False
+
+    def relocate(self, device: torch.device) -> None:
+        """Move probes and masks to the device the layers run on (once, e.g. after ``model.to``)."""
+        self.bank.to(device)
+        for site in self.sites:  # from the meta device (a model materialized after attaching): none switched
+            site.stabilize = (torch.zeros_like(site.stabilize, device=device) if site.stabilize.is_meta
+                              else site.stabilize.to(device))
+        self._sync()
+
+    def note(self, site: Site, kind: str, reason: str) -> None:
+        """``site`` met ``reason`` (of ``kind``): recorded and logged the first time, then handed to ``on_note``."""
+        seen = site.reasons.setdefault(kind, [])
+        if reason in seen:
+            return
+        seen.append(reason)
+        what = {UNOBSERVED: "cannot be observed", SHADOW_SKIPPED: "get no shadow pass",
+                NOT_APPLIED: "stay on PyTorch's SDPA although a head is switched"}[kind]
+        log_rank_zero(logging.WARNING, "instability_watch: layer %s: calls %s: %s", site.name, what, reason)
+        if self.on_note is not None:
+            self.on_note(site, kind, reason)
+
+    # -- switching ---------------------------------------------------------------------
+
+    def route(self, layer: int, on: bool = True) -> None:
+        """Run ``layer`` on our kernels (``on``) or on PyTorch's SDPA; its ``stabilize`` mask picks the heads."""
+        site = self.sites[layer]
+        site.routed = bool(on)
+        self.arm(stats=self._stats, shadow=self._shadow)
+
+    def set_stabilized(self, layer: int, head: int, on: bool = True) -> None:
+        """Stabilize (or not) one head; the layer is routed onto our kernels from now on."""
+        site = self.sites[layer]
+        if not 0 <= head < site.num_heads:
+            raise ValueError(f"head must be in [0, {site.num_heads}) for layer {site.name}, got {head}")
+        site.stabilize[head:head + 1].fill_(bool(on))  # a kernel, not a host-to-device copy
+        if on and not site.routed:
+            self.route(layer, True)
+
+    def reset_switches(self) -> None:
+        """Every head standard and every layer back on PyTorch's SDPA."""
+        for site in self.sites:
+            site.stabilize.zero_()
+            site.routed = False
+        self.arm(stats=self._stats, shadow=self._shadow)
+
+    # -- introspection -----------------------------------------------------------------
+
+    @property
+    def head_counts(self) -> List[int]:
+        """The number of query heads of each watched layer, in layer order."""
+        return [s.num_heads for s in self.sites]
+
+    def stabilized(self) -> List[List[bool]]:
+        """Per layer, which heads run the stabilized kernel (a host sync; not for the hot path)."""
+        return [s.stabilize.tolist() if s.routed else [False] * s.num_heads for s in self.sites]
+
+    def w_q(self) -> List[torch.Tensor]:
+        """``W_Q`` per layer, each ``(H, head_dim, d_in)``, detached (FSDP2: ``DTensor`` objects; not for FSDP1, see :meth:`grams`)."""
+        return [self._w_q(site) for site in self.sites]
+
+    def _w_q(self, site: "Site") -> torch.Tensor:
+        w = site.layer.w_q()
+        if not isinstance(w, torch.Tensor) or w.dim() != 3 or w.shape[0] != site.num_heads:
+            got = tuple(w.shape) if isinstance(w, torch.Tensor) else type(w).__name__
+            raise ValueError(
+                f"w_q() of layer {site.name} must return a tensor (H={site.num_heads}, head_dim, d_in), got {got}"
+            )
+        return w.detach()
+
+    def grams(self) -> List[torch.Tensor]:
+        """``W_Q W_Q^T`` per layer and head, float32 ``(H, D, D)``, whole on every rank however ``W_Q`` is sharded.
+
+        Under FSDP2 the Grams are computed where the rows are and gathered
+        (:func:`~instability_watch.probe.spectral.gram`); under FSDP1 each layer's unit is
+        gathered while its ``W_Q`` is read (:mod:`~instability_watch.model.sharding`). A
+        collective when sharded: every rank calls it at the same steps.
+        """
+        out: List[torch.Tensor] = []
+        failed = each_in_its_unit([site.layer.module for site in self.sites], [self.model, *self.sharding_roots],
+                                  lambda i: out.append(gram(self._w_q(self.sites[i]))))
+        if failed is not None:
+            i, exc, gathered = failed
+            if not gathered:
+                raise exc
+            raise GatheredReadError(self.sites[i].name, exc, len(self.sites) - i - 1) from exc
+        return out
+
+    def coverage(self, calls: Sequence[Dict[str, int]]) -> List[LayerCoverage]:
+        """One :class:`LayerCoverage` per layer from ``calls`` (per layer: call row name -> total read back)."""
+        return [layer_coverage(site.name, site.reasons, c) for site, c in zip(self.sites, calls)]
+
+
+def observe(model: nn.Module, layers: Sequence[AttentionLayer], *, beta: float = DEFAULT_BETA,
+            eps: float = DEFAULT_EPS) -> Observation:
+    """Prepare ``layers`` of ``model`` for observation (nothing is installed until :meth:`Observation.arm`).
+
+    Each layer gets a :class:`Probe` (int64 ``counts`` and float32 ``values``, one column
+    per query head) and a bool ``(H,)`` ``stabilize`` mask on the model's device;
+    ``beta`` and ``eps`` are the stabilized kernel's shift factor and tie tolerance.
+    """
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
+    return Observation(model, layers, beta=beta, eps=eps)

@@ -1,0 +1,326 @@
+"""Observing ``F.scaled_dot_product_attention``: the per-layer ``TorchFunctionMode`` and the shadow tap.
+
+The user's SDPA call runs exactly as without the watch: same function,
+arguments, autocast, backend and random numbers. On probe steps a layer's
+``forward`` runs inside :class:`SdpaObserver`, which catches its SDPA calls:
+
+* each call is first run by PyTorch; then the statistics pass
+  (:mod:`~instability_watch.kernels.stats`) reads the same ``q, k, attn_mask``
+  *in the dtype the call computes in* (autocast's rule for SDPA applied:
+  floating tensors other than float64 are cast to the autocast dtype) and the
+  output, with autocast disabled, and adds per-head counts into the layer's probe;
+* on shadow steps the output also goes through :class:`ShadowTap`, an autograd
+  node whose backward hands the gradient back unchanged and runs the shadow
+  pass on ``dO``. The user's calls with dropout get no shadow (their keep mask
+  is PyTorch's, which the pass cannot regenerate); they are counted. Calls with
+  dropout on our kernels (a switched layer) are shadowed with their own keep
+  mask (the seed is drawn here and handed to the kernel);
+* a switched layer's calls run on :func:`~instability_watch.flash_attention`,
+  standard for the other heads and stabilized for the switched ones, with
+  autocast's rule applied to the inputs, the call's mask and its dropout
+  (seeded from the device's default generator, as the SDPA call it replaces).
+  A call the kernels cannot serve (e.g. a head dim above 256, float64 under
+  autocast) stays on PyTorch; the layer's switch is then reported as not
+  applied, with the reason.
+
+The observer reads only its own attributes, which
+:class:`~instability_watch.observe.observation.Observation` keeps current, never the model.
+"""
+from __future__ import annotations
+
+import itertools
+import math
+import weakref
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from instability_watch.kernels import dropout_seed, flash_attention, unsupported
+from instability_watch.kernels.ops import ERROR_HANDLER
+from instability_watch.kernels.stats import attention_shadow, attention_stats
+from instability_watch.observe.coverage import KIND_ROW, NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED
+from instability_watch.probe.fields import COUNT_ROW
+
+_SDPA = F.scaled_dot_product_attention
+_MHA_FORWARD = F.multi_head_attention_forward
+
+
+# ----------------------------------------------------------------------------- one SDPA call
+
+
+@dataclass
+class SdpaCall:
+    """One SDPA call's arguments, however they were passed."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    v: torch.Tensor
+    attn_mask: Optional[torch.Tensor]
+    dropout_p: float
+    is_causal: bool
+    scale: Optional[float]
+    enable_gqa: bool
+
+    @classmethod
+    def parse(cls, args, kwargs) -> "SdpaCall":
+        """The call's arguments, however they were passed (``TypeError`` for a call SDPA itself would refuse)."""
+        return cls(*_sdpa_args(*args, **kwargs))
+
+    def unobservable(self, num_heads: int) -> Optional[str]:
+        """Why the statistics passes cannot read this call (``None`` if they can)."""
+        q, k, v, m = self.q, self.k, self.v, self.attn_mask
+        if not all(isinstance(t, torch.Tensor) for t in (q, k, v)):
+            return "inputs are not tensors"
+        if any(t.is_nested for t in (q, k, v)):
+            return "nested tensors"
+        if q.dim() != 4 or k.dim() != 4 or v.dim() != 4:
+            return f"inputs not 4-D (B, H, N, D): q {tuple(q.shape)}"
+        if q.shape[1] != num_heads:
+            return f"{q.shape[1]} query heads in the call, the layer has {num_heads}"
+        if k.shape[1] < 1 or q.shape[1] % k.shape[1] or v.shape[1] != k.shape[1]:
+            return f"key/value heads {k.shape[1]}/{v.shape[1]} do not divide query heads {q.shape[1]}"
+        if not (q.shape[0] == k.shape[0] == v.shape[0]) or k.shape[2] != v.shape[2] or q.shape[3] != k.shape[3]:
+            return "q, k, v shapes do not match"
+        if not q.is_floating_point() or q.device.type not in ("cuda", "cpu"):
+            return f"{q.dtype} on {q.device.type}"
+        if m is not None and (not isinstance(m, torch.Tensor) or not (m.dtype == torch.bool or m.is_floating_point())):
+            return "attn_mask is neither boolean nor floating point"
+        if self.scale is not None and not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)):
+            return f"scale {self.scale!r}"
+        return None
+
+    def computed(self):
+        """``q, k, v, attn_mask`` in the dtypes the call computes in (autocast's rule for SDPA)."""
+        device_type = self.q.device.type
+        if not torch.is_autocast_enabled(device_type):
+            return self.q, self.k, self.v, self.attn_mask
+        dtype = torch.get_autocast_dtype(device_type)
+
+        def cast(t):
+            if t is None or not t.is_floating_point() or t.dtype in (torch.float64, dtype):
+                return t
+            return t.to(dtype)
+
+        return cast(self.q), cast(self.k), cast(self.v), cast(self.attn_mask)
+
+
+def _sdpa_args(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, *, enable_gqa=False):
+    return query, key, value, attn_mask, dropout_p, is_causal, scale, enable_gqa
+
+
+def no_autocast(device_type: str):
+    """Autocast off on ``device_type`` (the statistics compute in the dtypes given)."""
+    return torch.autocast(device_type, enabled=False)
+
+
+class ShadowTap(torch.autograd.Function):
+    """Identity on ``o``; its backward runs the shadow pass on ``dO`` and returns ``dO`` unchanged."""
+
+    @staticmethod
+    def forward(ctx, o, q, k, v, attn_mask, counts, values, causal, scale, on_error, dropout_p=0.0, seed=None):
+        ctx.save_for_backward(o, q, k, v, attn_mask, seed)
+        # the probe buffers as attributes, not saved tensors: other forwards add to them
+        # before this backward runs, which must not trip autograd's version check
+        ctx.buffers = (counts, values)
+        ctx.causal, ctx.scale, ctx.on_error, ctx.dropout_p = causal, scale, on_error, dropout_p
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, do):
+        o, q, k, v, attn_mask, seed = ctx.saved_tensors
+        counts, values = ctx.buffers
+        try:
+            with torch.no_grad(), no_autocast(q.device.type):
+                attention_shadow(q, k, v, o, do, attn_mask, counts, values, causal=ctx.causal, scale=ctx.scale,
+                                 dropout_p=ctx.dropout_p, seed=seed)
+                counts[COUNT_ROW["shadow_calls"]] += 1
+        except Exception as exc:  # noqa: BLE001 - monitoring never breaks the backward
+            if ctx.on_error is None or torch.compiler.is_compiling():
+                raise
+            ctx.on_error(exc)
+        return do, None, None, None, None, None, None, None, None, None, None, None
+
+
+# ----------------------------------------------------------------------------- the mode
+
+
+_OBSERVERS: "weakref.WeakValueDictionary[int, SdpaObserver]" = weakref.WeakValueDictionary()
+_observer_keys = itertools.count()
+
+
+class SdpaObserver(TorchFunctionMode):
+    """Entered around one layer's ``forward``: its SDPA calls are observed or routed.
+
+    A call reads only this object's own attributes (flags, probe buffers, the
+    ``stabilize`` mask, ``beta``, ``eps``), which :class:`Observation` keeps
+    current, never the model: ``torch.compile`` traces a call without reaching
+    the model a second time (Dynamo refuses to track one module from two
+    places), and flipping a head's mask, a tensor changed in place, never
+    recompiles.
+    """
+
+    def __init__(self, site, observation) -> None:
+        super().__init__()
+        self.key = next(_observer_keys)
+        _OBSERVERS[self.key] = self
+        self.site = site  # bookkeeping at trace time / eager only
+        self.observation = observation
+        self.num_heads = site.num_heads
+        self.stats = False  # probe step: statistics pass
+        self.shadow = False  # shadow step
+        self.route = False  # the layer runs on our kernels
+        self.stabilize = site.stabilize
+        self.counts: Optional[torch.Tensor] = None
+        self.values: Optional[torch.Tensor] = None
+        self.beta, self.eps = observation.beta, observation.eps
+        self.on_error: Optional[Callable[[str, BaseException], None]] = None
+        self.sdpa_calls = 0  # eager only: calls seen, to find a forward without any
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        if func is _SDPA:
+            return self._sdpa(args, kwargs)
+        if func is _MHA_FORWARD and self.stats:
+            self.count(UNOBSERVED, "nn.MultiheadAttention hides its SDPA call in F.multi_head_attention_forward")
+        return func(*args, **kwargs)
+
+    # -- bookkeeping: the reason noted once; on probe steps, a device add for the count
+    def count(self, kind: str, reason: str) -> None:
+        """A call met ``reason`` (of ``kind``): noted once; on probe steps its count row is incremented."""
+        _note(self.key, kind, reason)
+        if self.counts is not None and (self.stats or self.shadow):
+            self.counts[COUNT_ROW[KIND_ROW[kind]]] += 1
+
+    def _sdpa(self, args, kwargs):
+        try:
+            call = SdpaCall.parse(args, kwargs)
+        except TypeError:
+            return _SDPA(*args, **kwargs)  # PyTorch reports the bad call
+        compiling = torch.compiler.is_compiling()
+        if not compiling:
+            self.sdpa_calls += 1
+        watching = self.stats or self.shadow
+        if not (watching or self.route):
+            return _SDPA(*args, **kwargs)
+        why = call.unobservable(self.num_heads)
+        if why is None:
+            # before any buffer is read: under torch.compile this runs at trace time (the buffers
+            # the graph then reads are the ones on the call's device)
+            why = _follow_device(self.key, call.q.device)
+        if why is not None:
+            if self.route:
+                self.count(NOT_APPLIED, why)
+            if watching:
+                self.count(UNOBSERVED, why)
+            return _SDPA(*args, **kwargs)
+        if self.route:  # what the call computes with; our kernels differentiate through the cast
+            q, k, v, mask = call.computed()
+        else:
+            with torch.no_grad():
+                q, k, v, mask = call.computed()
+        o, seed = self._routed(call, q, k, v, mask) if self.route else (None, None)
+        if o is None:
+            o = _SDPA(*args, **kwargs)  # the user's call, exactly as without the watch
+        if not watching:
+            return o
+        scale = float(call.scale) if call.scale is not None else 1.0 / math.sqrt(q.shape[-1])
+        try:
+            if self.stats:
+                with torch.no_grad(), no_autocast(q.device.type):
+                    attention_stats(q, k, mask, o, self.counts, self.values, causal=bool(call.is_causal),
+                                    scale=scale, eps=self.eps)
+                    self.counts[COUNT_ROW["observed_calls"]] += 1
+            if self.shadow:
+                if call.dropout_p and seed is None:
+                    self.count(SHADOW_SKIPPED, "dropout")  # PyTorch's keep mask cannot be regenerated
+                elif o.requires_grad:
+                    o = ShadowTap.apply(
+                        o, q.detach(), k.detach(), v.detach(), None if mask is None else mask.detach(),
+                        self.counts, self.values, bool(call.is_causal), scale,
+                        None if compiling or self.on_error is None else self._statistics_failed,
+                        float(call.dropout_p) if seed is not None else 0.0, seed,
+                    )
+        except Exception as exc:  # noqa: BLE001 - fail open: the user's output stands
+            if self.on_error is None or compiling:
+                raise
+            self.on_error("statistics", exc)
+        return o
+
+    def _statistics_failed(self, exc: BaseException) -> None:
+        self.on_error("statistics", exc)
+
+    def _routing_failed(self, exc: BaseException) -> None:
+        self.on_error("routing", exc)
+
+    def _routed(self, call: SdpaCall, q, k, v, mask) -> Tuple[Optional[torch.Tensor], Optional[torch.Tensor]]:
+        """``(o, seed)``: the call on our kernels (inputs in the autocast dtype) and its dropout seed (``None``
+        without dropout), or ``(None, None)``: it stays on PyTorch, reason counted."""
+        reason = unsupported(q, k, v, attn_mask=mask, dropout_p=call.dropout_p, is_causal=bool(call.is_causal),
+                             scale=call.scale, enable_gqa=call.enable_gqa)
+        if reason is not None:
+            self.count(NOT_APPLIED, reason)
+            return None, None
+        # dropout: the seed drawn here, from the device's default generator as the SDPA call it replaces
+        # would draw, so the shadow pass can regenerate the same keep mask
+        seed = dropout_seed(None, q.device) if call.dropout_p else None
+        if torch.compiler.is_compiling():  # traced: no error handling around the op
+            o = self._kernel(call, q, k, v, mask, seed)
+        else:
+            # where a failure in this call's backward is reported (it then falls back to PyTorch's)
+            token = ERROR_HANDLER.set(None if self.on_error is None else self._routing_failed)
+            try:
+                o = self._kernel(call, q, k, v, mask, seed)
+            except Exception as exc:  # noqa: BLE001 - fail open: this call goes to PyTorch
+                if self.on_error is None:
+                    raise
+                self.on_error("routing", exc)
+                return None, None
+            finally:
+                ERROR_HANDLER.reset(token)
+        if self.counts is not None and (self.stats or self.shadow):
+            self.counts[COUNT_ROW["kernel_calls"]] += 1
+        return o, seed
+
+    def _kernel(self, call: SdpaCall, q, k, v, mask, seed) -> torch.Tensor:
+        # dropout's seed comes from the device's default generator, as for the SDPA call it replaces
+        with no_autocast(q.device.type):
+            return flash_attention(q, k, v, attn_mask=mask, dropout_p=float(call.dropout_p),
+                                   causal=bool(call.is_causal), scale=call.scale, stabilize=self.stabilize,
+                                   beta=self.beta, eps=self.eps, seed=seed)
+
+
+@torch._dynamo.assume_constant_result
+def _note(key: int, kind: str, reason: str) -> int:
+    """Record ``reason`` for the observer ``key`` (once; logged once). Runs eagerly, at trace time when compiled."""
+    observer = _OBSERVERS.get(key)
+    if observer is not None:
+        observer.observation.note(observer.site, kind, reason)
+    return 0
+
+
+@torch._dynamo.assume_constant_result
+def _follow_device(key: int, device: torch.device) -> Optional[str]:
+    """Bring the watch to ``device`` if the model was moved there; else why this call cannot be watched.
+
+    Eager code: called directly by eager calls, and run by Dynamo at trace time
+    (``assume_constant_result``) for compiled ones.
+    """
+    observer = _OBSERVERS[key]
+    observation = observer.observation
+    if observation.bank.device == device:
+        return None
+    if param_device(observation.model) != device:
+        return f"layer on {device}, apart from the model's other layers"
+    observation.relocate(device)  # the model was moved after attaching
+    return None
+
+
+def param_device(model: nn.Module) -> torch.device:
+    """Where ``model``'s first parameter lives (the CPU for a model without parameters)."""
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
