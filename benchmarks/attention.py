@@ -25,7 +25,7 @@ import triton
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from instability_watch import Probe, flash_attention
-from instability_watch.kernels import triton_attention as ta
+from instability_watch.kernels.attention import triton as ta
 
 from _common import bench, header, warm_gpu, write_json
 

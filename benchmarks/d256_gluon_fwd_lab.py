@@ -38,7 +38,7 @@ def compile_only():
     from triton.experimental.gluon import language as gl
     from triton.experimental.gluon._runtime import GluonASTSource
 
-    from instability_watch.kernels import gluon_attention as ga
+    from instability_watch.kernels.attention import gluon as ga
 
     fn = ga._build_fwd_kernel()
     tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
@@ -89,7 +89,7 @@ def gpu_main(args):  # noqa: C901 (one script)
     from triton.testing import do_bench
 
     from instability_watch import flash_attention
-    from instability_watch.kernels.triton_attention import attention_backward_lse2, attention_forward_lse2
+    from instability_watch.kernels.attention.triton import attention_backward_lse2, attention_forward_lse2
 
     LOG2E = 1.0 / math.log(2.0)
 
@@ -182,7 +182,7 @@ def gpu_main(args):  # noqa: C901 (one script)
     # -- host time of one fwd+bwd (a small call: the GPU waits on the host), fast launch path on and off
     import time
 
-    from instability_watch.kernels._launch import Launcher
+    from instability_watch.kernels.launch import Launcher
 
     res["host_us"] = {}
     q, k, v, do = (torch.randn(1, 2, 256, D, device="cuda", dtype=torch.bfloat16, generator=g) for _ in range(4))
@@ -262,7 +262,7 @@ def gpu_main(args):  # noqa: C901 (one script)
             with sdpa_kernel(SDPBackend.CUDNN_ATTENTION):
                 return F.scaled_dot_product_attention(a, b, c, is_causal=causal)
 
-        import instability_watch.kernels.triton_attention as ta
+        import instability_watch.kernels.attention.triton as ta
 
         real_fwd = ta.attention_forward_lse2
 

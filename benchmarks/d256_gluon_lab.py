@@ -376,7 +376,7 @@ class GluonBackward:
         self.causal, self.scale = causal, scale
 
     def delta_pass(self):
-        from instability_watch.kernels.triton_attention import _attn_bwd_delta
+        from instability_watch.kernels.attention.triton import _attn_bwd_delta
 
         o, do = self.o, self.do
         _attn_bwd_delta[(self.N // 64, self.B * self.H)](o, do, self.delta, o.stride(0), o.stride(1), o.stride(2),

@@ -424,7 +424,7 @@ class Lab:
     """Inputs and outputs of one shape, and a launcher per variant."""
 
     def __init__(self, sh, device):
-        from instability_watch.kernels.triton_attention import attention_backward_lse2, attention_forward_lse2
+        from instability_watch.kernels.attention.triton import attention_backward_lse2, attention_forward_lse2
 
         self.sh = sh
         self.q, self.k, self.v, self.do = make_inputs(sh, device)
@@ -474,7 +474,7 @@ class Lab:
                 return _lab_fwd_dev[grid](self.q, self.k, self.v, self.o, self.lse, N, B * H, qk_scale,
                                           CAUSAL=causal, HEAD_DIM=D, BLOCK_M=bm, BLOCK_N=bn, WS=v["ws"], **opts)
         elif v["kind"] == "prod_fwd":
-            from instability_watch.kernels.triton_attention import attention_forward_lse2
+            from instability_watch.kernels.attention.triton import attention_forward_lse2
 
             def run():
                 self.o_prod, self.lse_prod = attention_forward_lse2(self.q, self.k, self.v, causal=causal, scale=self.scale,
@@ -507,7 +507,7 @@ class Lab:
 
     def prod_runner(self, v):
         from instability_watch import Probe
-        from instability_watch.kernels.triton_attention import attention_backward_lse2, attention_forward_lse2
+        from instability_watch.kernels.attention.triton import attention_backward_lse2, attention_forward_lse2
 
         kw = dict(causal=self.sh["causal"], scale=self.scale)
         if v["kind"] == "prod_bwd":

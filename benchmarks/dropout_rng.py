@@ -4,7 +4,7 @@ GPT-2 small's attention (B16 H12 N1024 D64, causal, BF16, dropout 0.1) on our Tr
 kernels, against SDPA flash with the same dropout, with Philox4x32's rounds varied: 10
 (Random123's default, ours), 7 (FA2's), 1 (not random: what the rest costs). Each variant
 runs in its own process (the rounds are a compile-time constant, patched into
-``instability_watch.kernels.triton_attention`` before the first compile); only speed is
+``instability_watch.kernels.attention.triton`` before the first compile); only speed is
 measured here (the tests check the numbers). For each it also counts, in the compiled
 kernels, layout conversions (TTGIR ``convert_layout``: data moved between threads through
 shared memory), local-memory traffic (PTX ``ld.local``/``st.local``: register spills) and
@@ -34,7 +34,7 @@ def child(variant: str) -> dict:
     import torch
     import triton.language as tl
 
-    import instability_watch.kernels.triton_attention as ta
+    import instability_watch.kernels.attention.triton as ta
     from instability_watch.kernels import dropout_seed, flash_attention
 
     ta.P_ROUNDS = tl.constexpr(int(variant))

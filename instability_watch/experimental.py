@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 
-from instability_watch.kernels.ops import HIGH_PRECISION_DELTA
+from instability_watch.kernels.attention.ops import HIGH_PRECISION_DELTA
 
 __all__ = ["high_precision_delta"]
 

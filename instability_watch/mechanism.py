@@ -15,7 +15,7 @@ from typing import Dict, Optional
 import torch
 
 from instability_watch.kernels import flash_attention
-from instability_watch.kernels.reference import attention_forward_lse
+from instability_watch.kernels.attention.reference import attention_forward_lse
 from instability_watch.probe.bank import Probe
 
 

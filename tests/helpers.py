@@ -76,7 +76,7 @@ def fused_and_split_backward(q, k, v, do, *, causal, scale, tol, attn_mask=None,
     """The Triton backward both ways (fused, dQ by atomics; two kernels) after one forward: the same
     gradients, in q's dtype and shape, finite, within ``tol`` of the largest. Returns the fused
     ``(dq, dk, dv)``."""
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import triton as ta
 
     o, lse2 = ta.attention_forward_lse2(q, k, v, causal=causal, scale=scale, stabilize=None, beta=2.0, eps=1e-3,
                                         counts=None, values=None, attn_mask=attn_mask, dropout_p=dropout_p,

@@ -10,7 +10,7 @@ import torch
 
 pytest.importorskip("triton")
 
-from instability_watch.kernels import _launch as launching  # noqa: E402
+from instability_watch.kernels import launch as launching  # noqa: E402
 
 
 class FakeKernel:

@@ -9,7 +9,7 @@ import importlib.util
 import pytest
 import torch
 
-from instability_watch.kernels import gluon_attention as ga
+from instability_watch.kernels.attention import gluon as ga
 
 
 def _layouts(B=2, H=3, N=128, D=256, dtype=torch.bfloat16):
@@ -72,8 +72,8 @@ def test_supported_names_the_block_the_forward_needs(monkeypatch):
 
 
 def test_forward_with_gluon_true_raises_where_it_cannot_serve():
-    from instability_watch.kernels._launch import INTERPRET
-    from instability_watch.kernels.triton_attention import attention_forward_lse2
+    from instability_watch.kernels.attention.triton import attention_forward_lse2
+    from instability_watch.kernels.launch import INTERPRET
 
     if not INTERPRET:
         pytest.skip("the interpreter's case")
@@ -98,8 +98,8 @@ def test_forward_with_gluon_true_raises_where_it_cannot_serve():
 
 def test_a_strided_stabilize_mask_picks_the_same_heads():
     """The kernels read one byte per head: a strided (B, H) mask view stabilizes the heads it says."""
-    from instability_watch.kernels._launch import INTERPRET
-    from instability_watch.kernels.triton_attention import attention_forward_lse2
+    from instability_watch.kernels.attention.triton import attention_forward_lse2
+    from instability_watch.kernels.launch import INTERPRET
 
     if not INTERPRET:
         pytest.skip("the interpreter's case")
@@ -118,8 +118,8 @@ def test_a_strided_stabilize_mask_picks_the_same_heads():
 
 
 def test_backward_with_gluon_true_raises_where_it_cannot_serve():
-    from instability_watch.kernels._launch import INTERPRET
-    from instability_watch.kernels.triton_attention import attention_backward_lse2, attention_forward_lse2
+    from instability_watch.kernels.attention.triton import attention_backward_lse2, attention_forward_lse2
+    from instability_watch.kernels.launch import INTERPRET
 
     if not INTERPRET:
         pytest.skip("the interpreter's case")
@@ -146,7 +146,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from instability_watch.kernels import gluon_attention as ga
+from instability_watch.kernels.attention import gluon as ga
 
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 

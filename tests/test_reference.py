@@ -5,13 +5,12 @@ import pytest
 import torch
 
 from instability_watch import Probe, flash_attention
-from instability_watch.kernels.reference import (
-    LOG2E,
+from instability_watch.kernels.attention.reference import (
     attention_backward_lse,
     attention_forward_lse,
-    max_shift_for,
     stabilized_shift,
 )
+from instability_watch.kernels.common import LOG2E, max_shift_for
 from instability_watch.mechanism import exact_attention, measure_bias, near_tie_inputs
 
 from helpers import max_err, run_fwd_bwd, sdpa_math, seeded
@@ -358,7 +357,7 @@ def _tie_grads(hp: bool, backend: str = "reference"):
 
 
 def test_high_precision_delta_removes_the_delta_bias_and_leaves_the_forward():
-    from instability_watch.kernels.ops import HIGH_PRECISION_DELTA
+    from instability_watch.kernels.attention.ops import HIGH_PRECISION_DELTA
 
     inp, o_std, dq_std, p_std = _tie_grads(False)
     _, o_hp, dq_hp, p_hp = _tie_grads(True)

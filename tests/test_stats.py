@@ -191,7 +191,7 @@ def test_shadow_pass_equals_float64(causal, mask_kind, H_kv):
 def test_shadow_pass_with_dropout_equals_float64(causal, mask_kind, H_kv):
     """delta_hp of a call with dropout: rowsum(dO * O_hp), O_hp = (keep * softmax(S) / (1 - p)) V in float64."""
     from instability_watch.kernels import dropout_mask, dropout_seed
-    from instability_watch.kernels.reference import dropout_scale
+    from instability_watch.kernels.common import dropout_scale
 
     B, H, N, D, p = 2, 4, 33, 32, 0.25
     g = seeded("shadow-dropout", causal, mask_kind)
@@ -235,7 +235,7 @@ def test_chunked_path_gives_the_same_counts(monkeypatch):
     q, k, g = integer_inputs(2, 4, 2, 97, 97, 64, "chunks")
     full, chunked = Probe(4), Probe(4)
     st.attention_stats(q, k, None, None, full.counts, full.values, causal=True, scale=SCALE, eps=EPS)
-    monkeypatch.setattr(st, "CHUNK_ELEMENTS", 2 * 4 * 97 * 5)  # 5 query rows at a time
+    monkeypatch.setattr(st.reference, "CHUNK_ELEMENTS", 2 * 4 * 97 * 5)  # 5 query rows at a time
     st.attention_stats(q, k, None, None, chunked.counts, chunked.values, causal=True, scale=SCALE, eps=EPS)
     assert torch.equal(full.counts, chunked.counts) and torch.equal(full.values, chunked.values)
 

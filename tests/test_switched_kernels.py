@@ -42,7 +42,9 @@ from torch.overrides import TorchFunctionMode
 
 from instability_watch import InstabilityWatch, WatchConfig, flash_attention
 from instability_watch.experimental import high_precision_delta
-from instability_watch.kernels import dropout_mask, dropout_seed, reference
+from instability_watch.kernels import dropout_mask, dropout_seed
+from instability_watch.kernels.attention import reference
+from instability_watch.kernels.common import dropout_scale, reduce_to
 
 import family_models as fm
 import real_models as rm
@@ -360,7 +362,7 @@ def _check_float_bias_call(q, k, v, mask, do, scale, what):
     (CPU flash attention, FA2's precision model, what it runs for every other call here) takes the
     same mask without its gradient: that is the comparison for o, dq, dk, dv. For the mask's gradient
     only the math backend answers; ours is held to 2x its error plus the one term FA2's design adds
-    and the math backend lacks: ``delta = rowsum(dO * O)`` from the rounded BF16 ``O`` (reference.py's
+    and the math backend lacks: ``delta = rowsum(dO * O)`` from the rounded BF16 ``O`` (attention/reference.py's
     backward; "delta_lp"), i.e. ``|P (delta_lp - delta)|`` summed over the mask's broadcast dims. With
     ``high_precision_delta()`` (delta from a float32 ``O``) that term is gone, and the plain 2x must hold.
     """
@@ -379,7 +381,7 @@ def _check_float_bias_call(q, k, v, mask, do, scale, what):
     p = torch.softmax(s, dim=-1)
     delta_lp = (do.double() * ours[0].double()).sum(-1, keepdim=True)
     delta = (do.double() * exact[0]).sum(-1, keepdim=True)
-    fa2_term = reference.reduce_to((p * (delta_lp - delta)).abs(), mask.shape).max().item()
+    fa2_term = reduce_to((p * (delta_lp - delta)).abs(), mask.shape).max().item()
     assert e_ours[4] <= 2 * e_math[4] + fa2_term + FLOOR, (what, e_ours[4], e_math[4], fa2_term)
     e_hp = _errors(ours_hp, exact)[4]
     assert e_hp <= 2 * e_math[4] + FLOOR, (what, e_hp, e_math[4])
@@ -496,7 +498,7 @@ def test_dropout_call_against_the_same_mask(case):
     B, H, N, D = q.shape
     scale = 1.0 / math.sqrt(D)
     keep = dropout_mask(dropout_seed(torch.Generator().manual_seed(seed), "cpu"), B, H, N, N, p)
-    inv = reference.dropout_scale(p)
+    inv = dropout_scale(p)
     assert keep.shape == (B, H, N, N) and keep.dtype == torch.bool
 
     def ours(q_, k_, v_, m_):
@@ -580,7 +582,7 @@ def test_seeds_reproduce_and_differ():
     o = flash_attention(q64, k64, v64, attn_mask=mask, dropout_p=p)
     torch.manual_seed(321)
     keep = dropout_mask(dropout_seed(None, "cpu"), *q.shape[:3], k.shape[2], p)
-    exact = _formula(q64, k64, v64, keep, reference.dropout_scale(p), scale=1 / math.sqrt(q.shape[-1]),
+    exact = _formula(q64, k64, v64, keep, dropout_scale(p), scale=1 / math.sqrt(q.shape[-1]),
                      causal=False, mask=mask, bf16=False)
     torch.testing.assert_close(o, exact, rtol=1e-10, atol=1e-12)
 
@@ -630,7 +632,7 @@ def test_kept_entries_scaled_by_exactly_one_over_one_minus_p_eff(p):
     expect = 1 / (1 - p_eff)
     assert p_eff != p and abs(expect - 1 / (1 - p)) > 1e-6  # the two scales are told apart below
     torch.testing.assert_close(ratio, torch.full_like(ratio, expect), rtol=1e-12, atol=0)
-    assert reference.dropout_scale(p) == pytest.approx(expect, rel=1e-15)
+    assert dropout_scale(p) == pytest.approx(expect, rel=1e-15)
 
 
 # ----------------------------------------------------------------------------- 4. Philox

@@ -114,7 +114,7 @@ def _compiled_kernels(fn) -> int:
 
 
 def test_flipping_a_head_does_not_recompile():
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import triton as ta
 
     q, k, v, do = _inputs(("recompile",), 2, 4, 4, 256, 64)
     mask = torch.zeros(4, dtype=torch.bool, device=DEV)
@@ -132,8 +132,8 @@ def test_flipping_a_head_does_not_recompile():
 
 @pytest.mark.parametrize("offset", [0, 1], ids=["aligned", "misaligned"])
 def test_fast_launch_matches_tritons_launch(offset, monkeypatch):
-    from instability_watch.kernels import _launch
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels import launch as _launch
+    from instability_watch.kernels.attention import triton as ta
 
     if not _launch.fast_launch_enabled():
         pytest.skip(f"no fast launch path on Triton {_launch.triton.__version__}")
@@ -178,7 +178,7 @@ def test_fast_launch_matches_tritons_launch(offset, monkeypatch):
 
 
 def test_launch_hooks_see_every_launch():
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import triton as ta
 
     hooks = ta.triton.knobs.runtime.launch_enter_hook
     if not hasattr(hooks, "add"):
@@ -246,7 +246,7 @@ def test_high_precision_delta_on_the_gpu(N, D, h_kv):
     backward's delta (computed inside the dQ kernel, read by dK/dV) gives the gradients of
     a separate rowsum(dO * O)."""
     from instability_watch.experimental import high_precision_delta
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import triton as ta
 
     B, H = 2, 4
     q, k, v, do = _inputs(("hp_delta_gpu", N, D), B, H, h_kv, N, D)
@@ -313,7 +313,7 @@ def test_probe_counters_match_the_reference_exactly(N, D, causal):
 def test_probe_counters_without_warp_level_statistics(config, dtype):
     """Launches whose rows span several warps (8 warps on 64 rows) or that do not use tensor
     cores (float32) take the per-row atomics instead of the warp-level statistics: exact too."""
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import triton as ta
 
     B, H, N, D = 2, 4, 300, 64
     q, k, v = _exact_score_inputs(("gpu-counters-fallback", dtype), B, H, N, D, dtype)
@@ -368,14 +368,14 @@ def test_gluon_dkdv_at_d256(N, causal, layout, dtype, monkeypatch):
     multiple of 128: the same dQ, dK and dV as the Triton kernels within 2^-7 (relative to their
     largest), and within twice PyTorch's BF16 error against float64; calls they cannot serve raise
     with gluon=True and fall back without it."""
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import triton as ta
 
     B, H, D = 2, 4, 256
     q, k, v, do = (_gluon_layout(t.to(dtype), layout) for t in _inputs(("gluon d256", N, causal), B, H, H, N, D))
     kw = dict(causal=causal, scale=D ** -0.5, counts=None, values=None, shadow=False)
     o, lse2 = ta.attention_forward_lse2(q, k, v, stabilize=None, beta=2.0, eps=1e-3, **{
         k_: v_ for k_, v_ in kw.items() if k_ != "shadow"})
-    from instability_watch.kernels import gluon_attention
+    from instability_watch.kernels.attention import gluon as gluon_attention
 
     calls, dq_calls = [], []
     launch, launch_dq = gluon_attention.dkdv, gluon_attention.dq
@@ -429,8 +429,8 @@ def test_gluon_forward_at_d256(N, causal, layout, dtype, monkeypatch):
     heads included: the Triton forward's O and LSE bit for bit (same online softmax and tie tracking),
     within twice PyTorch's error against float64; probe steps and the other calls stay on the Triton
     kernel, named with gluon=True."""
-    from instability_watch.kernels import gluon_attention
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import gluon as gluon_attention
+    from instability_watch.kernels.attention import triton as ta
     from instability_watch.probe.bank import Probe
 
     B, H, D = 2, 4, 256
@@ -485,7 +485,7 @@ def test_split_dkdv_at_d256(h_kv, N, causal, mask_kind, p, dtype):
     """D = 256 runs dK/dV in two passes (the default there): with the one-pass kernel's tiles forced
     on both passes the gradients are the one-pass kernel's bit for bit; at the default tiles within
     2^-7 of them, and without dropout or mask within twice PyTorch's BF16 error against float64."""
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import triton as ta
 
     B, H, D = 2, 8, 256
     q, k, v, do = (t.to(dtype) for t in _inputs(("split d256", h_kv, N, causal, mask_kind, p), B, H, h_kv, N, D))

@@ -204,7 +204,7 @@ def test_triton_backend_needs_cuda_without_interpreter(monkeypatch):
 
 def test_probe_samples_query_tiles_of_unstabilized_heads():
     """With many query tiles, unstabilized heads count ties on a rotating sample of them."""
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import triton as ta
 
     B, H, N = 8, 2, 64  # 8 * 4 tiles of 16 rows per head -> stride min(16, 32 // 4) = 8
     q, k, v, _ = _inputs(("sampling",), B, H, H, N, 32)
@@ -398,7 +398,7 @@ def test_fused_backward_matches_the_two_kernel_backward(N, n_kv, D, causal, head
 
 
 def test_fused_backward_serves_dropout_calls_is_refused_where_it_cannot_and_skipped_when_deterministic(monkeypatch):
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import triton as ta
 
     q, k, v, do = _inputs(("fused refuse",), 1, 2, 2, 19, 16)
     o, lse2 = ta.attention_forward_lse2(q, k, v, causal=True, scale=0.25, stabilize=None, beta=2.0, eps=1e-3,
@@ -443,7 +443,7 @@ SPLIT_CASES = [
 def test_split_dkdv_passes_are_the_one_pass_kernel_bit_for_bit(N, n_kv, D, causal, heads, kind, p, monkeypatch):
     """dK and dV from two passes (PART 1, then 2: one accumulator each, the D = 256 default) equal
     the one-pass kernel's bit for bit: each pass does the same arithmetic on the same tiles."""
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import triton as ta
 
     H, h_kv = heads
     mask = _masks(N, n_kv, H)[kind] if kind else None
@@ -481,7 +481,7 @@ def test_split_forced_where_the_table_has_no_passes_takes_the_one_pass_tiles(D, 
     """``split=True`` where the launch table has no "dk"/"dv" entry (D <= 128, or float32) runs both
     passes at the one-pass kernel's tiles: the table's own tiles here, not the interpreter's."""
     from instability_watch.kernels import configs
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import triton as ta
 
     monkeypatch.setattr(configs, "INTERPRET", False)  # launch_config reads the table, as on the GPU
     q, k, v, do = _inputs(("split forced", D), 1, 2, 1, 19, D, dtype=dtype)

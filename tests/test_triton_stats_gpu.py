@@ -25,7 +25,7 @@ DEV = "cuda"
 
 
 def _ts():
-    from instability_watch.kernels import triton_stats
+    from instability_watch.kernels.stats import triton as triton_stats
 
     return triton_stats
 

@@ -23,7 +23,9 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:invalid value encountered:RuntimeWarning", "ignore:All-NaN slice encountered:RuntimeWarning"
 )
 
-from instability_watch.kernels import stats, triton_stats  # noqa: E402
+from instability_watch.kernels import stats  # noqa: E402
+from instability_watch.kernels.common import MASK_FLOOR  # noqa: E402
+from instability_watch.kernels.stats import triton as triton_stats  # noqa: E402
 from instability_watch.probe.bank import Probe  # noqa: E402
 from instability_watch.probe.fields import COUNT_FIELDS, VALUE_FIELDS
 
@@ -106,7 +108,7 @@ def _mask(key, shape, kind, dtype=torch.float32):
         return keep
     # additive: masked entries written as -inf, finfo.min or MASK_FLOOR itself; visible ones
     # small multiples of 1/8 (exact: the scale is a power of two where these are used)
-    fill = torch.tensor([float("-inf"), torch.finfo(dtype).min, stats.MASK_FLOOR])
+    fill = torch.tensor([float("-inf"), torch.finfo(dtype).min, MASK_FLOOR])
     masked_val = fill[torch.randint(0, 3, shape, generator=g)]
     visible = torch.randint(-8, 9, shape, generator=g) / 8.0
     return torch.where(keep, visible, masked_val).to(dtype)
@@ -191,7 +193,7 @@ def test_additive_mask_with_fully_masked_rows_and_floor_values():
     mask = torch.zeros(N, N)
     mask[3] = float("-inf")
     mask[4] = torch.finfo(torch.float32).min
-    mask[5, ::2], mask[5, 1::2] = float("-inf"), stats.MASK_FLOOR
+    mask[5, ::2], mask[5, 1::2] = float("-inf"), MASK_FLOOR
     mask[6, 1:], mask[6, 0] = float("-inf"), -1e29  # one visible key: t1 = -1e29
     mask[7, 5:], mask[7, :5] = float("-inf"), -0.25  # a few visible keys, lowered
     for causal in (False, True):

@@ -354,7 +354,7 @@ def test_deepcopy_and_pickle_of_a_watched_model():
 def test_backward_failure_falls_back_to_pytorch(monkeypatch, caplog):
     import torch.nn.functional as F
 
-    import instability_watch.kernels.ops as ops
+    import instability_watch.kernels.attention.ops as ops
 
     def broken(*args, **kwargs):
         raise RuntimeError("backward kernel failed")

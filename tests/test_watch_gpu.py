@@ -92,7 +92,7 @@ def test_gpu_statistics_equal_the_reference_on_the_same_call():
 def test_switching_a_head_does_not_recompile_and_changes_only_that_head():
     from test_triton_gpu import _compiled_kernels
 
-    from instability_watch.kernels import triton_attention as ta
+    from instability_watch.kernels.attention import triton as ta
 
     model = _gpt()
     watch = InstabilityWatch(model, WatchConfig(probe_every=10 ** 6, shadow_every=0))

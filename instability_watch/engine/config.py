@@ -9,6 +9,7 @@ from instability_watch.detect.kinds import (  # STABILIZABLE: the kinds the stab
     KINDS,
     STABILIZABLE,
 )
+from instability_watch.kernels.common import DEFAULT_BETA, DEFAULT_EPS, FLOAT32_MAX, MAX_BETA
 
 
 @dataclass(frozen=True)
@@ -87,8 +88,8 @@ class WatchConfig:
     logit_min: float = 500.0
     auto_switch: bool = False
     switch_on: Tuple[str, ...] = STABILIZABLE
-    beta: float = 2.0
-    eps: float = 1e-3
+    beta: float = DEFAULT_BETA
+    eps: float = DEFAULT_EPS
     qk_clip: Optional[str] = None
     qk_clip_tau: float = 100.0
     strict: bool = False
@@ -146,7 +147,6 @@ class WatchConfig:
         if self.qk_clip is not None and self.qk_clip not in MODES:
             raise ValueError(f"WatchConfig.qk_clip must be None (off), {' or '.join(map(repr, MODES))}, "
                              f"got {self.qk_clip!r}")
-        from instability_watch.kernels.reference import FLOAT32_MAX, MAX_BETA
 
         if self.beta > MAX_BETA:
             raise ValueError(f"WatchConfig.beta must be in (1, {MAX_BETA:g}] (the paper uses 2 to 8; the kernels cap "

@@ -1,9 +1,9 @@
 """One attention contract, several implementations.
 
 :func:`flash_attention` validates its arguments and dispatches: CUDA tensors go
-to the Triton kernels (``triton_attention.py``), everything else to the
-reference emulation of FA2's precision model (``reference.py``). Both run
-behind the same ``torch.library`` ops (``ops.py``), so ``torch.compile`` sees
+to the Triton kernels (``attention/triton.py``), everything else to the
+reference emulation of FA2's precision model (``attention/reference.py``). Both run
+behind the same ``torch.library`` ops (``attention/ops.py``), so ``torch.compile`` sees
 one op whichever backend runs.
 """
 from __future__ import annotations
@@ -16,14 +16,13 @@ from typing import Optional, Union
 
 import torch
 
-from instability_watch.kernels.ops import FlashAttention
-from instability_watch.kernels.reference import (
+from instability_watch.kernels.attention.ops import FlashAttention
+from instability_watch.kernels.attention.reference import attention_backward_lse, attention_forward_lse
+from instability_watch.kernels.common import (
     DEFAULT_BETA,
     DEFAULT_EPS,
     FLOAT32_MAX,
     MAX_BETA,
-    attention_backward_lse,
-    attention_forward_lse,
     dropout_mask,
     dropout_seed,
 )
@@ -262,13 +261,13 @@ def flash_attention(
         dropout_p: attention dropout as SDPA's: entries of the softmax are dropped
             after it with probability ``p`` (rounded to a multiple of 2^-16) and the
             rest scaled by ``1/(1 - p)``; the backward regenerates the same mask
-            from the call's seed (Philox; see ``kernels.reference.dropout_bits``).
+            from the call's seed (Philox; see ``kernels.common.dropout_bits``).
         generator: where a call with dropout draws its seed (two 32-bit words,
             :func:`dropout_seed`); ``None``: ``q``'s device's default generator,
             as SDPA and ``F.dropout``.
         seed: the call's dropout seed itself (int64 ``(2,)`` on ``q``'s device, e.g.
             from :func:`dropout_seed`) instead of drawing one: the same seed gives
-            the same keep mask (:func:`~instability_watch.kernels.reference.dropout_mask`).
+            the same keep mask (:func:`~instability_watch.kernels.attention.reference.dropout_mask`).
         causal: causal mask, top-left aligned like ``F.scaled_dot_product_attention``.
         scale: softmax scale, a number in (0, 3.4e38] (scores are float32); default
             ``1/sqrt(D)``. Rows whose scaled scores overflow float32 come out NaN, as in

@@ -13,7 +13,7 @@ from typing import Dict, Optional, Sequence, Tuple, Union
 
 import torch
 
-from instability_watch.kernels._launch import INTERPRET
+from instability_watch.kernels.launch import INTERPRET
 
 # The kernels pad the head dim D to one of these tiles (a power of two of at least 16).
 HEAD_DIM_TILES = (16, 32, 64, 128, 256)

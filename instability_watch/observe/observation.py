@@ -23,7 +23,7 @@ import torch
 import torch.nn as nn
 
 from instability_watch._dist import log_rank_zero
-from instability_watch.kernels.reference import DEFAULT_BETA, DEFAULT_EPS
+from instability_watch.kernels.common import DEFAULT_BETA, DEFAULT_EPS
 from instability_watch.model.layer import AttentionLayer, without_sdpa
 from instability_watch.model.sharding import each_in_its_unit
 from instability_watch.observe.coverage import NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED, LayerCoverage, layer_coverage

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from instability_watch.kernels import dropout_seed, flash_attention, unsupported
-from instability_watch.kernels.ops import ERROR_HANDLER
+from instability_watch.kernels.attention.ops import ERROR_HANDLER
 from instability_watch.kernels.stats import attention_shadow, attention_stats
 from instability_watch.observe.coverage import KIND_ROW, NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED
 from instability_watch.probe.fields import COUNT_ROW

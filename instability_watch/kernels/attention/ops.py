@@ -21,8 +21,9 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from instability_watch.kernels import reference
-from instability_watch.kernels.layout import empty_like_layout
+from instability_watch.kernels.attention import reference
+from instability_watch.kernels.attention.layout import empty_like_layout
+from instability_watch.kernels.common import dropout_mask, dropout_scale, expand_kv, mask4, mask_bias
 from instability_watch.probe.bank import Probe
 
 
@@ -54,13 +55,13 @@ def _dense_attention(q, k, v, attn_mask, keep, inv_keep: float, causal: bool, sc
     B, H, N, _ = q.shape
     group = H // k.shape[1]
     qf = q.to(cdt)
-    kf = reference._expand_kv(k, group).to(cdt)
-    vf = reference._expand_kv(v, group).to(cdt)
+    kf = expand_kv(k, group).to(cdt)
+    vf = expand_kv(v, group).to(cdt)
     s = (qf @ kf.transpose(-1, -2)) * scale
     if causal:
-        s = s.masked_fill(reference._causal_mask(0, N, 0, k.shape[2], q.device), float("-inf"))
+        s = s.masked_fill(reference.causal_mask(0, N, 0, k.shape[2], q.device), float("-inf"))
     if attn_mask is not None:
-        s = s + reference.mask_bias(reference.mask4(attn_mask, B, H, N, k.shape[2]), cdt)
+        s = s + mask_bias(mask4(attn_mask, B, H, N, k.shape[2]), cdt)
     p = torch.softmax(s, dim=-1)
     p = torch.where(torch.isneginf(s).all(dim=-1, keepdim=True), 0.0, p)
     if keep is not None:
@@ -78,9 +79,9 @@ def _high_precision_delta(q, k, v, do, attn_mask, seed, causal: bool, scale: flo
             )
         else:
             B, H, N, _ = q.shape
-            keep = (reference.dropout_mask(seed, B, H, N, k.shape[2], dropout_p, device=q.device)
+            keep = (dropout_mask(seed, B, H, N, k.shape[2], dropout_p, device=q.device)
                     if dropout_p else None)
-            o_hp = _dense_attention(q, k, v, attn_mask, keep, reference.dropout_scale(dropout_p) if dropout_p else 1.0,
+            o_hp = _dense_attention(q, k, v, attn_mask, keep, dropout_scale(dropout_p) if dropout_p else 1.0,
                                     causal, scale, cdt)
         return (do.to(cdt) * o_hp).sum(dim=-1)
 
@@ -96,10 +97,10 @@ def _pytorch_backward(q, k, v, do, attn_mask, seed, causal: bool, scale: float, 
             )
             return (*torch.autograd.grad(o, (qq, kk, vv), do), None)
         B, H, N, _ = q.shape
-        keep = reference.dropout_mask(seed, B, H, N, k.shape[2], dropout_p, device=q.device) if dropout_p else None
+        keep = dropout_mask(seed, B, H, N, k.shape[2], dropout_p, device=q.device) if dropout_p else None
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         mm = attn_mask.detach().requires_grad_(True) if mask_grad else attn_mask
-        o = _dense_attention(qq, kk, vv, mm, keep, reference.dropout_scale(dropout_p) if dropout_p else 1.0,
+        o = _dense_attention(qq, kk, vv, mm, keep, dropout_scale(dropout_p) if dropout_p else 1.0,
                              causal, scale, cdt)
         inputs = (qq, kk, vv, mm) if mask_grad else (qq, kk, vv)
         grads = torch.autograd.grad(o, inputs, do.to(cdt))
@@ -113,11 +114,9 @@ _TRITON_MODULE = None
 def _triton():
     global _TRITON_MODULE
     if _TRITON_MODULE is None:
-        from instability_watch.kernels import (
-            triton_attention,  # imported on first use: CPU-only users never load Triton
-        )
+        from instability_watch.kernels.attention import triton  # on first use: CPU-only users never load Triton
 
-        _TRITON_MODULE = triton_attention
+        _TRITON_MODULE = triton
     return _TRITON_MODULE
 
 

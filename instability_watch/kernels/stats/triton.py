@@ -1,7 +1,7 @@
 """Triton kernels of the observer's passes: the statistics pass and the shadow pass.
 
-The definitions are those of ``stats.py`` (its module docstring; ``stats_reference``
-and ``shadow_reference`` are the test oracle). One kernel, two variants chosen by
+The definitions are those of the ``stats`` package (its docstring; ``reference.py``'s
+``stats_reference`` and ``shadow_reference`` are the test oracle). One kernel, two variants chosen by
 the ``SHADOW`` constexpr; both share the program layout (a tile of ``BLOCK_M``
 query rows of one head against the KV blocks it may see) and one score helper:
 
@@ -35,31 +35,24 @@ import torch
 import triton
 import triton.language as tl
 
-from instability_watch.kernels._launch import INTERPRET, Launcher, cdiv, dot_precision
+from instability_watch.kernels.common import dropout_scale, dropout_threshold, mask4
 from instability_watch.kernels.configs import head_dim_tile, launch_config
-from instability_watch.kernels.reference import dropout_scale, dropout_threshold
-from instability_watch.kernels.stats import MASK_FLOOR, _mask4
-from instability_watch.kernels.triton_attention import _dropout_keep, _dropout_key
-from instability_watch.probe.fields import COUNT_FIELDS, VALUE_FIELDS
-
-# Rows of the probe buffers, as constexprs for the kernel.
-C_ROWS = tl.constexpr(COUNT_FIELDS.index("rows"))
-C_MULTI = tl.constexpr(COUNT_FIELDS.index("multi_max_rows"))
-C_TIE_ROWS = tl.constexpr(COUNT_FIELDS.index("tie_rows"))
-C_NONFINITE = tl.constexpr(COUNT_FIELDS.index("nonfinite_rows"))
-C_MASKED = tl.constexpr(COUNT_FIELDS.index("masked_rows"))
-C_SHADOW = tl.constexpr(COUNT_FIELDS.index("shadow_rows"))
-C_DPOS = tl.constexpr(COUNT_FIELDS.index("delta_err_pos"))
-V_MAXS = tl.constexpr(VALUE_FIELDS.index("max_score"))
-V_DSUM = tl.constexpr(VALUE_FIELDS.index("delta_err_sum"))
-V_DABS = tl.constexpr(VALUE_FIELDS.index("delta_err_abs"))
-
-# The call's attn_mask, as the kernel reads it.
-MASK_NONE = tl.constexpr(0)
-MASK_BOOL = tl.constexpr(1)  # uint8 view of a bool mask: nonzero = attend
-MASK_ADD = tl.constexpr(2)  # additive float mask: <= MASK_FLOOR (or -inf) = masked
-FLOOR = tl.constexpr(MASK_FLOOR)
-
+from instability_watch.kernels.launch import INTERPRET, Launcher, cdiv, dot_precision
+from instability_watch.kernels.triton_common import (
+    C_DPOS,
+    C_MASKED,
+    C_MULTI,
+    C_NONFINITE,
+    C_ROWS,
+    C_SHADOW,
+    C_TIE_ROWS,
+    FLOOR,
+    V_DABS,
+    V_DSUM,
+    V_MAXS,
+    dropout_keep,
+    dropout_key,
+)
 
 # ---------------------------------------------------------------------------
 # Helpers
@@ -180,7 +173,7 @@ def _shadow_inner(
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:  # the call's keep mask, regenerated as its kernels do; 1/(1-p) applied at the end
-            pdp = tl.where(_dropout_keep(k0, k1, drop_thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N), p * dp, 0.0)
+            pdp = tl.where(dropout_keep(k0, k1, drop_thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N), p * dp, 0.0)
         else:
             pdp = p * dp
         a_i = a_i * alpha + tl.sum(pdp, 1)
@@ -253,7 +246,7 @@ def _attn_stats(
         m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
         l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
         a_i = tl.zeros([BLOCK_M], dtype=tl.float32)
-        k0, k1, thr = _dropout_key(Seed, drop_thr, DROPOUT)
+        k0, k1, thr = dropout_key(Seed, drop_thr, DROPOUT)
         m_i, l_i, a_i = _shadow_inner(
             m_i, l_i, a_i, q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
             stride_kn, stride_vn, stride_mn, 0, n_full, k0, k1, thr, off_bh,
@@ -350,7 +343,7 @@ def _launch(q, k, v, o, do, attn_mask, counts, values, *, shadow: bool, causal: 
     q, k, v, o, do = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, o, do))
     dv = o.shape[-1] if o is not None else D
     # the call's mask as a (B, H, N, N_kv) view (stride 0 on broadcast dims); bool read as bytes
-    mask = _mask4(attn_mask, B, H, N, n_kv)
+    mask = mask4(attn_mask, B, H, N, n_kv)
     if mask is None:
         kind, mask_strides = 0, (0, 0, 0, 0)
     else:

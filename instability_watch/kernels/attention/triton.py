@@ -1,0 +1,396 @@
+"""Triton flash attention with FA2's precision model, per-head stabilization and in-kernel diagnostics.
+
+This module is the host side: the mask and dropout arguments, and the functions
+that launch the kernels. The kernels: the forward (``triton_fwd.py``), the backward
+(``triton_bwd.py``: dQ, which also computes delta and the shadow delta_hp, then
+dK/dV), the Gluon kernels for D = 256 on Hopper (``gluon.py``). Elsewhere: the
+helpers the Triton kernels share (``../triton_common.py``), the launch table
+(``../configs.py``), the launch path and its Triton version pins (``../launch.py``).
+The numerics are those of ``reference.py`` (the test oracle):
+
+* ``S = q.k`` in float32 from the low-precision ``Q, K``; the softmax scale is
+  applied in the exponent, in log2 units (``qk_scale = scale * log2(e)``);
+* ``P = exp2(q.k * qk_scale - m)`` in float32 (one FMA and one exp2 per score, as
+  FA2), with the shift ``m = r * qk_scale`` for ``r`` the running maximum of the
+  raw scores (stabilized rows: ``max(m_old, r * qk_scale + d)``, ``d`` the
+  stabilized shift in bits, > 0 on a repeated maximum);
+  ``l`` summed from the float32 ``P``; ``P`` rounded to the
+  input dtype for ``P V`` with a float32 accumulator; ``O = acc / l`` rounded once;
+* the log-sum-exp is stored in log2 units (``LSE2``) for the backward, which
+  recomputes ``P = exp2(q.k * qk_scale - LSE2)`` (FA2's backward, unchanged by
+  stabilization).
+
+Stabilized heads (a per-head flag read from a tensor, so flipping one never
+recompiles) move the softmax shift above the row maximum where that maximum is
+repeated within ``eps``, tested against the running maximum of all blocks so far
+(see reference.py for why, and for the cap on the shift). The same tie test
+feeds the probe's ``multi_max_rows``.
+"""
+from __future__ import annotations
+
+import warnings
+from typing import Optional, Tuple
+
+import torch
+
+from instability_watch.kernels.attention.layout import empty_like_layout
+from instability_watch.kernels.attention.triton_bwd import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
+from instability_watch.kernels.attention.triton_fwd import attn_fwd
+from instability_watch.kernels.common import (
+    LOG2E,
+    MASK_FLOOR,
+    dropout_scale,
+    dropout_threshold,
+    mask4,
+    max_shift_for,
+    reduce_to,
+)
+from instability_watch.kernels.configs import LaunchConfig, has_launch_config, head_dim_tile, launch_config
+from instability_watch.kernels.launch import INTERPRET, Launcher, cdiv, dot_precision
+from instability_watch.kernels.triton_common import MASK_ADD, MASK_BOOL, MASK_NONE
+
+_launch_fwd, _launch_dq, _launch_dkdv = Launcher(attn_fwd), Launcher(attn_bwd_dq), Launcher(attn_bwd_dkdv)
+
+
+_launch_delta = Launcher(attn_bwd_delta)
+
+
+TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
+
+
+class _MaskArgs:
+    """The call's mask as the kernels read it: kind, pointer and strides, and the key range pre-passes."""
+
+    def __init__(self, attn_mask: Optional[torch.Tensor], B: int, H: int, N: int, n_kv: int):
+        self.kind = MASK_NONE
+        self.tensor = None
+        self.strides = (0, 0, 0, 0)
+        self._vis = None
+        self._shape = (B, H, N, n_kv)
+        self._ranges = {}
+        if attn_mask is None:
+            return
+        m4 = mask4(attn_mask, B, H, N, n_kv)
+        self.kind = MASK_BOOL if m4.dtype == torch.bool else MASK_ADD
+        self.tensor = m4.view(torch.uint8) if self.kind == MASK_BOOL else m4
+        self.strides = m4.stride()
+        # what the pre-passes read: the mask's own extent (a dim broadcast, or of stride 0, is size 1)
+        m = attn_mask
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+        for d in range(3):
+            if m.shape[d] > 1 and m.stride(d) == 0:
+                m = m.narrow(d, 0, 1)
+        m = m.expand(*m.shape[:3], n_kv)
+        self._vis = m if m.dtype == torch.bool else ~(m <= MASK_FLOOR)  # NaN: seen (it makes the row NaN)
+
+    def rows(self, block_m: int):
+        """``(lo, hi, strides)``: per (batch, head, query block), the first and past-the-last key any row may see."""
+        key = ("rows", block_m)
+        if key not in self._ranges:
+            B, H, N, n_kv = self._shape
+            vis = self._vis
+            if vis.shape[2] > 1:
+                n_blocks = cdiv(N, block_m)
+                if n_blocks * block_m != N:
+                    pad = vis.new_zeros((*vis.shape[:2], n_blocks * block_m - N, n_kv))
+                    vis = torch.cat([vis, pad], dim=2)
+                vis = vis.reshape(*vis.shape[:2], n_blocks, block_m, n_kv).any(dim=3)
+            else:
+                n_blocks = cdiv(N, block_m)
+            lo, hi = _first_last(vis, dim=-1, size=n_kv)
+            self._ranges[key] = _expanded(lo, hi, (B, H, n_blocks))
+        return self._ranges[key]
+
+    def cols(self, block_n: int):
+        """``(lo, hi, strides)``: per (batch, head, key block), the first and past-the-last query row that may see it."""
+        key = ("cols", block_n)
+        if key not in self._ranges:
+            B, H, N, n_kv = self._shape
+            vis = self._vis
+            n_blocks = cdiv(n_kv, block_n)
+            if n_blocks * block_n != n_kv:
+                vis = torch.cat([vis, vis.new_zeros((*vis.shape[:3], n_blocks * block_n - n_kv))], dim=3)
+            vis = vis.reshape(*vis.shape[:3], n_blocks, block_n).any(dim=4)  # (Bm, Hm, Nm, blocks)
+            if vis.shape[2] > 1:
+                lo, hi = _first_last(vis, dim=2, size=N)
+            else:  # every row sees the same keys
+                seen = vis[:, :, 0]
+                lo = torch.zeros_like(seen, dtype=torch.int32)
+                hi = torch.where(seen, N, 0).to(torch.int32)
+            self._ranges[key] = _expanded(lo, hi, (B, H, n_blocks))
+        return self._ranges[key]
+
+
+def _first_last(vis: torch.Tensor, dim: int, size: int):
+    """First index and past-the-last index of True along ``dim`` (both 0 where there is none), int32."""
+    seen = vis.any(dim=dim)
+    first = vis.to(torch.uint8).argmax(dim=dim)
+    last = size - vis.flip(dims=(dim,)).to(torch.uint8).argmax(dim=dim)
+    return torch.where(seen, first, 0).to(torch.int32), torch.where(seen, last, 0).to(torch.int32)
+
+
+def _expanded(lo: torch.Tensor, hi: torch.Tensor, shape):
+    lo, hi = lo.expand(shape), hi.expand(shape)
+    return lo, hi, lo.stride()
+
+
+def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor]):
+    if not dropout_p:
+        return None, 0, 1.0
+    return seed, dropout_threshold(dropout_p), dropout_scale(dropout_p)
+
+
+def attention_forward_lse2(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+    causal: bool, scale: float, stabilize: Optional[torch.Tensor], beta: float, eps: float,
+    counts: Optional[torch.Tensor], values: Optional[torch.Tensor], config=None,
+    attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
+    gluon: Optional[bool] = None,
+) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Launch the forward; ``config`` (a LaunchConfig or a tuple) overrides the launch configuration.
+
+    q (B, H, N, D), k, v (B, H_kv, N_kv, D), bfloat16/float16/float32; ``stabilize`` bool (H,)
+    or None; ``counts``/``values`` the probe's buffers or None. Returns ``(o, lse2)``: o
+    (B, H, N, D) in q's dtype and layout, lse2 (B, H, N) float32 in log2 units (with an
+    additive mask (2, B, H, N): the shift and log2(l) apart), for :func:`attention_backward_lse2`.
+    ``gluon``: at D = 256 on an sm_90 GPU, a call without probe, mask, dropout or GQA (stabilized
+    heads included) runs the Gluon forward (``gluon_attention.py``; the same online softmax and
+    tie tracking); ``None`` does so where it can and ``config`` is not given, ``False`` never,
+    ``True`` raises ValueError where it cannot.
+    """
+    B, H, N, D = q.shape
+    h_kv, n_kv = k.shape[1], k.shape[2]
+    q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
+    o = empty_like_layout(q)  # PyTorch's layout: the model's transpose back is free
+    mask = _MaskArgs(attn_mask, B, H, N, n_kv)
+    # an additive mask: (2, B, H, N), the shift and log2(l) (see the kernel's epilogue)
+    lse_shape = (2, B, H, N) if mask.kind == MASK_ADD else (B, H, N)
+    lse2 = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
+    # the kernels read the mask at Stab + head: one byte per head, contiguous (a strided mask too)
+    stab = stabilize.contiguous().view(torch.uint8) if stabilize is not None else None
+    if gluon if gluon is not None else (config is None and D == 256):
+        why = "a probe, mask or dropout"
+        if counts is None and mask.kind == MASK_NONE and not dropout_p:
+            why = _gluon_call(
+                "forward", lambda ga: ga.forward(q, k, v, o, lse2, causal=causal, qk_scale=scale * LOG2E,
+                                                 stabilize=stab, eps_raw=eps / scale, beta=beta,
+                                                 max_shift2=max_shift_for(q.dtype)),
+                q, k, v, q, masked=False, block=128)
+        if why is None:
+            return o, lse2
+        if gluon:
+            raise ValueError(f"gluon=True: the Gluon forward cannot serve this call ({why})")
+    head_dim = head_dim_tile(D)
+    watched = stabilize is not None or counts is not None
+    cfg = launch_config("fwd", head_dim, q.dtype, watched=watched, override=config)
+    block_m, block_n = cfg.block_m, cfg.block_n
+    # Query tiles per head in this call; sample about a quarter of them for the
+    # multi-max statistic, at most 1 in TIE_SAMPLE_MAX (small calls: all of them).
+    tiles = B * cdiv(N, block_m)
+    tie_stride = max(1, min(TIE_SAMPLE_MAX, tiles // 4))
+    has_probe = counts is not None
+    lo, hi, r_strides = mask.rows(block_m) if mask.kind else (None, None, (0, 0, 0))
+    seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)
+    # an additive mask is added to the scaled scores, which the loop then takes in log2 units
+    raw_scale = 1.0 / LOG2E if mask.kind == MASK_ADD else scale
+    _launch_fwd(
+        (cdiv(N, block_m), B * H),
+        (q, k, v, o, lse2, stab, counts, values, mask.tensor, lo, hi, seed),
+        (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *mask.strides, *r_strides,
+         H, H // h_kv, N, n_kv, D, B * H * N,
+         1.0 if mask.kind == MASK_ADD else scale * LOG2E, scale, raw_scale, eps / raw_scale, beta, max_shift_for(q.dtype), tie_stride,
+         drop_thr, drop_scale),
+        dict(
+            CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe,
+            MASK_KIND=mask.kind, DROPOUT=seed is not None,
+            HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
+            # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
+            EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
+            DOT_PRECISION=dot_precision(q.dtype), ASM=not INTERPRET,
+            # the probe's warp-level statistics count a row once per warp: only where each row
+            # lives in one warp (tensor-core tiles with the warps stacked along the rows)
+            WARP_STATS=has_probe and not INTERPRET and q.dtype != torch.float32 and block_m >= 16 * cfg.num_warps,
+            **cfg.options(),
+        ),
+    )
+    return o, lse2
+
+
+def _gluon_call(what: str, launch, q, k, v, do, *, masked: bool, dropout: bool = False,
+                block: int = 64) -> Optional[str]:
+    """Run ``launch(gluon_attention)`` (a Gluon kernel: the forward, or the backward's dQ or dK/dV)
+    where it can serve the call; None if it did, else why not.
+
+    A kernel that fails (a Triton whose Gluon differs, say) is reported once, on rank 0, and no
+    Gluon kernel is tried again in this process: the Triton kernels serve instead."""
+    if INTERPRET:
+        return "Triton's interpreter"
+    from instability_watch.kernels.attention import gluon as gluon_attention
+
+    if not gluon_attention.available():
+        return "this Triton has no Gluon for Hopper"
+    why = gluon_attention.supported(q, k, v, do, masked=masked, dropout=dropout, block=block)
+    if why is not None:
+        return why
+    try:
+        if launch(gluon_attention):
+            return None
+        return "a tensor layout without a 2-D TMA view"
+    except Exception as exc:  # noqa: BLE001 - any failure: the Triton kernels serve from now on
+        reason = f"{type(exc).__name__}: {str(exc)[:200]}"
+        gluon_attention.disable(f"failed once ({reason})")
+        from instability_watch._dist import rank
+
+        if rank() == 0:
+            warnings.warn(f"instability_watch: the Gluon {what} kernel (D = 256) failed ({reason}); "
+                          "the Triton kernels serve every call from now on")
+        return reason
+
+
+def _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, qk_scale, scale, mask_kind, seed) -> Optional[str]:
+    """dK and dV by the Gluon kernel (gluon_attention.py); None if it served the call, else why not."""
+    if not (lse2.is_contiguous() and delta.is_contiguous()):
+        return "statistics not contiguous"
+    return _gluon_call(
+        "dK/dV", lambda ga: ga.dkdv(q, k, v, do, lse2, delta, dk, dv, causal=causal, qk_scale=qk_scale, scale=scale),
+        q, k, v, do, masked=mask_kind != MASK_NONE, dropout=seed is not None)
+
+
+def attention_backward_lse2(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor, do: torch.Tensor, *,
+    causal: bool, scale: float, counts: Optional[torch.Tensor], values: Optional[torch.Tensor], shadow: bool,
+    config_dkdv=None, config_dq=None, delta: Optional[torch.Tensor] = None,
+    attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
+    mask_grad: bool = False, fused: Optional[bool] = None, config_fused=None,
+    split: Optional[bool] = None, config_dk=None, config_dv=None, gluon: Optional[bool] = None,
+) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """Launch the backward. Two ways, with the same results up to float32 summation order.
+
+    ``lse2`` is :func:`attention_forward_lse2`'s, in log2 units ((B, H, N) float32, or
+    (2, B, H, N) with an additive mask); q, o, do (B, H, N, D), k, v (B, H_kv, N_kv, D),
+    bfloat16/float16/float32; gradients in their inputs' dtype and layout. The two ways:
+
+    * fused (FA2's): a pre-pass for delta = rowsum(dO * O), then one kernel per KV block that
+      computes dK, dV and adds each query block's dQ into a float32 buffer with atomics;
+    * two kernels: dQ (which computes delta, with the shadow statistics), then dK/dV.
+      Bitwise deterministic.
+
+    ``fused=None`` takes the fused way only where it is the faster one, calls with dropout at
+    head dims up to 128 (it generates dropout's bits once instead of twice; without dropout, or
+    at D = 256, the two kernels are faster on the H100: benchmarks/RESULTS.md), and never where
+    the call needs what only the two kernels give: the shadow statistics (``shadow``), an
+    additive mask's gradient (``mask_grad``), or determinism
+    (``torch.use_deterministic_algorithms(True)``).
+    The two kernels' dK/dV kernel runs in two passes (``split``: dK, then dV, each with one
+    float32 accumulator) where the launch table has ``"dk"``/``"dv"`` entries (D = 256 on
+    tensor cores, where two accumulators leave too few registers); ``split=True``/``False``
+    forces it (a pass the table has no entry for takes the one-pass kernel's), ``config_dk``/
+    ``config_dv`` override those passes' launch configurations (both ignored where the backward
+    is fused or not split).
+    ``gluon``: at D = 256 on an sm_90 GPU, the two kernels' dK/dV runs as one Gluon kernel
+    (``gluon_attention.py``: one pass, 1.2 ms against the two Triton passes' 1.9 ms on the H100)
+    where the call has no mask, dropout or GQA; ``None`` does so where it can and the dK/dV
+    launch is not overridden, ``False`` never, ``True`` raises ValueError where it cannot (the
+    dK/dV overrides ``split`` and ``config_dk*``/``config_dv`` then apply only to calls it cannot serve).
+    dQ runs as a Gluon kernel too where it can (the same calls, N a multiple of 128, no shadow
+    statistics or mask gradient) unless ``gluon=False``, or ``config_dq`` is given with ``gluon=None``;
+    ``gluon=True`` does not require it (a call it cannot serve takes the Triton dQ kernel).
+    ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``. Returns
+    ``(dq, dk, dv, dmask)``; ``dmask`` (an additive mask's gradient, in its shape and
+    dtype) only if ``mask_grad``, else None.
+    """
+    B, H, N, D = q.shape
+    h_kv, n_kv = k.shape[1], k.shape[2]
+    q, k, v, o, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, o, do))
+    head_dim = head_dim_tile(D)
+    precision = dot_precision(q.dtype)
+    delta_from_o = delta is None
+    if delta_from_o:
+        delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
+    else:
+        delta = delta.to(torch.float32).contiguous()
+    dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
+    mask = _MaskArgs(attn_mask, B, H, N, n_kv)
+    mask_grad = mask_grad and mask.kind == MASK_ADD
+    dmask = torch.zeros((B, H, N, n_kv), dtype=torch.float32, device=q.device) if mask_grad else None
+    seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)
+    shadow = shadow and counts is not None
+    if fused is None:
+        fused = (seed is not None and head_dim <= 128
+                 and not (shadow or mask_grad or torch.are_deterministic_algorithms_enabled()))
+    elif fused and (shadow or mask_grad):
+        raise ValueError("fused=True: the fused backward computes neither the shadow statistics nor a mask's gradient")
+    if fused and gluon:
+        raise ValueError("gluon=True with a fused backward: the Gluon kernel serves only the two-kernel backward's dK/dV")
+    qk_scale = 1.0 if mask.kind == MASK_ADD else scale * LOG2E
+
+    def dkdv(cfg: LaunchConfig, dq_acc: Optional[torch.Tensor], part: int = 0) -> None:
+        """The dK/dV kernel; with ``dq_acc`` (B, H, N, D) float32, the fused backward's (dQ added there);
+        ``part`` 1 or 2: dK or dV alone."""
+        lo, hi, r_strides = mask.cols(cfg.block_n) if mask.kind else (None, None, (0, 0, 0))
+        _launch_dkdv(
+            (cdiv(n_kv, cfg.block_n), B * h_kv),
+            (q, k, v, do, lse2, delta, dk, dv, dq_acc, mask.tensor, lo, hi, seed),
+            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
+             *mask.strides, *r_strides, H, h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
+            dict(CAUSAL=causal, MASK_KIND=mask.kind, DROPOUT=seed is not None, FUSED_DQ=dq_acc is not None,
+                 HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
+                 PART=part, **cfg.options()),
+        )
+
+    if fused:
+        if delta_from_o:
+            bm = 16 if INTERPRET else (64 if head_dim <= 128 else 32)
+            _launch_delta(
+                (cdiv(N, bm), B * H), (o, do, delta),
+                (*o.stride()[:3], *do.stride()[:3], H, N, D),
+                dict(HEAD_DIM=head_dim, BLOCK_M=bm, num_warps=4, num_stages=1),
+            )
+        dq_acc = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
+        dkdv(launch_config("fused", head_dim, q.dtype, override=config_fused), dq_acc)
+        dq.copy_(dq_acc)
+        return dq, dk, dv, None
+    # dQ first: its programs write delta, which every dK/dV program reads
+    why_dq = "off"
+    if gluon is not False and (gluon or config_dq is None) and D == 256:  # the Gluon kernel, where it can
+        why_dq = "shadow statistics, a mask's gradient or statistics not contiguous"
+        if not (shadow or mask_grad) and lse2.is_contiguous():
+            why_dq = _gluon_call(
+                "dQ", lambda ga: ga.dq(q, k, v, o, do, lse2, delta, dq, causal=causal, qk_scale=qk_scale, scale=scale,
+                                       delta_from_o=delta_from_o),
+                q, k, v, do, masked=mask.kind != MASK_NONE, dropout=seed is not None, block=128)
+    if why_dq is not None:  # the Triton kernel (also the shadow statistics, a mask's gradient)
+        cfg = launch_config("dq", head_dim, q.dtype, override=config_dq)
+        block_m, block_n = cfg.block_m, cfg.block_n
+        lo, hi, r_strides = mask.rows(block_m) if mask.kind else (None, None, (0, 0, 0))
+        _launch_dq(
+            (cdiv(N, block_m), B * H),
+            (q, k, v, o, do, lse2, delta, dq, counts, values, mask.tensor, lo, hi, seed, dmask),
+            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+             *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
+            dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, MASK_KIND=mask.kind, DROPOUT=seed is not None,
+                 MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
+                 BLOCK_N=block_n, DOT_PRECISION=precision, **cfg.options()),
+        )
+    want = gluon
+    if want is None:
+        want = split is None and config_dkdv is None and config_dk is None and config_dv is None and D == 256
+    if want:
+        why = _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, qk_scale, scale, mask.kind, seed)
+        if why is None:
+            return dq, dk, dv, None  # served calls have no mask, so no mask gradient
+        if gluon:
+            raise ValueError(f"gluon=True: the Gluon dK/dV kernel cannot serve this call ({why})")
+    if split is None:
+        split = config_dkdv is None and all(has_launch_config(p, head_dim, q.dtype) for p in ("dk", "dv"))
+    if split:
+        for part, (kernel, override) in enumerate((("dk", config_dk), ("dv", config_dv)), start=1):
+            if override is None and not has_launch_config(kernel, head_dim, q.dtype):
+                kernel, override = "dkdv", config_dkdv  # split=True where the table has no pass of its own
+            dkdv(launch_config(kernel, head_dim, q.dtype, override=override), None, part=part)
+    else:
+        dkdv(launch_config("dkdv", head_dim, q.dtype, override=config_dkdv), None)
+    if dmask is not None:
+        dmask = reduce_to(dmask, attn_mask.shape).to(attn_mask.dtype)
+    return dq, dk, dv, dmask

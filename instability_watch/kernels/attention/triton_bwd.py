@@ -1,0 +1,258 @@
+"""The attention backward in Triton: dK/dV, dQ (with delta and the shadow delta_hp), and delta alone
+(host side: :mod:`.triton`)."""
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from instability_watch.kernels.triton_common import (
+    C_DPOS,
+    C_SHADOW,
+    FLOOR,
+    V_DABS,
+    V_DSUM,
+    dropout_keep,
+    dropout_key,
+    masked_scores,
+)
+
+
+@triton.jit
+def _program_ids(H, BLOCK: tl.constexpr):
+    """This backward program's place (grid: blocks of ``BLOCK`` along dim 0, batch x ``H`` heads
+    along dim 1): ``(start, off_bh, off_b, off_h)``, its block's first index and its (batch, head)."""
+    start = tl.program_id(0) * BLOCK
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    return start, off_bh, off_b, off_h
+
+
+@triton.jit
+def _tile_offsets(start, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """int32 offsets of a tile: ``start + [0, BLOCK)``, the other axis' ``[0, BLOCK_OTHER)``, the head dim's."""
+    return start + tl.arange(0, BLOCK), tl.arange(0, BLOCK_OTHER), tl.arange(0, HEAD_DIM)
+
+
+@triton.jit
+def attn_bwd_dkdv(
+    Q, K, V, DO, LSE2, Delta, DK, DV, DQacc, Mask, RangeLo, RangeHi, Seed,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
+    stride_mb, stride_mh, stride_mn, stride_mk, stride_rb, stride_rh, stride_rm,
+    H, H_KV, N_Q, N_KV, D, lse_plane,
+    qk_scale, scale, drop_thr, drop_scale,
+    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PART: tl.constexpr,
+):
+    """One KV block of one KV head: dK, dV summed over the query heads that read it (GQA).
+
+    ``PART`` 0 computes both; 1 only dK, 2 only dV (the split backward: two launches, each
+    with one float32 accumulator, where two would not fit the registers; D = 256).
+
+    With ``FUSED_DQ`` (the fused backward, FA2's), also each query block's share of dQ,
+    added into ``DQacc`` (B, H, N, D) float32 with atomics: five products per tile where the
+    two-kernel backward takes seven, and dropout's bits generated once, not twice. The order
+    of those float32 additions varies from run to run: dQ is not bitwise deterministic."""
+    tl.static_assert(PART == 0 or not FUSED_DQ, "the fused backward computes dK and dV in one pass")
+    start_n, off_bhk, off_b, off_hk = _program_ids(H_KV, BLOCK_N)
+    group = H // H_KV
+    offs_n, offs_m0, offs_d = _tile_offsets(start_n, BLOCK_N, BLOCK_M, HEAD_DIM)
+    d_ok = offs_d[None, :] < D
+    kv_mask = (offs_n[:, None] < N_KV) & d_ok
+    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+
+    k0, k1, thr = dropout_key(Seed, drop_thr, DROPOUT)
+    # Causal (top-left): only rows >= start_n see this block; rows from
+    # start_n + BLOCK_N on see all of it and need no mask.
+    lo = (start_n // BLOCK_M) * BLOCK_M if CAUSAL else 0
+    hi = N_Q
+    for g in range(0, group):
+        off_h = off_hk * group + g
+        off_bh = off_b * H + off_h
+        q_base = Q + off_b * stride_qb + off_h * stride_qh
+        do_base = DO + off_b * stride_dob + off_h * stride_doh
+        if MASK_KIND != 0:  # the query rows that may see any key of this block (a pre-pass), per query head
+            r_off = off_b * stride_rb + off_h * stride_rh + tl.program_id(0) * stride_rm
+            lo = tl.load(RangeLo + r_off) // BLOCK_M * BLOCK_M
+            hi = tl.load(RangeHi + r_off)
+            m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_n[:, None] * stride_mk
+        for start_m in range(lo, hi, BLOCK_M):
+            offs_m = start_m + offs_m0
+            m_ok = offs_m < N_Q
+            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+            # Padded rows get lse = +inf, hence P = 0.
+            lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+            if MASK_KIND == 2:
+                logl = tl.load(LSE2 + lse_plane + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+            delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
+            # -- P^T for this (KV block, query block), float32, normalised by the LSE
+            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M), raw
+            if MASK_KIND != 0:  # the mask read transposed: rows of the tile are keys
+                ok = (offs_n[:, None] < N_KV) & m_ok[None, :]
+                if MASK_KIND == 1:
+                    keep_t = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=0)
+                    s_t = tl.where(keep_t != 0, s_t, float("-inf"))
+                else:
+                    bias = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=float("-inf")).to(tl.float32)
+                    bias = tl.where(bias <= FLOOR, float("-inf"), bias)
+                    s_t = (s_t * scale + bias) * 1.4426950408889634
+            if MASK_KIND == 2:
+                p_t = tl.math.exp2((s_t - lse2[None, :]) - logl[None, :])
+            else:
+                p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse2[None, :]))  # one FMA per score, as the forward
+            if CAUSAL:
+                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+            # (PART 0 keeps the one-pass kernel's order of operations: dP's product first)
+            if PART != 2:
+                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+            if DROPOUT:
+                # -- Z^T, from the (query, key) orientation of the forward's random numbers
+                keep_d = tl.trans(dropout_keep(k0, k1, thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N))
+            if PART != 1:
+                if DROPOUT:  # -- dV += bf16(P * Z)^T dO (1/(1-p) at the end)
+                    dv = tl.dot(tl.where(keep_d, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+                else:  # -- dV += bf16(P)^T dO
+                    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            if PART != 2:
+                # -- dP^T = (V dO^T) * Z^T; dS^T = P^T * (dP^T - delta), dK += bf16(dS)^T Q
+                if DROPOUT:
+                    dp_t = tl.where(keep_d, dp_t * drop_scale, 0.0)
+                ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+                dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+                if FUSED_DQ:  # dQ += bf16(dS) K, this block's share, by atomics
+                    dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale
+                    tl.atomic_add(DQacc + off_bh * N_Q * D + offs_m[:, None] * D + offs_d[None, :], dq,
+                                  mask=m_ok[:, None] & d_ok, sem="relaxed")
+
+    if PART != 2:
+        dk = dk * scale
+    if DROPOUT and PART != 1:
+        dv = dv * drop_scale
+    if PART != 2:
+        tl.store(DK + off_b * stride_dkb + off_hk * stride_dkh + offs_n[:, None] * stride_dkn + offs_d[None, :], dk.to(DK.dtype.element_ty), mask=kv_mask)
+    if PART != 1:
+        tl.store(DV + off_b * stride_dvb + off_hk * stride_dvh + offs_n[:, None] * stride_dvn + offs_d[None, :], dv.to(DV.dtype.element_ty), mask=kv_mask)
+
+
+@triton.jit
+def attn_bwd_dq(
+    Q, K, V, O, DO, LSE2, Delta, DQ, Counts, Values, Mask, RangeLo, RangeHi, Seed, DMask,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
+    stride_mb, stride_mh, stride_mn, stride_mk, stride_rb, stride_rh, stride_rm,
+    H, GROUP, N_Q, N_KV, D, lse_plane,
+    qk_scale, scale, drop_thr, drop_scale,
+    CAUSAL: tl.constexpr, SHADOW: tl.constexpr, DELTA_FROM_O: tl.constexpr,
+    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+):
+    """One query block: delta = rowsum(dO * O) (stored for the dK/dV kernel, launched after this
+    one), dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta.
+
+    With ``DELTA_FROM_O`` off, delta is read from ``Delta`` instead (a caller-supplied delta).
+    """
+    start_m, off_bh, off_b, off_h = _program_ids(H, BLOCK_M)
+    off_hk = off_h // GROUP
+    offs_m, offs_n0, offs_d = _tile_offsets(start_m, BLOCK_M, BLOCK_N, HEAD_DIM)
+    m_ok = offs_m < N_Q
+    d_ok = offs_d[None, :] < D
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+    lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+    if MASK_KIND == 2:
+        logl = tl.load(LSE2 + lse_plane + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+    if DELTA_FROM_O:
+        # delta from the stored low-precision O, as FA2's preprocessing; the dK/dV kernel
+        # reads it from here (same stream, launched next), so it needs no launch of its own.
+        # Read back after a barrier rather than used directly: the load takes the layout the
+        # loop wants, where a direct use had the compiler convert the broadcast 2-D
+        # delta[:, None] instead, a tile of registers live through the loop.
+        o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+        tl.store(Delta + off_bh * N_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=m_ok)
+        tl.debug_barrier()
+    delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    delta_hp = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    if MASK_KIND != 0:
+        m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_m[:, None] * stride_mn
+    k0, k1, thr = dropout_key(Seed, drop_thr, DROPOUT)
+    lo = 0
+    if MASK_KIND != 0:  # the keys any row of this tile may see (a pre-pass)
+        r_off = off_b * stride_rb + off_h * stride_rh + (start_m // BLOCK_M) * stride_rm
+        lo = tl.load(RangeLo + r_off) // BLOCK_N * BLOCK_N
+        hi = tl.load(RangeHi + r_off)
+    elif CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, N_KV)
+    else:
+        hi = N_KV
+    for start_n in range(lo, hi, BLOCK_N):
+        offs_n = start_n + offs_n0
+        kv_mask = (offs_n[:, None] < N_KV) & d_ok
+        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
+        if MASK_KIND != 0:  # as the forward: qk_scale is log2(e) for an additive mask
+            s = masked_scores(s, m_base + offs_n0[None, :] * stride_mk, start_n, offs_n, m_ok, N_KV, stride_mk,
+                               scale, MASK_KIND, True)
+        if MASK_KIND == 2:
+            p = tl.math.exp2((s - lse2[:, None]) - logl[:, None])
+        else:
+            p = tl.math.exp2(tl.fma(s, qk_scale, -lse2[:, None]))
+        keep = offs_n[None, :] < N_KV
+        if CAUSAL:
+            keep = keep & (offs_m[:, None] >= offs_n[None, :])
+        p = tl.where(keep, p, 0.0)
+        # -- dP = (dO V^T) * Z (Z: dropout's keep mask over 1 - p), dS = P * (dP - delta), dQ += bf16(dS) K
+        dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            dp = tl.where(dropout_keep(k0, k1, thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N), dp * drop_scale, 0.0)
+        if SHADOW:
+            delta_hp += tl.sum(p * dp, 1)  # rowsum(dO * O_hp), O_hp = (P * Z) V never formed
+        ds = p * (dp - delta[:, None])
+        if MASK_GRAD:  # an additive mask's gradient is dS (float32, the whole (B, H, N, N_kv))
+            tl.store(DMask + off_bh * N_Q * N_KV + offs_m[:, None] * N_KV + offs_n[None, :], ds,
+                     mask=m_ok[:, None] & (offs_n[None, :] < N_KV))
+        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+
+    dq = dq * scale
+    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok)
+    if SHADOW:
+        if MASK_KIND == 2:
+            live = m_ok & (logl < float("inf"))  # rows that see a key
+        else:
+            live = m_ok & (lse2 < float("inf"))
+        err = tl.where(live, delta - delta_hp, 0.0)
+        tl.atomic_add(Values + V_DSUM * H + off_h, tl.sum(err, 0), sem="relaxed")
+        tl.atomic_add(Values + V_DABS * H + off_h, tl.sum(tl.abs(err), 0), sem="relaxed")
+        tl.atomic_add(Counts + C_DPOS * H + off_h, tl.sum((err > 0).to(tl.int64), 0), sem="relaxed")
+        tl.atomic_add(Counts + C_SHADOW * H + off_h, tl.sum(live.to(tl.int64), 0), sem="relaxed")
+
+
+@triton.jit
+def attn_bwd_delta(
+    O, DO, Delta,
+    stride_ob, stride_oh, stride_on,
+    stride_dob, stride_doh, stride_don,
+    H, N_Q, D,
+    HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr,
+):
+    """delta = rowsum(dO * O) in float32 for one block of query rows (the fused backward's pre-pass)."""
+    start_m = tl.program_id(0) * BLOCK_M
+    off_bh = tl.program_id(1)
+    off_b = off_bh // H
+    off_h = off_bh % H
+    offs_m = start_m + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    ok = (offs_m[:, None] < N_Q) & (offs_d[None, :] < D)
+    o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=ok, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=ok, other=0.0)
+    tl.store(Delta + off_bh * N_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=offs_m < N_Q)
