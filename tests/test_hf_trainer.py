@@ -22,7 +22,8 @@ pytest.importorskip("accelerate")  # transformers.Trainer needs it
 from transformers import Trainer, TrainerCallback  # noqa: E402
 
 from instability_watch import WatchConfig, load_run  # noqa: E402
-from instability_watch.callbacks.hf import STATE_FILE, InstabilityWatchTrainerCallback, _clean_name, _unsupported  # noqa: E402
+from instability_watch.callbacks.hf import STATE_FILE, InstabilityWatchTrainerCallback  # noqa: E402
+from instability_watch.callbacks.hf_setup import clean_name, unsupported  # noqa: E402
 
 from helpers import child_env  # noqa: E402
 
@@ -365,7 +366,7 @@ def test_bad_arguments_and_runs_that_cannot_be_watched(tmp_path):
 
     def why(model=None, **kw):
         args = SimpleNamespace(**dict(dict(deepspeed=None, fsdp=None, n_gpu=1), **kw))
-        return _unsupported(args, model if model is not None else build("gpt2"))
+        return unsupported(args, model if model is not None else build("gpt2"))
 
     assert why() is None
     # FSDP is decided by the model the Trainer hands over, not by the arguments (on CPU Accelerate ignores
@@ -393,7 +394,7 @@ def test_bad_arguments_and_runs_that_cannot_be_watched(tmp_path):
     piped = build("llama")
     piped.config.distributed_config = SimpleNamespace(tp_size=1, pp_size=2)
     assert "pipeline parallelism (pp_size=2) puts different layers on different ranks" in why(piped)
-    assert _clean_name("model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.self_attn") == \
+    assert clean_name("model.layers.0._fsdp_wrapped_module._checkpoint_wrapped_module.self_attn") == \
         "model.layers.0.self_attn"
 
     # a model without attention: an error at train begin, before any step, naming what was seen

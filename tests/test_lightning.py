@@ -17,7 +17,7 @@ from lightning.pytorch.loggers import CSVLogger
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 
 from instability_watch import InstabilityWatchCallback, WatchConfig, load_run
-from instability_watch.callbacks.lightning import _unsupported_strategy
+from instability_watch.callbacks.lightning import unsupported_strategy
 
 from helpers import child_env
 from lightning_models import TiedModule, TinyGPT
@@ -259,14 +259,14 @@ def test_setup_errors_and_argument_checks(tmp_path):
     from lightning.pytorch.strategies import DDPStrategy, FSDPStrategy, ModelParallelStrategy, SingleDeviceStrategy
 
     for strategy in (FSDPStrategy(), ModelParallelStrategy(), DDPStrategy(), SingleDeviceStrategy("cpu")):
-        assert _unsupported_strategy(strategy) is None, strategy
+        assert unsupported_strategy(strategy) is None, strategy
 
     class DeepSpeedStrategy:  # Lightning's needs deepspeed installed; its zero_stage_3 property, as a stand-in
         zero_stage_3 = True
 
-    why = _unsupported_strategy(DeepSpeedStrategy())
+    why = unsupported_strategy(DeepSpeedStrategy())
     assert "ZeRO stage 3 partitions every parameter" in why and "use ZeRO stage 1 or 2" in why
-    assert "not one of the supported strategies" in _unsupported_strategy(object())
+    assert "not one of the supported strategies" in unsupported_strategy(object())
     with pytest.raises(TypeError, match="config must be a WatchConfig"):
         InstabilityWatchCallback(config=3)
     with pytest.raises(ValueError, match="log_every"):

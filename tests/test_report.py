@@ -326,7 +326,7 @@ def test_report_of_a_killed_run(run_copy, capsys):
 
 def test_plots_mark_events_and_label_the_most_extreme_heads(real_run):
     run = load_run(real_run)
-    fig = report._metric_figure(run, None, "delta_cum", "t", "y", top=1)
+    fig = report.metric_figure(run, None, "delta_cum", "t", "y", top=1)
     ax, ax_loss = fig.axes[:2]
     labels = ax.get_legend_handles_labels()[1]
     # the head with the largest |delta_cum| first, then the other head that alerted (and switched)
@@ -369,7 +369,7 @@ def test_each_plot_colours_the_heads_most_extreme_in_its_metric(tmp_path):
     run = report.digest_run(_extreme_run(tmp_path))
     expect = {"max_score": "b h1", "sigma_wq": "b h1", "delta_cum": "a h1", "multi_max_freq": "b h2"}
     for column, head in expect.items():
-        fig = report._metric_figure(run, None, column, "t", "y", top=1)
+        fig = report.metric_figure(run, None, column, "t", "y", top=1)
         ax = fig.axes[0]
         heads = [ln for ln in ax.get_lines() if not ln.get_label().startswith(("alert:", "switch"))]
         coloured = [ln for ln in heads if ln.get_color() != report.GRAY]
@@ -395,7 +395,7 @@ def test_plot_series_are_bucketed_keeping_peaks_and_last_values(tmp_path):
     assert list(y) == [float(s) for s in x]  # each point is a real (step, value)
     # the same whatever order the steps come in (the buckets widen both ways)
     frame = load_run(run_dir).metrics
-    sink = report._Digester(10)
+    sink = report.Digester(10)
     sink.add(frame[frame["step"] > 50])
     sink.add(frame[frame["step"] <= 50])
     x2, y2 = sink.digest(run_dir, {}, load_run(run_dir).events, []).series("max_score", 0)
@@ -404,7 +404,7 @@ def test_plot_series_are_bucketed_keeping_peaks_and_last_values(tmp_path):
 
 def test_plots_skip_unobserved_steps(real_run):
     run = load_run(real_run)
-    fig = report._metric_figure(run, None, "sigma_wq", "t", "y", top=1)
+    fig = report.metric_figure(run, None, "sigma_wq", "t", "y", top=1)
     index, label = report.highlighted_heads(run, "sigma_wq", 1)[0]
     head = int(report.digest(run).heads["head"].iat[index])
     line = next(ln for ln in fig.axes[0].get_lines() if ln.get_label() == label)
@@ -417,7 +417,7 @@ def test_plots_skip_unobserved_steps(real_run):
 def test_plots_of_a_metric_without_data(tmp_path):
     run_dir = write_synthetic_run(tmp_path / "run", two_layer_rows(5), layers=["a", "b"], heads=[2, 3])
     run = load_run(run_dir)
-    fig = report._metric_figure(run, report.head_summary(run), "sigma_wq", "t", "y", top=3)
+    fig = report.metric_figure(run, report.head_summary(run), "sigma_wq", "t", "y", top=3)
     notes = [t.get_text() for t in fig.axes[0].texts]
     assert any(n.startswith("no data") for n in notes)
     assert not fig.axes[0].get_lines()

@@ -42,7 +42,7 @@ from torch.overrides import TorchFunctionMode
 
 from instability_watch import InstabilityWatch, WatchConfig, flash_attention
 from instability_watch.experimental import high_precision_delta
-from instability_watch.kernels import dropout_mask, dropout_seed
+from instability_watch.kernels import common, dropout_mask, dropout_seed
 from instability_watch.kernels.attention import reference
 from instability_watch.kernels.common import dropout_scale, reduce_to
 
@@ -526,7 +526,7 @@ def test_dropped_fraction_and_independence(p):
     B, H, N, K = 4, 8, 256, 256
     seed = dropout_seed(torch.Generator().manual_seed(7), "cpu")
     keep = dropout_mask(seed, B, H, N, K, p)
-    p_eff = reference.dropout_threshold(p) / 65536
+    p_eff = common.dropout_threshold(p) / 65536
     assert abs(p_eff - p) <= 2 ** -17
     dropped = ~keep
 
@@ -600,7 +600,7 @@ def test_dropout_is_unbiased_with_the_derived_variance():
     q, k, v = (torch.randn(B, H, N, D, generator=g, dtype=torch.float64) for _ in range(3))
     o0 = flash_attention(q, k, v)
     P = torch.softmax((q @ k.transpose(-1, -2)) / math.sqrt(D), dim=-1)
-    p_eff = reference.dropout_threshold(p) / 65536
+    p_eff = common.dropout_threshold(p) / 65536
     var = p_eff / (1 - p_eff) * ((P[..., None] * v[:, :, None]) ** 2).sum(dim=-2)  # (B, H, N, D)
     outs = torch.stack([flash_attention(q, k, v, dropout_p=p, generator=torch.Generator().manual_seed(s))
                         for s in range(64)])
@@ -628,7 +628,7 @@ def test_kept_entries_scaled_by_exactly_one_over_one_minus_p_eff(p):
     P = torch.softmax((q @ k.transpose(-1, -2)) / math.sqrt(n), dim=-1)
     assert (o[~keep] == 0).all()
     ratio = o[keep] / P[keep]
-    p_eff = reference.dropout_threshold(p) / 65536
+    p_eff = common.dropout_threshold(p) / 65536
     expect = 1 / (1 - p_eff)
     assert p_eff != p and abs(expect - 1 / (1 - p)) > 1e-6  # the two scales are told apart below
     torch.testing.assert_close(ratio, torch.full_like(ratio, expect), rtol=1e-12, atol=0)
@@ -650,10 +650,10 @@ def test_kept_entries_scaled_by_exactly_one_over_one_minus_p_eff(p):
 def test_philox_known_answers(counter, key, expect):
     """Random123's kat_vectors for philox4x32_10."""
     t = lambda x: torch.tensor(x, dtype=torch.int64)  # noqa: E731
-    out = reference.philox(t(key[0]), t(key[1]), *(t(c) for c in counter))
+    out = common.philox(t(key[0]), t(key[1]), *(t(c) for c in counter))
     assert tuple(int(w) for w in out) == expect, [hex(int(w)) for w in out]
     # broadcast over counters: the same words at every position of a tensor counter
-    out = reference.philox(t(key[0]), t(key[1]), *(torch.full((3,), c, dtype=torch.int64) for c in counter))
+    out = common.philox(t(key[0]), t(key[1]), *(torch.full((3,), c, dtype=torch.int64) for c in counter))
     assert all(w.tolist() == [e] * 3 for w, e in zip(out, expect))
 
 
@@ -668,13 +668,13 @@ def test_dropout_bits_follow_the_documented_counter_layout():
         for h in range(H):
             for i in range(N):
                 for j in range(K):
-                    words = reference.philox(t(0x12345678), t(0x9ABCDEF0), t(4 * (j // 32) + (j % 8) // 2), t(i),
+                    words = common.philox(t(0x12345678), t(0x9ABCDEF0), t(4 * (j // 32) + (j % 8) // 2), t(i),
                                              t(b * H + h), t(0))
                     bits = (int(words[(j % 32) // 8]) >> (16 * (j % 2))) & 0xFFFF
                     assert bool(keep[b, h, i, j]) == (bits >= round(p * 65536)), (b, h, i, j)
     # every call's eight entries lie in one row, each entry drawn by exactly one call
     cols = torch.arange(128)
-    counter = reference.dropout_counter(cols)
+    counter = common.dropout_counter(cols)
     assert torch.equal(torch.bincount(counter), torch.full((16,), 8))
 
 

@@ -22,9 +22,10 @@ try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
-except ImportError as exc:  # pragma: no cover - lightning is a dependency
+except ImportError as exc:  # lightning is an optional dependency
     raise ImportError(
-        "InstabilityWatchCallback needs PyTorch Lightning: pip install 'lightning>=2.4'"
+        "instability_watch.callbacks.lightning (InstabilityWatchCallback) needs PyTorch Lightning: "
+        'pip install "instability_watch[lightning]"'
     ) from exc
 
 from instability_watch.callbacks.common import WatchAdapter, run_dir_under, scalars
@@ -38,7 +39,7 @@ log = logging.getLogger("instability_watch")
 _STATE_VERSION = 1
 
 
-def _unsupported_strategy(strategy: Any) -> Optional[str]:
+def unsupported_strategy(strategy: Any) -> Optional[str]:
     """Why a strategy cannot be watched (``None`` if it can).
 
     Sharded weights are read whole where needed: FSDP2 ``DTensor`` objects (``ModelParallelStrategy``)
@@ -117,7 +118,7 @@ class InstabilityWatchCallback(WatchAdapter, Callback):
         """Check the strategy and attach (or, for layers built in ``configure_model``, wait for fit start)."""
         if stage != "fit":
             return
-        why = _unsupported_strategy(trainer.strategy)
+        why = unsupported_strategy(trainer.strategy)
         if why is not None:
             raise MisconfigurationException(f"InstabilityWatchCallback cannot watch this run: {why}.")
         if self.watch is not None:

@@ -60,13 +60,13 @@ FLOAT32 = "float32"  # exact float32 products ("ieee"), no tensor cores
 
 # Launch configurations per (kernel, inputs) and head-dim tile.
 #
-# Attention (triton_attention.py): chosen with `python benchmarks/attention.py --sweep` on an
+# Attention (attention/triton*.py): chosen with `python benchmarks/attention.py --sweep` on an
 # H100 (see benchmarks/RESULTS.md). The forward's maxnreg caps registers: at D <= 64 the plain
 # loop needs 128 and the tie-tracking loop ~150, which would drop an SM from 4 resident
 # programs to 3. The forward with a stabilize mask or a probe (what the watch runs, "watched")
 # has its own entries: at D = 128 it is fastest with larger tiles than the plain forward.
-# D = 256: (128, 64, 8, 2) since benchmarks/d256_lab.py (H100, 2026-11-24): 0.62 ms against 0.80 for
-# the (64, 32, 4, 2) an earlier sweep had picked (B4 H8 N4096 causal).
+# D = 256: (128, 64, 8, 2) since a lab run of 2026-11-24 (H100; benchmarks/RESULTS.md, "D = 256, 8th session"):
+# 0.62 ms against 0.80 for the (64, 32, 4, 2) an earlier sweep had picked (B4 H8 N4096 causal).
 _FWD = {16: _C(64, 64, 4, 3, maxnreg=128), 32: _C(64, 64, 4, 3, maxnreg=128), 64: _C(64, 64, 4, 3, maxnreg=128),
         128: _C(128, 64, 8, 3), 256: _C(128, 64, 8, 2)}
 LAUNCH_TABLE: Dict[Tuple[str, str], Dict[int, LaunchConfig]] = {
@@ -78,8 +78,8 @@ LAUNCH_TABLE: Dict[Tuple[str, str], Dict[int, LaunchConfig]] = {
                              256: _C(64, 64, 8, 2)},
     # The dK/dV kernel in two passes (dK, then dV; by default the backward splits wherever both have
     # an entry): at D = 256 its two (BLOCK_N, 256) float32 accumulators fill the registers, so the
-    # fused pass is stuck at 64 keys per program; alone, each pass fits 128 (benchmarks/d256_lab.py,
-    # H100, 2026-11-24).
+    # fused pass is stuck at 64 keys per program; alone, each pass fits 128 (the same lab run,
+    # benchmarks/RESULTS.md).
     ("dk", TENSOR_CORES): {256: _C(32, 128, 8, 2)},
     ("dv", TENSOR_CORES): {256: _C(64, 128, 8, 2)},
     ("dq", TENSOR_CORES): {16: _C(64, 64, 4, 3), 32: _C(64, 64, 4, 3), 64: _C(64, 64, 4, 3), 128: _C(128, 64, 8, 3),
