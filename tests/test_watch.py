@@ -415,7 +415,7 @@ def test_statistics_failure_keeps_switched_heads_stabilized(monkeypatch):
     model = _nano()
     watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=1))
     watch.switch(0, 1)
-    monkeypatch.setattr(watch, "_record", lambda s, loss: (_ for _ in ()).throw(RuntimeError("boom")))
+    monkeypatch.setattr(watch.ring, "next_row", lambda device: (_ for _ in ()).throw(RuntimeError("boom")))
     _steps(model, watch, 2)
     assert set(watch.disabled) == {"statistics"} and watch.observation.routing
     calls = []

@@ -31,31 +31,31 @@ part is reported once with its traceback and turned off, unless ``strict=True``.
 """
 from __future__ import annotations
 
-import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
 import torch
 import torch.nn as nn
 
-from instability_watch._dist import distributed, log_rank_zero, rank, world_size
+from instability_watch._dist import distributed
 from instability_watch.act.events import Event
-from instability_watch.act.policy import action_for
 from instability_watch.act.qkclip import Clip, QKClipper
 from instability_watch.act.switching import Switchboard
-from instability_watch.detect.detectors import Alert, build_detectors
+from instability_watch.detect.detectors import Alert, Detector, build_detectors
 from instability_watch.engine import state as watch_state
 from instability_watch.engine.cadence import Cadence, StepCallCheck, check_loss
 from instability_watch.engine.config import WatchConfig
 from instability_watch.engine.faults import Faults
 from instability_watch.engine.metrics import CallTotals, MetricsBuilder, StepMetrics, head_shape, summarize
 from instability_watch.engine.readback import Listener, ReadBack
+from instability_watch.engine.reader import Reader
+from instability_watch.engine.recorder import Recorder
 from instability_watch.engine.ring import Ring, RingLayout
 from instability_watch.errors import WatchError
 from instability_watch.model.families import qk_layouts
 from instability_watch.model.layer import Layers, resolve_layers
 from instability_watch.observe.coverage import NOT_APPLIED, LayerCoverage
-from instability_watch.observe.observation import GatheredReadError, Site, observe
+from instability_watch.observe.observation import Site, observe
 from instability_watch.probe.spectral import SpectralNorms
 
 
@@ -141,10 +141,17 @@ class InstabilityWatch:
         self.ring = Ring(RingLayout(self.head_counts, clip=bool(config.qk_clip)), config.log_every)
         self.builder = MetricsBuilder(self.head_counts)
         self.calls = CallTotals(self.head_counts)
-        self.detectors = build_detectors(config, self.shape)
         self.switchboard = Switchboard(self.observation, self.events)
         self.clipper = QKClipper(config.qk_clip, config.qk_clip_tau, layouts, self.observation.sites,
                                  self.layer_names, self.events)
+        dist = lambda: self.distributed  # noqa: E731 - read at call time
+        self.recorder = Recorder(config=config, cadence=self.cadence, faults=self.faults, ring=self.ring,
+                                 observation=self.observation, spectral=self.spectral, clipper=self.clipper,
+                                 check=self._check, model=model, distributed=dist)
+        self.reader = Reader(config=config, cadence=self.cadence, faults=self.faults, ring=self.ring,
+                             builder=self.builder, calls=self.calls, detectors=build_detectors(config, self.shape),
+                             switchboard=self.switchboard, clipper=self.clipper, layer_names=self.layer_names,
+                             alerts=self.alerts, observation=self.observation, distributed=dist)
         self.faults.on_disable("routing", lambda exc: self.switchboard.routing_failed(exc, self.step_count + 1))
         self.faults.on_disable("statistics", lambda exc: self._arm(self.step_count + 1))
         self._arm(1)
@@ -212,6 +219,11 @@ class InstabilityWatch:
         one rank and ``config.sync_distributed`` is on. Then :meth:`read_back` is a collective."""
         return self.config.sync_distributed and distributed()
 
+    @property
+    def detectors(self) -> Dict[str, Detector]:
+        """The early-warning rules, by alert kind (:mod:`~instability_watch.detect.detectors`)."""
+        return self.reader.detectors
+
     def is_recorded(self, step: int) -> bool:
         """Whether optimizer step ``step`` is recorded (a probe or spectral step): its loss is kept then only."""
         return self.cadence.recorded(step)
@@ -251,7 +263,7 @@ class InstabilityWatch:
         self.step_count = step
         self.ring.restart(step)
         self.observation.bank.zero_()
-        self.detectors = build_detectors(self.config, self.shape)
+        self.reader.detectors = build_detectors(self.config, self.shape)
         for d in self.detectors.values():
             d.warmup_steps = step + self.config.warmup_steps
         self._arm(step + 1)
@@ -311,18 +323,7 @@ class InstabilityWatch:
             return []
         self._check.count()
         if self.cadence.recorded(s):
-            if self.observation.bank.device.type == "meta":
-                self.faults.once("meta", logging.WARNING, "instability_watch: the model is on the meta device (it "
-                                 "holds no data): nothing is recorded until it is materialized (e.g. model.to_empty())")
-            else:
-                if "statistics" not in self.faults:
-                    try:
-                        self._record(s, loss)
-                    except Exception as exc:  # noqa: BLE001
-                        self.faults.fail("statistics", exc)
-                self.ring.add(s)  # in lockstep with the other ranks, recorded or not
-                if self.config.qk_clip and self.cadence.probe(s):
-                    self._qk_clip()
+            self.recorder.record(s, loss)
         self._arm(s + 1)
         first_probe = not self.coverage_checked and self.cadence.probe(s)
         if first_probe or self.cadence.read_back(s) or self.ring.full:
@@ -331,52 +332,6 @@ class InstabilityWatch:
                 self._check_coverage()
             return alerts
         return []
-
-    def _record(self, s: int, loss) -> None:
-        """Copy the probes (and sigma, the loss) into the step's ring row and reset them: device work only."""
-        bank, lay = self.observation.bank, self.ring.layout
-        row = self.ring.next_row(bank.device)
-        row[lay.counts].copy_(bank.counts)
-        row[lay.values].copy_(bank.values)
-        sig = row[lay.sigma]
-        sig.fill_(float("nan"))
-        if self.cadence.spectral(s) and "spectral" not in self.faults:
-            try:
-                sig.copy_(torch.cat(self.spectral.of_grams(self.observation.grams())).to(sig.device))
-            except GatheredReadError as exc:
-                if self.distributed:
-                    # turning spectral off on this rank alone would leave the others waiting in the next
-                    # spectral step's FSDP gathers: this step's sigma is left to the other ranks (max-reduced)
-                    self.faults.problem("spectral-gather", f"rank {rank()}: {exc}; sigma comes from the other ranks")
-                else:
-                    self.faults.fail("spectral", exc)
-            except Exception as exc:  # noqa: BLE001
-                self.faults.fail("spectral", exc)
-        if isinstance(loss, torch.Tensor):
-            row[lay.loss: lay.loss + 1].copy_(loss.detach().reshape(1))
-        else:
-            row[lay.loss: lay.loss + 1].fill_(float("nan") if loss is None else float(loss))
-        # fill_, not ``row[i] = 1.0``: item assignment of a Python number copies a
-        # host scalar into device memory, which waits for the stream (a sync per step)
-        row[lay.ok: lay.ok + 1].fill_(1.0)  # this rank recorded the step (summed across ranks)
-        row[lay.clip].fill_(float("nan"))  # written by the clip on probe steps
-        if self.config.qk_clip and self.cadence.probe(s):
-            self.clipper.keep_logits(bank)
-        bank.zero_()
-
-    def _qk_clip(self) -> None:
-        """After the optimizer step of a probe step: QK-clip (:meth:`QKClipper.clip`), its multipliers recorded."""
-        healthy = "statistics" not in self.faults and "qk_clip" not in self.faults
-        try:
-            gamma = self.clipper.clip(healthy=healthy, distributed=self.distributed,
-                                      device=self.observation.bank.device,
-                                      sharding_roots=[self.model, *self.observation.sharding_roots])
-            if gamma is not None:
-                self.ring.last_row()[self.ring.layout.clip].copy_(gamma)
-        except Exception as exc:  # noqa: BLE001
-            self.faults.fail("qk_clip", exc)
-        finally:
-            self._check.resync()  # our own update is not an optimizer step
 
     # ------------------------------------------------------------------ the read-back
 
@@ -388,82 +343,13 @@ class InstabilityWatch:
         (``step`` does): a rank whose statistics failed still takes part, and
         then every rank turns statistics off.
         """
-        if self.step_count <= self.ring.read_through:
-            return []
-        is_dist = self.distributed
-        steps = list(self.ring.pending)
-        recorded = "statistics" not in self.faults
-        if not is_dist and (not steps or not recorded):
-            self.ring.restart(self.step_count)
-            return []
-        try:
-            host = self.ring.take(self.observation.bank.device, recorded=recorded, distributed=is_dist)
-        except Exception as exc:  # noqa: BLE001
-            self.ring.restart(self.step_count)
-            self.faults.fail("statistics", exc)
-            return []
-        self.ring.restart(self.step_count)
-        lay = self.ring.layout
-        if len(host) and not (host[:, lay.ok] == (world_size() if is_dist else 1)).all():
-            self.faults.fail("statistics", WatchError("statistics failed on another rank; turned off on every rank"))
-            return []
-        self.calls.add(host[:, lay.counts])
-        alerts: List[Alert] = []
-        clips: List[Clip] = []
-        try:
-            metrics = [self._metrics(step, host[i]) for i, step in enumerate(steps)]
-            if self.config.qk_clip:
-                for i, m in enumerate(metrics):
-                    clips.extend(self._clips(m, host[i]))
-            if "detectors" not in self.faults:
-                for m in metrics:
-                    alerts.extend(self._detect(m))
-        except WatchError:
-            raise
-        except Exception as exc:  # noqa: BLE001
-            self.faults.fail("detectors", exc)
-            return alerts
-        self.last_metrics = metrics
-        self.clipper.last = clips
-        self._dispatch(metrics, alerts, clips)
+        metrics, alerts, clips = self.reader.read(self.step_count)
+        if metrics is not None:
+            self.last_metrics = metrics
+            self._dispatch(metrics, alerts, clips)
         return alerts
 
     flush = read_back  # the earlier name, kept for code that calls it
-
-    def _metrics(self, step: int, row: np.ndarray) -> StepMetrics:
-        lay = self.ring.layout
-        stab = self.switchboard.stabilized(self.shape, routing="routing" not in self.faults)
-        m, broken = self.builder.build(step, lay.unpack(row), float(row[lay.loss]), stab)
-        if broken.any():
-            layer, head = map(int, np.argwhere(broken)[0])
-            self.faults.problem("delta", f"non-finite delta_err_sum at step {step}, layer {self.layer_names[layer]}, "
-                                         f"head {head} with finite attention rows")
-        return m
-
-    def _clips(self, m: StepMetrics, row: np.ndarray) -> List[Clip]:
-        """The clips recorded in one read-back row (its logit multipliers below 1)."""
-        gamma = self.ring.layout.per_head(row[self.ring.layout.clip])
-        if (QKClipper.skipped(gamma, self.builder.pad) and self.cadence.probe(m.step)
-                and "qk_clip" not in self.faults and self.distributed):
-            # another rank could not clip: every rank skipped it; now turn it off everywhere
-            self.faults.fail("qk_clip", WatchError("qk_clip failed on another rank; turned off on every rank"))
-        return self.clipper.clips(m.step, gamma, m.values["max_score"])
-
-    def _detect(self, m: StepMetrics) -> List[Alert]:
-        new: List[Alert] = []
-        for kind, detector in self.detectors.items():
-            for layer, head, value, threshold, message in detector.update(m.step, m.values[detector.metric]):
-                act, action = action_for(kind, (layer, head), self.config, self.switched)
-                if act == "clip" and self.config.qk_clip == "on_alert":
-                    self.clipper.enable(layer, head, m.step, kind)
-                elif act == "switch":
-                    self.switch(layer, head, reason=kind, step=m.step)
-                alert = Alert(m.step, layer, head, kind, value, threshold, message, self.layer_names[layer], action)
-                new.append(alert)
-                log_rank_zero(logging.INFO, "instability_watch: step %d, %s head %d: %s alert: %s [%s]",
-                              m.step, alert.layer_name, head, kind, message, action)
-        self.alerts.extend(new)
-        return new
 
     def _dispatch(self, metrics: List[StepMetrics], alerts: List[Alert], clips: List[Clip]) -> None:
         """Hand the read-back to each listener; a failing one is dropped (and reported, or raised with strict)."""
