@@ -26,7 +26,11 @@ if not torch.cuda.is_available():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Tests marked ``gpu`` run only where CUDA is available (the lent GPU machine)."""
+    """Tests marked ``gpu`` run only where CUDA is available (the lent GPU machine). Every test in a file named
+    ``test_*_gpu.py`` is marked ``gpu`` (the layout selects them: ``pytest -m gpu`` runs every GPU test)."""
+    for item in items:
+        if item.path.name.endswith("_gpu.py"):
+            item.add_marker(pytest.mark.gpu)
     if torch.cuda.is_available():
         return
     skip = pytest.mark.skip(reason="needs a CUDA GPU")

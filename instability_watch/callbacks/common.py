@@ -15,17 +15,22 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
-from instability_watch._dist import broadcast_from_rank_zero, rank
 from instability_watch.engine.config import WatchConfig
 from instability_watch.engine.metrics import summarize
 from instability_watch.model.layer import AttentionLayer, find_attention_layers
 from instability_watch.outputs.console import ConsoleReporter
 from instability_watch.outputs.rundir import RUN_DIR_NAME, RunWriter
+from instability_watch.ranks import broadcast_from_rank_zero, rank
 
 if TYPE_CHECKING:  # pragma: no cover
     from instability_watch.engine.watch import InstabilityWatch
 
 log = logging.getLogger("instability_watch")
+
+
+def missing_extra(what: str, package: str, extra: str) -> ImportError:
+    """The error for a callback whose framework is not installed: what needs it, and the extra to install."""
+    return ImportError(f'{what} needs {package}: pip install "instability_watch[{extra}]"')
 
 
 def check_bool(name: str, value: Any) -> bool:

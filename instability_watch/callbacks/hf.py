@@ -44,23 +44,23 @@ from typing import Any, Callable, Dict, List, Optional
 import torch
 import torch.nn as nn
 
+from instability_watch.callbacks.common import missing_extra
+
 try:
     from transformers import TrainerCallback
     from transformers.trainer_callback import CallbackHandler, DefaultFlowCallback
     from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 except ImportError as exc:  # transformers is an optional dependency
-    raise ImportError(
-        "instability_watch.callbacks.hf (InstabilityWatchTrainerCallback) needs Hugging Face transformers: "
-        'pip install "instability_watch[hf]"'
-    ) from exc
+    raise missing_extra("instability_watch.callbacks.hf (InstabilityWatchTrainerCallback)", "Hugging Face transformers",
+                        "hf") from exc
 
-from instability_watch._dist import broadcast_from_rank_zero, distributed
-from instability_watch.callbacks.common import WatchAdapter, run_dir_under, scalars
+from instability_watch.callbacks.common import WatchAdapter, run_dir_under, scalars  # noqa: E402
 from instability_watch.callbacks.hf_setup import all_true, clean_name, fsdp1_layers, sharding_of, unsupported, unwrap
 from instability_watch.engine.readback import ReadBack
 from instability_watch.engine.watch import InstabilityWatch
 from instability_watch.model.layer import AttentionLayer, not_found_message
 from instability_watch.outputs.rundir import RUN_DIR_NAME
+from instability_watch.ranks import broadcast_from_rank_zero, distributed
 
 log = logging.getLogger("instability_watch")
 

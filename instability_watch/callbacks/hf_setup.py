@@ -12,9 +12,9 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from instability_watch._dist import distributed
 from instability_watch.model.layer import AttentionLayer, find_attention_layers
 from instability_watch.model.sharding import fsdp1_class, fsdp1_units, full_params, innermost_unit, zero3_parameters
+from instability_watch.ranks import distributed
 
 
 def unwrap(model: nn.Module) -> nn.Module:

@@ -18,15 +18,15 @@ from typing import Any, Dict, List, Optional
 
 import torch
 
+from instability_watch.callbacks.common import missing_extra
+
 try:
     import lightning.pytorch as pl
     from lightning.pytorch.callbacks import Callback
     from lightning.pytorch.utilities.exceptions import MisconfigurationException
 except ImportError as exc:  # lightning is an optional dependency
-    raise ImportError(
-        "instability_watch.callbacks.lightning (InstabilityWatchCallback) needs PyTorch Lightning: "
-        'pip install "instability_watch[lightning]"'
-    ) from exc
+    raise missing_extra("instability_watch.callbacks.lightning (InstabilityWatchCallback)", "PyTorch Lightning",
+                        "lightning") from exc
 
 from instability_watch.callbacks.common import WatchAdapter, run_dir_under, scalars
 from instability_watch.engine.readback import ReadBack

@@ -12,9 +12,9 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from instability_watch._dist import log_rank_zero
 from instability_watch.engine.config import WatchConfig
 from instability_watch.engine.faults import Faults
+from instability_watch.ranks import log_rank_zero
 
 
 def due(step: int, every: int) -> bool:

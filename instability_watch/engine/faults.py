@@ -13,8 +13,8 @@ from __future__ import annotations
 import logging
 from typing import Callable, Dict, List
 
-from instability_watch._dist import log_rank_zero, rank
 from instability_watch.errors import WatchError
+from instability_watch.ranks import log_rank_zero, rank
 
 log = logging.getLogger("instability_watch")
 

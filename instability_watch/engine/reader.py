@@ -7,12 +7,12 @@ from typing import Callable, List, Optional, Tuple
 
 import numpy as np
 
-from instability_watch._dist import log_rank_zero, world_size
 from instability_watch.act.policy import action_for
 from instability_watch.act.qkclip import Clip, QKClipper
 from instability_watch.detect.detectors import Alert
 from instability_watch.engine.metrics import StepMetrics
 from instability_watch.errors import WatchError
+from instability_watch.ranks import log_rank_zero, world_size
 
 
 class Reader:

@@ -7,8 +7,8 @@ from typing import Callable
 
 import torch
 
-from instability_watch._dist import rank
 from instability_watch.observe.observation import GatheredReadError
+from instability_watch.ranks import rank
 
 
 class Recorder:

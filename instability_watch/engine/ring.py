@@ -13,8 +13,8 @@ from typing import Dict, List, Optional, Sequence
 import numpy as np
 import torch
 
-from instability_watch._dist import world_size
 from instability_watch.probe.fields import COUNT_FIELDS, VALUE_FIELDS
+from instability_watch.ranks import world_size
 
 RING_ROWS_MAX = 256  # read back early when this many steps wait on the device (bounds its memory)
 

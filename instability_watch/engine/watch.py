@@ -37,7 +37,6 @@ import numpy as np
 import torch
 import torch.nn as nn
 
-from instability_watch._dist import distributed
 from instability_watch.act.events import Event
 from instability_watch.act.qkclip import Clip, QKClipper
 from instability_watch.act.switching import Switchboard
@@ -57,6 +56,7 @@ from instability_watch.model.layer import Layers, resolve_layers
 from instability_watch.observe.coverage import NOT_APPLIED, LayerCoverage
 from instability_watch.observe.observation import Site, observe
 from instability_watch.probe.spectral import SpectralNorms
+from instability_watch.ranks import distributed
 
 
 class InstabilityWatch:

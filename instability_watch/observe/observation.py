@@ -22,7 +22,6 @@ from typing import Callable, Dict, List, Optional, Sequence, Tuple
 import torch
 import torch.nn as nn
 
-from instability_watch._dist import log_rank_zero
 from instability_watch.kernels.common import DEFAULT_BETA, DEFAULT_EPS
 from instability_watch.model.layer import AttentionLayer, without_sdpa
 from instability_watch.model.sharding import each_in_its_unit
@@ -30,6 +29,7 @@ from instability_watch.observe.coverage import NOT_APPLIED, SHADOW_SKIPPED, UNOB
 from instability_watch.observe.sdpa import SdpaObserver, param_device
 from instability_watch.probe.bank import ProbeBank
 from instability_watch.probe.spectral import gram
+from instability_watch.ranks import log_rank_zero
 
 
 class GatheredReadError(RuntimeError):

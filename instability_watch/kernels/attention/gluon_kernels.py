@@ -55,14 +55,42 @@ def _gluon_api():
     tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
     tma_store = getattr(tma, "async_store", None) or tma.async_copy_shared_to_global
     cta_barrier = getattr(gl, "thread_barrier", None) or gl.barrier  # renamed after 3.6
+    query_program, store_tile = _shared(gluon, gl, fence_async_shared, tma, tma_store, cta_barrier)
     return (gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait, tma_load, tma_store,
-            cta_barrier)
+            cta_barrier, query_program, store_tile)
+
+
+def _shared(gluon, gl, fence_async_shared, tma, tma_store, cta_barrier):
+    """The Gluon functions the forward and dQ kernels share: their program's coordinates, and the epilogue that
+    stores an output tile from shared memory by TMA."""
+
+    @gluon.jit
+    def query_program(H, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch, BLOCK_M: gl.constexpr, CAUSAL: gl.constexpr):
+        """``(b * H + h, start_m, b, h, k_row, k_col, v_row, v_col)`` of this program (one head, BLOCK_M
+        queries); causal: the longest rows first (blocks start in order of their linear id, heads fastest)."""
+        off_bh = gl.program_id(0)
+        pid_m = gl.program_id(1)
+        if CAUSAL:
+            pid_m = gl.num_programs(1) - 1 - pid_m
+        b = off_bh // H
+        h = off_bh % H
+        return off_bh, pid_m * BLOCK_M, b, h, b * k_rb + h * k_rh, h * k_ch, b * v_rb + h * v_rh, h * v_ch
+
+    @gluon.jit
+    def store_tile(desc, row, col, smem):
+        """Every warp's writes to ``smem`` done and visible to TMA, then ``smem`` to ``desc`` at ``[row, col]``."""
+        fence_async_shared()
+        cta_barrier()
+        tma_store(desc, [row, col], smem)
+        tma.store_wait(0)
+
+    return query_program, store_tile
 
 
 def build_dkdv_kernel():  # noqa: C901 (one kernel)
     """The dK/dV kernel (see the module docstring), built with this Triton's Gluon names."""
-    gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait, tma_load, tma_store, \
-        cta_barrier = _gluon_api()
+    (gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait, tma_load, tma_store, cta_barrier,
+     _, _) = _gluon_api()
 
     @gluon.jit
     def _gluon_dkdv(q_desc, k_desc, v_desc, do_desc, dk_desc, dv_desc, LSE2, Delta,
@@ -171,8 +199,8 @@ def build_dkdv_kernel():  # noqa: C901 (one kernel)
 
 def build_fwd_kernel():  # noqa: C901 (one kernel)
     """The forward kernel (see the module docstring), built with this Triton's Gluon names."""
-    gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait, tma_load, tma_store, \
-        cta_barrier = _gluon_api()
+    (gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait, tma_load, tma_store, cta_barrier,
+     query_program, store_tile) = _gluon_api()
 
     @gluon.jit
     def _stabilized_shift2(m_std, r, beta, max_shift2):
@@ -324,15 +352,8 @@ def build_fwd_kernel():  # noqa: C901 (one kernel)
                    CAUSAL: gl.constexpr, HAS_STAB: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                    BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
         dtype: gl.constexpr = q_desc.dtype
-        off_bh = gl.program_id(0)
-        pid_m = gl.program_id(1)
-        if CAUSAL:  # the longest rows first (blocks start in order of their linear id, heads fastest)
-            pid_m = gl.num_programs(1) - 1 - pid_m
-        start_m = pid_m * BLOCK_M
-        b = off_bh // H
-        h = off_bh % H
-        k_row, k_col = b * k_rb + h * k_rh, h * k_ch
-        v_row, v_col = b * v_rb + h * v_rh, h * v_ch
+        off_bh, start_m, b, h, k_row, k_col, v_row, v_col = query_program(H, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
+                                                                          BLOCK_M, CAUSAL)
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
         mma_o: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -392,18 +413,15 @@ def build_fwd_kernel():  # noqa: C901 (one kernel)
         q_smem.store((acc / l_o[:, None]).to(dtype))
         lse2 = m_i + gl.log2(l_i)
         gl.store(LSE2 + off_bh * N + offs_m, lse2)
-        fence_async_shared()
-        cta_barrier()
-        tma_store(o_desc, [b * o_rb + h * o_rh + start_m, h * o_ch], q_smem)
-        tma.store_wait(0)
+        store_tile(o_desc, b * o_rb + h * o_rh + start_m, h * o_ch, q_smem)
 
     return _gluon_fwd
 
 
 def build_dq_kernel():  # noqa: C901 (one kernel)
     """The dQ kernel (see the module docstring), built with this Triton's Gluon names."""
-    gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait, tma_load, tma_store, \
-        cta_barrier = _gluon_api()
+    (gluon, gl, fence_async_shared, mbarrier, tma, warpgroup_mma, warpgroup_mma_wait, tma_load, tma_store, cta_barrier,
+     query_program, store_tile) = _gluon_api()
 
     @gluon.jit
     def _dq_step(j, dq, q_smem, do_smem, k_bufs, v_smem, k_bars, v_bar, k_desc, v_desc, k_row, k_col, v_row, v_col,
@@ -443,21 +461,14 @@ def build_dq_kernel():  # noqa: C901 (one kernel)
                   o_sb, o_sh, o_sn, do_sb, do_sh, do_sn, H, N, qk_scale, scale,
                   CAUSAL: gl.constexpr, DELTA_FROM_O: gl.constexpr, HEAD_DIM: gl.constexpr, BLOCK_M: gl.constexpr,
                   BLOCK_N: gl.constexpr, num_warps: gl.constexpr):
-        dtype: gl.constexpr = q_desc.dtype
-        off_bh = gl.program_id(0)
-        pid_m = gl.program_id(1)
-        if CAUSAL:  # the longest rows first
-            pid_m = gl.num_programs(1) - 1 - pid_m
-        start_m = pid_m * BLOCK_M
-        b = off_bh // H
-        h = off_bh % H
-        k_row, k_col = b * k_rb + h * k_rh, h * k_ch
-        v_row, v_col = b * v_rb + h * v_rh, h * v_ch
         mma_s: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, BLOCK_N, 16])
         mma_q: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                         instr_shape=[16, HEAD_DIM, 16])
         ds_op: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=mma_q, k_width=2)
+        dtype: gl.constexpr = q_desc.dtype
+        off_bh, start_m, b, h, k_row, k_col, v_row, v_col = query_program(H, k_rb, k_rh, k_ch, v_rb, v_rh, v_ch,
+                                                                          BLOCK_M, CAUSAL)
 
         q_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], q_desc.layout)
         do_smem = gl.allocate_shared_memory(dtype, [BLOCK_M, HEAD_DIM], do_desc.layout)
@@ -524,9 +535,6 @@ def build_dq_kernel():  # noqa: C901 (one kernel)
         mbarrier.invalidate(k_bars.index(1))
         mbarrier.invalidate(v_bar)
         q_smem.store((dq * scale).to(dtype))  # through Q's buffer, by TMA
-        fence_async_shared()
-        cta_barrier()
-        tma_store(dq_desc, [b * dq_rb + h * dq_rh + start_m, h * dq_ch], q_smem)
-        tma.store_wait(0)
+        store_tile(dq_desc, b * dq_rb + h * dq_rh + start_m, h * dq_ch, q_smem)
 
     return _gluon_dq

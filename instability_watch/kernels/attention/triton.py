@@ -240,7 +240,7 @@ def _gluon_call(what: str, launch, q, k, v, do, *, masked: bool, dropout: bool =
     except Exception as exc:  # noqa: BLE001 - any failure: the Triton kernels serve from now on
         reason = f"{type(exc).__name__}: {str(exc)[:200]}"
         gluon_attention.disable(f"failed once ({reason})")
-        from instability_watch._dist import rank
+        from instability_watch.ranks import rank
 
         if rank() == 0:
             warnings.warn(f"instability_watch: the Gluon {what} kernel (D = 256) failed ({reason}); "

@@ -4,7 +4,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-from pathlib import Path
 
 import pytest
 import rich
@@ -13,9 +12,9 @@ import torch
 from instability_watch import load_run
 from instability_watch.cli import main as cli_main
 
-from helpers import child_env
+from helpers import REPO, child_env
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+EXAMPLES = REPO / "examples"
 
 
 def _load(name):

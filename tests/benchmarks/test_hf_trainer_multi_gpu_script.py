@@ -6,11 +6,9 @@ and its resumption, in the same two processes.
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-from helpers import child_env
+from helpers import REPO, child_env
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "benchmarks" / "hf_trainer_multi_gpu.py"
 
 

@@ -5,14 +5,15 @@ The file is not part of this repository. Put it at ``.thirdparty/nanogpt_model.p
 clone of https://github.com/karpathy/nanoGPT); without it these tests skip.
 """
 import importlib.util
-from pathlib import Path
 
 import pytest
 import torch
 
 from instability_watch import InstabilityWatch, WatchConfig
 
-MODEL_PY = Path(__file__).resolve().parents[1] / ".thirdparty" / "nanogpt_model.py"
+from helpers import REPO
+
+MODEL_PY = REPO / ".thirdparty" / "nanogpt_model.py"
 
 
 def _nanogpt():

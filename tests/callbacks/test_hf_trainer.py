@@ -9,7 +9,6 @@ import os
 import re
 import subprocess
 import sys
-from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -25,9 +24,8 @@ from instability_watch import WatchConfig, load_run  # noqa: E402
 from instability_watch.callbacks.hf import STATE_FILE, InstabilityWatchTrainerCallback  # noqa: E402
 from instability_watch.callbacks.hf_setup import clean_name, unsupported  # noqa: E402
 
-from helpers import child_env  # noqa: E402
+from helpers import REPO, child_env  # noqa: E402
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "hf_trainer_run.py"
 _spec = importlib.util.spec_from_file_location("hf_trainer_run", SCRIPT)
 run_script = importlib.util.module_from_spec(_spec)

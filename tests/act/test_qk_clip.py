@@ -19,6 +19,7 @@ from instability_watch import InstabilityWatch, WatchConfig
 from instability_watch.outputs.console import ConsoleReporter
 from instability_watch.outputs.rundir import RunWriter, load_run
 
+from helpers import REPO
 from nanogpt import GPT, GPTConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -338,9 +339,8 @@ def test_user_described_layers_are_checked_when_the_watch_attaches():
 def test_lightning_callback_clips_after_the_optimizer_step_under_bf16_mixed(tmp_path):
     pl = pytest.importorskip("lightning.pytorch")
     import sys
-    from pathlib import Path
 
-    sys.path.insert(0, str(Path(__file__).parent))
+    sys.path.insert(0, str(REPO / "tests"))
     from instability_watch import InstabilityWatchCallback
 
     from lightning_models import TinyGPT

@@ -19,10 +19,9 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from instability_watch import InstabilityWatchCallback, WatchConfig, load_run
 from instability_watch.callbacks.lightning import unsupported_strategy
 
-from helpers import child_env
+from helpers import REPO, child_env
 from lightning_models import TiedModule, TinyGPT
 
-REPO = Path(__file__).resolve().parents[1]
 TIED_CFG = dict(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
 
 

@@ -11,13 +11,11 @@ import math
 import socket
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 
-from helpers import child_env
+from helpers import REPO, child_env
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "fsdp_watch.py"
 EXACT = ("rows", "multi_max_rows", "masked_rows", "nonfinite_rows", "shadow_rows", "multi_max_freq",
          "stabilized", "nonfinite", "delta_err_pos_frac")

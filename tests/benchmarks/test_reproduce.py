@@ -4,14 +4,13 @@ from __future__ import annotations
 import importlib
 import json
 import math
-from pathlib import Path
 
 import pandas as pd
 import pytest
 
-from helpers import child_env
+from helpers import REPO, child_env
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+BENCHMARKS = REPO / "benchmarks"
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block", "32", "--batch", "2", "--warmup", "5",
         "--watch-warmup", "10", "--corpus-bytes", "50000", "--lr", "1e-2", "--log-every", "5"]
 

@@ -2,7 +2,6 @@
 import re
 import subprocess
 import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -12,7 +11,9 @@ from instability_watch.detect import detectors as det_mod
 from instability_watch.detect.kinds import ALERT_KINDS, KINDS, STABILIZABLE, AlertKind, alert_table_markdown
 from instability_watch.engine.config import STABILIZABLE as CONFIG_STABILIZABLE
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
+ROOT = REPO
 BEGIN, END = "<!-- alert-kinds:begin -->", "<!-- alert-kinds:end -->"
 
 

@@ -19,9 +19,10 @@ from instability_watch.detect.detectors import KINDS
 from instability_watch.outputs import report, rundir
 from instability_watch.outputs.rundir import EVENT_COLUMNS, METRIC_COLUMNS, load_run
 
+from helpers import REPO
 from watch_models import write_tied_run
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = REPO
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 PLOT_FILES = ("sigma_wq.png", "multi_max.png", "delta_cum.png", "max_score.png", "loss.png")
 

@@ -26,10 +26,11 @@ from instability_watch.outputs.rundir import EVENT_COLUMNS, METRIC_COLUMNS, RunD
 from instability_watch.outputs.rundir import writer as writer_module
 from instability_watch.outputs.rundir.writer import keep_through
 
+from helpers import REPO
 from lightning_models import TiedModule
 from watch_models import TiedAttention, train_tied, write_tied_run
 
-TESTS = Path(__file__).resolve().parent
+TESTS = (REPO / "tests")
 CFG = dict(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
 NO_SPACE = os.strerror(errno.ENOSPC)
 METRICS_HEADER = (",".join(METRIC_COLUMNS) + "\n").encode()

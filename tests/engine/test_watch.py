@@ -9,6 +9,7 @@ import torch
 from instability_watch import InstabilityWatch, WatchConfig, WatchError
 from instability_watch.model.layer import AttentionLayer
 
+from helpers import REPO
 from nanogpt import GPT, GPTConfig
 from watch_models import TiedAttention, train_tied
 
@@ -438,7 +439,7 @@ def test_ddp_two_ranks_decide_the_same_and_a_failing_rank_does_not_hang(tmp_path
     import subprocess
     import sys
 
-    script = os.path.join(os.path.dirname(__file__), "scripts", "ddp_watch.py")
+    script = str(REPO / "tests" / "scripts" / "ddp_watch.py")
     env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "RANK", "LOCAL_RANK", "WORLD_SIZE", "MASTER_"))}
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))

@@ -29,7 +29,6 @@ from __future__ import annotations
 import importlib.util
 import math
 import os
-from pathlib import Path
 from typing import Callable, Dict, List, NamedTuple, Optional
 
 import pytest
@@ -44,11 +43,12 @@ from instability_watch.model.layer import resolve_layers
 
 import family_models
 import real_models
+from helpers import REPO
 from nanogpt import GPT, GPTConfig
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-NANOGPT_PY = Path(__file__).resolve().parents[1] / ".thirdparty" / "nanogpt_model.py"
+NANOGPT_PY = REPO / ".thirdparty" / "nanogpt_model.py"
 BASE_GAMMA = (1.0, 0.25, 0.5, 0.81, 1.0, 0.64, 0.9, 1.0)  # cycled over the heads, rolled per layer
 
 

@@ -11,15 +11,13 @@ import os
 import signal
 import subprocess
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
-from helpers import child_env
+from helpers import REPO, child_env
 
-REPO = Path(__file__).resolve().parents[1]
 SCRIPT = REPO / "tests" / "scripts" / "qk_clip_dist.py"
 HAVE_LLAMA = importlib.util.find_spec("transformers") is not None
 MODELS = ["nanogpt", "llama"] if HAVE_LLAMA else ["nanogpt"]  # what the launches run

@@ -9,7 +9,9 @@ from rich.console import Console
 
 from instability_watch import cli, demo
 
-ROOT = Path(__file__).resolve().parents[1]
+from helpers import REPO
+
+ROOT = REPO
 
 
 def test_demo_measures_the_bias_and_the_fix():

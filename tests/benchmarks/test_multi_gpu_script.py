@@ -5,11 +5,8 @@ One launch in a subprocess with a clean environment (Lightning's DDP re-launches
 import json
 import subprocess
 import sys
-from pathlib import Path
 
-from helpers import child_env
-
-REPO = Path(__file__).resolve().parents[1]
+from helpers import REPO, child_env
 
 
 def test_multi_gpu_driver_on_two_cpu_processes(tmp_path):
