@@ -5,7 +5,7 @@
 #   e.g. bash benchmarks/paper_lease.sh standard switch 480
 #
 # ARM is reproduce.py's --arm (standard | control | kernel | stabilized), WATCH its --watch (observe | switch | clip_alert
-# ...). The first call on a fresh machine copies the package and benchmarks to $LEASE_HOME/src (so later calls,
+# ...). The first call on a fresh machine copies the package, benchmarks and examples to $LEASE_HOME/src (so later calls,
 # which re-send the working tree, cannot change the code under a running arm) and starts
 # `reproduce.py train --preset paper` on every GPU under setsid, with a time limit of
 # IW_LEASE_BUDGET (default 1800) seconds of device time, less the machine's uptime and IW_LEASE_TAIL (default 300)
@@ -34,7 +34,7 @@ if [ ! -f "$home/launched" ]; then
     gpus=${IW_LEASE_NPROC:-$(python -c "import torch; print(torch.cuda.device_count())")}  # NPROC: a CPU try-out
     if [ "$gpus" -lt 1 ]; then echo "paper_lease.sh: no GPU on this machine" >&2; exit 2; fi
     mkdir -p "$src" "$root"
-    cp -r instability_watch benchmarks pyproject.toml "$src/"
+    cp -r instability_watch benchmarks examples pyproject.toml "$src/"
     up=$(cut -d. -f1 /proc/uptime)
     limit=$(( budget - up - tail_s ))
     echo "launch $(date -u +%FT%TZ): $gpus GPUs, uptime ${up}s, training time limit ${limit}s"

@@ -53,6 +53,7 @@ def _truthy_env(name: str) -> bool:
 
 
 def fsdp2_class():
+    """FSDP2's ``FSDPModule`` class (``None`` where this torch has none)."""
     try:
         from torch.distributed.fsdp import FSDPModule
     except ImportError:  # pragma: no cover - older torch, or built without distributed

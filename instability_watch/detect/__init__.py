@@ -1,0 +1,1 @@
+"""Early warning: the alert kinds (kinds.py) and the rules that raise them (detectors.py)."""

@@ -6,7 +6,7 @@ Triton version pins, in one place:
   directly, with arguments laid out as Triton's own ``fn[grid](...)`` lays them out.
   That layout is Triton-internal, so the path is used only on the versions it was
   checked against, :data:`FAST_LAUNCH_VERSIONS`: Triton 3.6, what the GPU machines run
-  (torch 2.11 + triton 3.6); ``tests/test_triton_gpu.py::test_fast_launch_matches_tritons_launch``
+  (torch 2.11 + triton 3.6); ``tests/kernels/test_triton_gpu.py::test_fast_launch_matches_tritons_launch``
   checks it bit for bit against Triton's path there. On every other version, in
   Triton's interpreter, with launch hooks installed (profilers), or with
   ``INSTABILITY_WATCH_FAST_LAUNCH=0``, every launch takes Triton's own path: slower on

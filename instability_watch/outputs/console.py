@@ -141,7 +141,7 @@ class HeadTable:
         for name in self.COLUMNS:
             table.add_column(name, justify="left" if name in ("layer", "state") else "right",
                              no_wrap=name != "state", overflow="fold" if name == "layer" else "ellipsis")
-        names = _short_names([r["layer_name"] for r in self.rows])
+        names = short_names([r["layer_name"] for r in self.rows])
         for r, name in zip(self.rows[: self.top], names):
             style = "green" if r["stabilized"] else ("yellow" if r["alerts"] else None)
             table.add_row(
@@ -152,7 +152,7 @@ class HeadTable:
         yield table
 
 
-def _short_names(names: List[str]) -> List[str]:
+def short_names(names: List[str]) -> List[str]:
     """Drop the dotted prefix all names share (``model.h.0.attn`` -> ``h.0.attn``)."""
     if len(set(names)) < 2:
         return list(names)

@@ -1,6 +1,6 @@
 """The Gluon kernels (D = 256, sm_90: forward, dQ, dK/dV): which calls they take, their TMA views, that they compile.
 
-It runs only on a Hopper GPU (tests/test_triton_gpu.py checks its gradients there); here, on any
+It runs only on a Hopper GPU (tests/kernels/test_triton_gpu.py checks its gradients there); here, on any
 machine: the 2-D views its tiles are read through, the calls it refuses, the backward's fallback
 under Triton's interpreter, and a compile for sm_90 with Triton's bundled ptxas (no GPU needed).
 """
@@ -146,7 +146,7 @@ import triton
 from triton.backends.compiler import GPUTarget
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon._runtime import GluonASTSource
-from instability_watch.kernels.attention import gluon as ga
+from instability_watch.kernels.attention import gluon_kernels as gk
 
 tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
 
@@ -176,20 +176,20 @@ out = {}
 sig = {n: desc(64) for n in ("q_desc", "k_desc", "v_desc", "do_desc", "dk_desc", "dv_desc")}
 sig.update(LSE2="*fp32", Delta="*fp32", **geometry("q", "k", "v", "do", "dk", "dv"))
 sig.update(H="i32", N="i32", qk_scale="fp32", scale="fp32")
-out["dkdv"] = compile_one(ga._get_kernel(), sig, dict(CAUSAL=True, HEAD_DIM=256, BLOCK_M=64, BLOCK_N=64, num_warps=8))
+out["dkdv"] = compile_one(gk.build_dkdv_kernel(), sig, dict(CAUSAL=True, HEAD_DIM=256, BLOCK_M=64, BLOCK_N=64, num_warps=8))
 for causal in (True, False):
     for stab in (False, True):
         sig = dict(q_desc=desc(128), k_desc=desc(64), v_desc=desc(64), o_desc=desc(128), LSE2="*fp32", Stab="*u8",
                    **geometry("q", "k", "v", "o"), H="i32", N="i32", qk_scale="fp32", eps_raw="fp32", beta="fp32",
                    max_shift2="fp32")
-        out[f"fwd_causal{int(causal)}_stab{int(stab)}"] = compile_one(ga._get_fwd_kernel(), sig, dict(
+        out[f"fwd_causal{int(causal)}_stab{int(stab)}"] = compile_one(gk.build_fwd_kernel(), sig, dict(
             CAUSAL=causal, HAS_STAB=stab, HEAD_DIM=256, BLOCK_M=128, BLOCK_N=64, num_warps=8))
 sig = dict(q_desc=desc(128), k_desc=desc(64), v_desc=desc(64), do_desc=desc(128), dq_desc=desc(128), O="*bf16",
            DO="*bf16", LSE2="*fp32", Delta="*fp32", **geometry("q", "k", "v", "do", "dq"))
 sig.update({n: "i32" for n in ("o_sb", "o_sh", "o_sn", "do_sb", "do_sh", "do_sn", "H", "N")})
 sig.update(qk_scale="fp32", scale="fp32")
 for from_o in (True, False):
-    out[f"dq_delta_from_o{int(from_o)}"] = compile_one(ga._get_dq_kernel(), sig, dict(
+    out[f"dq_delta_from_o{int(from_o)}"] = compile_one(gk.build_dq_kernel(), sig, dict(
         CAUSAL=True, DELTA_FROM_O=from_o, HEAD_DIM=256, BLOCK_M=128, BLOCK_N=64, num_warps=8))
 print(json.dumps(out))
 """

@@ -1,6 +1,6 @@
 """The Triton kernels on a CUDA GPU: large sizes, PyTorch's flash kernel as yardstick (marker ``gpu``).
 
-Run on the lent GPU machine: ``python -m pytest -q -m gpu tests/test_triton_gpu.py``.
+Run on the lent GPU machine: ``python -m pytest -q -m gpu tests/kernels/test_triton_gpu.py``.
 """
 import pytest
 import torch
@@ -120,13 +120,13 @@ def test_flipping_a_head_does_not_recompile():
     mask = torch.zeros(4, dtype=torch.bool, device=DEV)
     probe = Probe(4, DEV)
     flash_attention(q, k, v, causal=True, stabilize=mask, probe=probe)
-    before = _compiled_kernels(ta._attn_fwd)
+    before = _compiled_kernels(ta.attn_fwd)
     assert before >= 1
     outs = []
     for h in range(4):
         mask[h] = True
         outs.append(flash_attention(q, k, v, causal=True, stabilize=mask, probe=probe))
-    assert _compiled_kernels(ta._attn_fwd) == before
+    assert _compiled_kernels(ta.attn_fwd) == before
     assert torch.equal(outs[-1], flash_attention(q, k, v, causal=True, stabilize=True))
 
 
@@ -171,10 +171,10 @@ def test_fast_launch_matches_tritons_launch(offset, monkeypatch):
                     assert max_err(a, b) <= 2 ** -7 * b.abs().max()
                 else:
                     assert torch.equal(a, b)
-    names = ("_launch_fwd", "_launch_dq", "_launch_dkdv", "_launch_delta")
+    names = ("launch_fwd", "launch_dq", "launch_dkdv", "launch_delta")
     hits = {name: len(getattr(ta, name).cache) for name in names}
     assert all(n >= 1 for n in hits.values()), hits
-    assert {key[0][3] for key in ta._launch_dkdv.cache} == {False, True}  # FUSED_DQ: both ways took the fast path
+    assert {key[0][3] for key in ta.launch_dkdv.cache} == {False, True}  # FUSED_DQ: both ways took the fast path
 
 
 def test_launch_hooks_see_every_launch():

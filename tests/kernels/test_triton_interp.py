@@ -408,8 +408,8 @@ def test_fused_backward_serves_dropout_calls_is_refused_where_it_cannot_and_skip
         ta.attention_backward_lse2(q, k, v, o, lse2, do, causal=True, scale=0.25, counts=probe.counts,
                               values=probe.values, shadow=True, fused=True)
     calls = []
-    launch = ta._launch_dkdv
-    monkeypatch.setattr(ta, "_launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or (
+    launch = ta.launch_dkdv
+    monkeypatch.setattr(ta, "launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or (
         calls.append(1) if meta["FUSED_DQ"] else None))
     ta.attention_backward_lse2(q, k, v, o, lse2, do, causal=True, scale=0.25, counts=None, values=None, shadow=False)
     assert calls == []  # without dropout the two kernels are the faster way: the default
@@ -448,8 +448,8 @@ def test_split_dkdv_passes_are_the_one_pass_kernel_bit_for_bit(N, n_kv, D, causa
     H, h_kv = heads
     mask = _masks(N, n_kv, H)[kind] if kind else None
     parts = []
-    launch = ta._launch_dkdv
-    monkeypatch.setattr(ta, "_launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or parts.append(
+    launch = ta.launch_dkdv
+    monkeypatch.setattr(ta, "launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or parts.append(
         meta["PART"]))
     for dtype in (torch.float32, torch.bfloat16):
         q, k, v, do = _inputs(("split", N, n_kv, D, kind, p), 2, H, h_kv, N, D, dtype=dtype, n_kv=n_kv)
@@ -489,8 +489,8 @@ def test_split_forced_where_the_table_has_no_passes_takes_the_one_pass_tiles(D, 
     o, lse2 = ta.attention_forward_lse2(q, k, v, stabilize=None, beta=2.0, eps=1e-3, **{
         k_: kw[k_] for k_ in ("causal", "scale", "counts", "values")})
     blocks = []
-    launch = ta._launch_dkdv
-    monkeypatch.setattr(ta, "_launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or blocks.append(
+    launch = ta.launch_dkdv
+    monkeypatch.setattr(ta, "launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or blocks.append(
         (meta["PART"], meta["BLOCK_M"], meta["BLOCK_N"])))
     one = ta.attention_backward_lse2(q, k, v, o, lse2, do, split=False, **kw)
     two = ta.attention_backward_lse2(q, k, v, o, lse2, do, split=True, **kw)

@@ -12,7 +12,7 @@ from rich.console import Console
 from rich.progress import Progress
 
 from instability_watch import Alert, InstabilityWatch, InstabilityWatchCallback, WatchConfig
-from instability_watch.outputs.console import AlertPanel, ConsoleReporter, _short_names
+from instability_watch.outputs.console import AlertPanel, ConsoleReporter, short_names
 
 from lightning_models import TiedModule
 from watch_models import TiedAttention, train_tied
@@ -91,8 +91,8 @@ def test_quiet_reporter_and_argument_check():
 
 
 def test_short_names_keep_the_container():
-    assert _short_names(["model.h.0.attn", "model.h.1.attn"]) == ["h.0.attn", "h.1.attn"]
-    assert _short_names(["tied"]) == ["tied"]
+    assert short_names(["model.h.0.attn", "model.h.1.attn"]) == ["h.0.attn", "h.1.attn"]
+    assert short_names(["tied"]) == ["tied"]
 
 
 def test_lightning_rich_progress_bar_with_live_table(tmp_path):

@@ -1,4 +1,4 @@
-"""Hugging Face ``Trainer`` runs of InstabilityWatchTrainerCallback (shared by tests/test_hf_trainer.py).
+"""Hugging Face ``Trainer`` runs of InstabilityWatchTrainerCallback (shared by tests/callbacks/test_hf_trainer.py).
 
 Usage (two CPU processes, gloo):
     python -m torch.distributed.run --standalone --nproc_per_node 2 hf_trainer_run.py OUT_DIR MODE [MODE ...]

@@ -49,10 +49,10 @@ from instability_watch.kernels.configs import LaunchConfig, has_launch_config, h
 from instability_watch.kernels.launch import INTERPRET, Launcher, cdiv, dot_precision
 from instability_watch.kernels.triton_common import MASK_ADD, MASK_BOOL, MASK_NONE
 
-_launch_fwd, _launch_dq, _launch_dkdv = Launcher(attn_fwd), Launcher(attn_bwd_dq), Launcher(attn_bwd_dkdv)
+launch_fwd, launch_dq, launch_dkdv = Launcher(attn_fwd), Launcher(attn_bwd_dq), Launcher(attn_bwd_dkdv)
 
 
-_launch_delta = Launcher(attn_bwd_delta)
+launch_delta = Launcher(attn_bwd_delta)
 
 
 TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
@@ -194,7 +194,7 @@ def attention_forward_lse2(
     seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)
     # an additive mask is added to the scaled scores, which the loop then takes in log2 units
     raw_scale = 1.0 / LOG2E if mask.kind == MASK_ADD else scale
-    _launch_fwd(
+    launch_fwd(
         (cdiv(N, block_m), B * H),
         (q, k, v, o, lse2, stab, counts, values, mask.tensor, lo, hi, seed),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *mask.strides, *r_strides,
@@ -329,7 +329,7 @@ def attention_backward_lse2(
         """The dK/dV kernel; with ``dq_acc`` (B, H, N, D) float32, the fused backward's (dQ added there);
         ``part`` 1 or 2: dK or dV alone."""
         lo, hi, r_strides = mask.cols(cfg.block_n) if mask.kind else (None, None, (0, 0, 0))
-        _launch_dkdv(
+        launch_dkdv(
             (cdiv(n_kv, cfg.block_n), B * h_kv),
             (q, k, v, do, lse2, delta, dk, dv, dq_acc, mask.tensor, lo, hi, seed),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
@@ -342,7 +342,7 @@ def attention_backward_lse2(
     if fused:
         if delta_from_o:
             bm = 16 if INTERPRET else (64 if head_dim <= 128 else 32)
-            _launch_delta(
+            launch_delta(
                 (cdiv(N, bm), B * H), (o, do, delta),
                 (*o.stride()[:3], *do.stride()[:3], H, N, D),
                 dict(HEAD_DIM=head_dim, BLOCK_M=bm, num_warps=4, num_stages=1),
@@ -364,7 +364,7 @@ def attention_backward_lse2(
         cfg = launch_config("dq", head_dim, q.dtype, override=config_dq)
         block_m, block_n = cfg.block_m, cfg.block_n
         lo, hi, r_strides = mask.rows(block_m) if mask.kind else (None, None, (0, 0, 0))
-        _launch_dq(
+        launch_dq(
             (cdiv(N, block_m), B * H),
             (q, k, v, o, do, lse2, delta, dq, counts, values, mask.tensor, lo, hi, seed, dmask),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],

@@ -142,6 +142,7 @@ class Digester:
             self.width *= 2
 
     def add(self, frame: pd.DataFrame) -> None:
+        """Take in a piece of metrics.csv\'s rows (a :func:`stream_run` sink)."""
         step = frame["step"].to_numpy()
         layer = frame["layer"].to_numpy()
         index = self.heads(layer, frame["head"].to_numpy())  # (rows,)
@@ -176,6 +177,7 @@ class Digester:
             at_value[i[won]] = v[finite][won]
 
     def digest(self, run_dir: Path, meta: dict, events: pd.DataFrame, problems: List[str]) -> "RunDigest":
+        """The :class:`RunDigest` of everything added."""
         n = len(self.heads)
         layers = self.heads.layers
         heads = pd.DataFrame({
@@ -256,4 +258,5 @@ def digest(run: Run, *, points: int = PLOT_POINTS) -> RunDigest:
 
 
 def as_digest(run: AnyRun) -> RunDigest:
+    """``run`` as a :class:`RunDigest` (a loaded :class:`Run` is digested; a digest is returned as it is)."""
     return run if isinstance(run, RunDigest) else digest(run)

@@ -239,6 +239,7 @@ def write_plots(run: AnyRun, out_dir: str | os.PathLike, top: int = 6, *,
 
 
 def have_matplotlib() -> bool:
+    """Whether matplotlib can be imported (the report\'s PNGs need it)."""
     try:
         require_matplotlib()
     except ImportError:
