@@ -73,16 +73,13 @@ def load_arms(paths: List[str], tmp: Path) -> List[Arm]:
     for i, p in enumerate(map(Path, paths)):
         if not p.exists():
             raise SystemExit(f"error: no such bundle: {p}")
-        log = p.parent / "train.log" if p.is_file() else p / "train.log"
+        log, root = (p.parent / "train.log", tmp / str(i)) if p.is_file() else (p / "train.log", p)
         if p.is_file():
-            root = tmp / str(i)
             try:
                 with tarfile.open(p) as tar:
                     tar.extractall(root, filter="data")
             except tarfile.TarError as exc:
                 raise SystemExit(f"error: {p} is not a bundle (.tar.xz): {exc}")
-        else:
-            root = p
         runs = [root] if (root / "config.json").exists() else sorted(
             c.parent for c in root.rglob("config.json") if (c.parent / "train.csv").exists())
         if not runs:
@@ -146,6 +143,8 @@ def actions(a: Arm) -> Tuple[pd.DataFrame, pd.DataFrame]:
     ev = a.events
     sw = ev[(ev["event"] == "switch") & (ev["kind"] != "stabilized arm")].sort_values("step").copy()
     sw["name"] = [head(l, h) for l, h in zip(sw["layer"], sw["head"])]
+    on = a.metrics[a.metrics["stabilized"] > 0].groupby(["layer", "head"])["step"].min()  # first probe on it
+    sw["on"] = pd.array([on.get((l, h)) for l, h in zip(sw["layer"], sw["head"])], dtype="Int64")
     clip = ev[ev["event"] == "qk_clip"].copy()
     clip["name"] = [head(l, h) for l, h in zip(clip["layer"], clip["head"])]
     clips = clip.groupby("name").agg(first=("step", "min"), rows=("step", "size")).sort_values("first")
@@ -264,8 +263,8 @@ def arm_markdown(a: Arm) -> str:
         late = fa[fa["onset"].notna() & (fa["onset"] >= a.explosion)]
         out.append(f"\nAlerts on heads whose onset came only at or after the explosion: {heads_alerts(late)}.\n")
     if len(sw):
-        out.append(f"\nSwitched to the stabilized kernel ({len(sw)}): "
-                   + ", ".join(f"{r.name} {r.step:,} ({r.kind})" for r in sw.itertuples()) + ".\n")
+        out.append(f"\nSwitched to the stabilized kernel ({len(sw)}; alert step, kind, first probe step on it): "
+                   + ", ".join(f"{r.name} {r.step:,} ({r.kind}, {fmt(r.on)})" for r in sw.itertuples()) + ".\n")
     else:
         out.append("\nSwitched: none.\n")
     if n := int(((a.events["event"] == "switch") & (a.events["kind"] == "stabilized arm")).sum()):
@@ -368,7 +367,7 @@ def figures(arms: List[Arm], out: Path) -> List[Path]:
             axes[0].set_yscale("symlog", linthresh=10.0 ** math.ceil(math.log10(np.median(mag))), linscale=0.5)
         axes[0].set_ylabel(label)
         note = "" if key == "loss" else f" (colour: the {TOP} heads whose σ(W_Q) grew most; gray: the others)"
-        fig.suptitle(f"{label}{note}", fontsize=10)
+        fig.suptitle(f"{label}{note}" + ("; y: symlog, linear near 0" if symlog else ""), fontsize=10)
         fig.tight_layout()
         path = out / f"{key}.png"
         fig.savefig(path)

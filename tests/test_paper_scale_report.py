@@ -55,7 +55,7 @@ def make_run(run: Path) -> None:
             for h in range(2):
                 n = f"L{layer}H{h}"
                 rows.append(f"{s},{layer},h.{layer}.attn,{h},{losses[s - 1]},64,1,0.015625,0,{max_score(n, s)},0,64,"
-                            f"1e-06,1e-05,0.6,{1e-6 * s},{sigma(n, s)},0")
+                            f"1e-06,1e-05,0.6,{1e-6 * s},{sigma(n, s)},{int(n == 'L0H0' and s > 60)}")
     (run / "run" / "metrics.csv").write_text("\n".join(rows) + "\n")
     (run / "run" / "events.csv").write_text("\n".join([
         EVENTS,
@@ -119,6 +119,8 @@ def test_numbers_tables_and_figures(report, bundle, tmp_path, capsys):
     assert "False alarms (alerts on heads that never grew): L0H1 (multi_max 41)." in text
     assert "Alerts on heads whose onset came only at or after the explosion: L1H1 (spectral_growth 111)." in text
     assert "| L0H0 | 1 | 4 | ×4.0 | ×4.0 (71) | 61 | 51 |" in text
+    # on the stabilized kernel from the first probe after the read-back (the metrics' stabilized column)
+    assert "L0H1 41 (multi_max, –), L0H0 51 (delta_drift, 61), L1H1 111 (spectral_growth, –)." in text
 
     # step times from train.log: medians 6 s before the recompile-limit warning, 5 s after; 60-80 is 14 s slow
     t = report.step_times(arm)
