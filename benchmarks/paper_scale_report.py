@@ -290,7 +290,7 @@ def timing_markdown(a: Arm, t: dict, sw: pd.DataFrame) -> str:
     slow = df[~df["first"] & (df["seconds"] > 1.5 * df["from"].map(
         lambda f: med["before" if t["limit_after"] is None or f < t["limit_after"] else "after"]))]
     if len(slow):
-        s.append("Slow intervals: " + "; ".join(f"{int(r['from']):,}–{int(r['to']):,} {r['seconds']:.1f} s "
+        s.append("\nSlow intervals: " + "; ".join(f"{int(r['from']):,}–{int(r['to']):,} {r['seconds']:.1f} s "
                                                 f"(+{r['excess']:.1f} s)" for _, r in slow.iterrows()) + ".\n")
     if len(sw):
         rows = []
