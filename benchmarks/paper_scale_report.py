@@ -28,8 +28,9 @@ from typing import Dict, List, Optional, Tuple
 import numpy as np
 import pandas as pd
 
-from _common import DIVERGENCE_JUMP, explosion_step
 from instability_watch import load_run
+
+from _common import DIVERGENCE_JUMP, explosion_step
 
 EMA, JUMP, TOP, ONSET_FACTOR = 0.05, 1.0, 6, 2.0
 ONSET = ("growth onset: the first probe step after the warm-up W at which the head's sigma(W_Q) exceeds "

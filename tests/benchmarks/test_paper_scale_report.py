@@ -8,7 +8,9 @@ from pathlib import Path
 
 import pytest
 
-BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+from helpers import REPO
+
+BENCHMARKS = REPO / "benchmarks"
 # the header of a real bundle's run/metrics.csv (issue 41's switch arm)
 METRICS = ("step,layer,layer_name,head,loss,rows,multi_max_rows,multi_max_freq,masked_rows,max_score,nonfinite_rows,"
            "shadow_rows,delta_err_sum,delta_err_abs,delta_err_pos_frac,delta_cum,sigma_wq,stabilized")
