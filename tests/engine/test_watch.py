@@ -39,8 +39,10 @@ def test_end_to_end_near_ties_alert_switch_and_drift_flattens():
 
     freq = np.array([m["multi_max_freq"][0] for m in metrics])
     drift = np.array([m["delta_err_sum"][0] for m in metrics])
-    # the affected heads: nearly every row has a repeated maximum; the others none
-    assert (freq[:, :2] > 0.9).all() and (freq[:, 2:] < 0.05).all()
+    # the affected heads: nearly every row has a repeated maximum; the others none. How many rows stay tied at
+    # a given step depends on the trajectory, which depends on the CPU's BF16 matmuls (native AVX-512 BF16 or
+    # emulated): with native BF16 one step of 80 had 63% of head 1's rows tied, every other step all of them
+    assert (freq[:, :2] > 0.9).mean() > 0.95 and (freq[:, :2] > 0.5).all() and (freq[:, 2:] < 0.05).all()
 
     # one-signed drift trips an alert on each affected head, which is switched
     drift_alerts = [a for a in watch.alerts if a.kind == "delta_drift"]
