@@ -256,7 +256,7 @@ def sweep(kind, shape_names, variant="standard", dropout_p=0.0):
 
 def kernel_resources():
     """Registers, spills and shared memory of every compiled forward variant, in compile order."""
-    fn = ta._attn_fwd
+    fn = ta.attn_fwd
     while not hasattr(fn, "device_caches"):
         fn = fn.fn
     out = []

@@ -282,8 +282,7 @@ def train(args) -> int:
             if lead:
                 print(f"[{out.name}] already stopped at step {step} ({done}; --steps {args.steps}, --after-explosion "
                       f"{args.after_explosion}): nothing to do", flush=True)
-            if world > 1:
-                dist.destroy_process_group()
+            _leave(world)
             return 0
         if lead:
             _truncate_csv(out / TRAIN_CSV, step)
@@ -432,9 +431,16 @@ def train(args) -> int:
     if lead:
         (out / "status.json").write_text(json.dumps(status, indent=1))
         print(f"[{out.name}] stopped ({reason}) at step {step}: {status}", flush=True)
-    if world > 1:
-        dist.destroy_process_group()
+    _leave(world)
     return 0
+
+
+def _leave(world: int) -> None:
+    """Every rank done before any leaves the process group: a rank whose peer had already gone could hang in
+    gloo's teardown (seen on CPU, 1 launch in ~10)."""
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 def _barrier(world: int) -> None:

@@ -1,6 +1,8 @@
 """Shared test helpers (imported by the test modules; tests/ is on sys.path under pytest)."""
 import math
 import os
+import signal
+import subprocess
 import zlib
 from pathlib import Path
 
@@ -10,6 +12,33 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 
 REPO = Path(__file__).resolve().parents[1]
 EXAMPLES = REPO / "examples"  # nanogpt.py and byte_corpus.py, imported by name
+
+
+def run_process(cmd, *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
+    """Run ``cmd`` as ``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)`` does, in a
+    process group of its own that is killed when the command ends, fails or times out: nothing a test starts
+    outlives it (a torchrun rank stuck in its teardown after the launcher returned included). Raises
+    ``subprocess.TimeoutExpired`` as ``subprocess.run`` does."""
+    kwargs.pop("capture_output", None)
+    kwargs.pop("text", None)
+    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            **kwargs)
+    try:
+        out, err = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        proc.communicate()
+        raise
+    finally:
+        _kill_group(proc)
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
 
 
 def child_env(home, **extra) -> dict:

@@ -19,7 +19,7 @@ in-place multiply per projection weight and bias, no Python loop over heads,
 no host sync.
 
 Where each layer's query and key rows are is model knowledge
-(:class:`~instability_watch.model.qk.QKLayout`, built per family in
+(:class:`~instability_watch.model.qk.QKProjections`, built per family in
 :mod:`~instability_watch.model.families`; layers with QK-norm are refused).
 :class:`QKClipper` is the runtime part the engine drives: it keeps the probe
 step's largest logits, computes the multipliers on the device after the
@@ -62,7 +62,7 @@ class QKClipper:
         mode: ``"on_alert"`` (the heads :meth:`enable` names, from their ``logit_growth`` alert on) or
             ``"always"`` (every head).
         tau: the logit cap.
-        layouts: one :class:`~instability_watch.model.qk.QKLayout` per watched layer.
+        projections: one :class:`~instability_watch.model.qk.QKProjections` per watched layer.
         sites: the observation's layers (their modules and head counts), in order.
         layer_names: the watched layers' names.
         events: the watch's event list (a head enabled is an event).
@@ -73,10 +73,10 @@ class QKClipper:
         last: the clips of the last read-back.
     """
 
-    def __init__(self, mode: str, tau: float, layouts: Sequence, sites: Sequence, layer_names: List[str],
+    def __init__(self, mode: str, tau: float, projections: Sequence, sites: Sequence, layer_names: List[str],
                  events: List[Event]) -> None:
         self.mode, self.tau = mode, float(tau)
-        self.layouts = list(layouts)
+        self.projections = list(projections)
         self.sites = list(sites)
         self.layer_names = layer_names
         self.events = events
@@ -136,7 +136,7 @@ class QKClipper:
         bounds = np.cumsum([0] + self.head_counts)
 
         def scale(i: int) -> None:
-            self.layouts[i].apply(gamma[int(bounds[i]): int(bounds[i + 1])])
+            self.projections[i].apply(gamma[int(bounds[i]): int(bounds[i + 1])])
 
         failed = each_in_its_unit([site.layer.module for site in self.sites], sharding_roots, scale, writeback=True)
         if failed is not None:

@@ -166,7 +166,7 @@ class WatchAdapter:
 
     Takes the callbacks' common arguments (see the callbacks' docs), checks them, and then for one training
     run: builds the listeners (console panels and the run directory on rank 0; the scalars on every rank),
-    opens the run directory (:func:`~instability_watch.outputs.rundir.open_on_rank_zero`), and ends the run
+    opens the run directory (:func:`open_on_rank_zero`), and ends the run
     (:func:`finish`). A subclass adds the framework's hooks and sets :attr:`error`, the exception its
     framework shows for a run it cannot start.
 

@@ -47,7 +47,7 @@ def derive_metrics(
     """Per-step metrics from one step's raw probe sums (a pure function).
 
     Args:
-        raw: :meth:`~instability_watch.engine.ring.RingLayout.unpack` of the step's row.
+        raw: :meth:`~instability_watch.engine.ring.RingColumns.unpack` of the step's row.
         pad: ``(L, H_max)`` True where a layer has fewer heads.
         delta_cum: the running ``sum(delta_lp - delta_hp)`` before this step.
         stabilized: ``(L, H_max)`` 1 where the head runs the stabilized kernel.

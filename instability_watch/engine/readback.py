@@ -2,7 +2,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, Sequence, Tuple
 
 from instability_watch.act.events import Event
 from instability_watch.act.qkclip import Clip
@@ -27,18 +27,22 @@ class ReadBack:
         switched: ``{(layer, head): step}`` of the heads on the stabilized kernel.
         all_alerts: every alert so far (a resumed run's earlier ones included).
         config: the watch's configuration.
+        report: ``report(part, exc)`` reports a failure that should not stop the listener (the watch turns
+            ``part`` off and reports it once; it raises ``exc`` with ``strict``). A failure that should stop the
+            listener is raised from it instead: the watch then drops it.
     """
 
-    metrics: List[StepMetrics]
-    alerts: List[Alert]
-    events: List[Event]
-    clips: List[Clip]
-    coverage: List[LayerCoverage]
-    layer_names: List[str]
-    head_counts: List[int]
+    metrics: Sequence[StepMetrics]
+    alerts: Sequence[Alert]
+    events: Sequence[Event]
+    clips: Sequence[Clip]
+    coverage: Sequence[LayerCoverage]
+    layer_names: Sequence[str]
+    head_counts: Sequence[int]
     switched: Dict[Tuple[int, int], int]
-    all_alerts: List[Alert]
+    all_alerts: Sequence[Alert]
     config: WatchConfig = field(default_factory=WatchConfig)
+    report: Callable[[str, BaseException], None] = field(default=None, repr=False)
 
     @property
     def shape(self) -> Tuple[int, int]:

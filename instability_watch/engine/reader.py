@@ -44,7 +44,7 @@ class Reader:
             self.faults.fail("statistics", exc)
             return None, [], []
         self.ring.restart(step_count)
-        lay = self.ring.layout
+        lay = self.ring.columns
         if len(host) and not (host[:, lay.ok] == (world_size() if is_dist else 1)).all():
             self.faults.fail("statistics", WatchError("statistics failed on another rank; turned off on every rank"))
             return None, [], []
@@ -68,7 +68,7 @@ class Reader:
         return metrics, alerts, clips
 
     def _metrics(self, step: int, row: np.ndarray) -> StepMetrics:
-        lay = self.ring.layout
+        lay = self.ring.columns
         stab = self.switchboard.stabilized(self.builder.shape, routing="routing" not in self.faults)
         m, broken = self.builder.build(step, lay.unpack(row), float(row[lay.loss]), stab)
         if broken.any():
@@ -79,7 +79,7 @@ class Reader:
 
     def _clips(self, m: StepMetrics, row: np.ndarray) -> List[Clip]:
         """The clips recorded in one read-back row (its logit multipliers below 1)."""
-        gamma = self.ring.layout.per_head(row[self.ring.layout.clip])
+        gamma = self.ring.columns.per_head(row[self.ring.columns.clip])
         if (QKClipper.skipped(gamma, self.builder.pad) and self.cadence.probe(m.step)
                 and "qk_clip" not in self.faults and self.distributed()):
             # another rank could not clip: every rank skipped it; now turn it off everywhere

@@ -37,7 +37,7 @@ class Recorder:
 
     def _record(self, s: int, loss) -> None:
         """Copy the probes (and sigma, the loss) into the step's ring row and reset them: device work only."""
-        bank, lay = self.observation.bank, self.ring.layout
+        bank, lay = self.observation.bank, self.ring.columns
         row = self.ring.next_row(bank.device)
         row[lay.counts].copy_(bank.counts)
         row[lay.values].copy_(bank.values)
@@ -75,7 +75,7 @@ class Recorder:
                                       device=self.observation.bank.device,
                                       sharding_roots=[self.model, *self.observation.sharding_roots])
             if gamma is not None:
-                self.ring.last_row()[self.ring.layout.clip].copy_(gamma)
+                self.ring.last_row()[self.ring.columns.clip].copy_(gamma)
         except Exception as exc:  # noqa: BLE001
             self.faults.fail("qk_clip", exc)
         finally:

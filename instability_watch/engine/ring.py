@@ -1,6 +1,6 @@
 """The device-side ring: one row per recorded step, read back in one transfer (the one host sync).
 
-:class:`RingLayout` says where each probe field, sigma(W_Q), the loss, the
+:class:`RingColumns` says where each probe field, sigma(W_Q), the loss, the
 "this rank recorded" flag and the QK-clip multipliers sit in a row;
 :class:`Ring` holds the rows of the steps not yet read back and reads them
 back, reduced across ranks under ``torch.distributed`` (sums for counts, drift
@@ -19,7 +19,7 @@ from instability_watch.ranks import world_size
 RING_ROWS_MAX = 256  # read back early when this many steps wait on the device (bounds its memory)
 
 
-class RingLayout:
+class RingColumns:
     """The columns of one ring row (float64): every layer's ``counts``, every layer's ``values``, sigma, loss, ok.
 
     ``counts`` and ``values`` are :class:`~instability_watch.probe.bank.ProbeBank`'s
@@ -87,13 +87,13 @@ class Ring:
     """The rows of the recorded steps not yet read back, on the probes' device.
 
     Attributes:
-        layout: where each quantity sits in a row.
+        columns: where each quantity sits in a row.
         pending: the recorded steps waiting on the device, in order (row ``i`` is ``pending[i]``'s).
         read_through: the last step read back.
     """
 
-    def __init__(self, layout: RingLayout, log_every: int) -> None:
-        self.layout = layout
+    def __init__(self, columns: RingColumns, log_every: int) -> None:
+        self.columns = columns
         self.rows = min(log_every, RING_ROWS_MAX)
         self.pending: List[int] = []
         self.read_through = 0
@@ -102,7 +102,7 @@ class Ring:
     def tensor(self, device: torch.device) -> torch.Tensor:
         """The ring on ``device`` (made, or moved there keeping its rows, on first use)."""
         if self._tensor is None or self._tensor.device != device:
-            ring = torch.full((self.rows, self.layout.width), float("nan"), dtype=torch.float64, device=device)
+            ring = torch.full((self.rows, self.columns.width), float("nan"), dtype=torch.float64, device=device)
             if self._tensor is not None and not self._tensor.is_meta:
                 ring.copy_(self._tensor.to(device))
             self._tensor = ring
@@ -136,7 +136,7 @@ class Ring:
             data = ring[:n].clone()
         else:
             data = torch.full((n, ring.shape[1]), float("nan"), dtype=torch.float64, device=ring.device)
-            data[:, self.layout.ok].fill_(0.0)
+            data[:, self.columns.ok].fill_(0.0)
         if distributed:
             data = self._reduce(data)
         return data.cpu().numpy()
@@ -144,7 +144,7 @@ class Ring:
     def _reduce(self, data: torch.Tensor) -> torch.Tensor:
         """Sum counts, delta sums and loss (loss averaged) over ranks; max the logits, sigma and clip multipliers."""
         dist = torch.distributed
-        max_cols = self.layout.max_columns().to(data.device)
+        max_cols = self.columns.max_columns().to(data.device)
         # NaN does not survive all_reduce(MAX) portably: reduce with -inf in its place.
         maxed = torch.where(max_cols & ~torch.isnan(data), data, torch.full_like(data, float("-inf")))
         summed = torch.where(max_cols, torch.zeros_like(data), data)
@@ -152,7 +152,7 @@ class Ring:
         dist.all_reduce(summed, op=dist.ReduceOp.SUM)
         out = torch.where(max_cols, maxed, summed)
         out = torch.where(max_cols & torch.isneginf(out), torch.full_like(out, float("nan")), out)
-        out[:, self.layout.loss] /= world_size()  # the mean over ranks; the ok column stays a count
+        out[:, self.columns.loss] /= world_size()  # the mean over ranks; the ok column stays a count
         return out
 
     def restart(self, step: int) -> None:

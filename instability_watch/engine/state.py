@@ -120,7 +120,7 @@ def parse(watch, state) -> dict:
     out["spectral"] = spectral
     out["pending_steps"] = [integer("pending_steps", s) for s in need("pending_steps")]
     pending = need("pending")
-    width = watch.ring.layout.width
+    width = watch.ring.columns.width
     try:
         t = torch.tensor(pending, dtype=torch.float64) if pending else torch.zeros(0, width, dtype=torch.float64)
     except (TypeError, ValueError):

@@ -31,6 +31,7 @@ part is reported once with its traceback and turned off, unless ``strict=True``.
 """
 from __future__ import annotations
 
+import inspect
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -49,14 +50,29 @@ from instability_watch.engine.metrics import CallTotals, MetricsBuilder, StepMet
 from instability_watch.engine.readback import Listener, ReadBack
 from instability_watch.engine.reader import Reader
 from instability_watch.engine.recorder import Recorder
-from instability_watch.engine.ring import Ring, RingLayout
+from instability_watch.engine.ring import Ring, RingColumns
 from instability_watch.errors import WatchError
-from instability_watch.model.families import qk_layouts
+from instability_watch.model.families import qk_projections
 from instability_watch.model.layer import Layers, resolve_layers
 from instability_watch.observe.coverage import NOT_APPLIED, LayerCoverage
 from instability_watch.observe.observation import Site, observe
 from instability_watch.probe.spectral import SpectralNorms
 from instability_watch.ranks import distributed
+
+
+def _old_signature(listener, exc: BaseException) -> BaseException:
+    """``exc``, or where a listener still takes ``(metrics, alerts, watch)`` a ``TypeError`` that says what changed."""
+    if not isinstance(exc, TypeError):
+        return exc
+    try:
+        params = [p for p in inspect.signature(listener).parameters.values()
+                  if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD) and p.default is p.empty]
+    except (TypeError, ValueError):
+        return exc
+    if len(params) != 3:
+        return exc
+    return TypeError(f"a listener takes one argument, a ReadBack (record.metrics, record.alerts, record.events, ...); "
+                     f"this one takes ({', '.join(p.name for p in params)}), the signature before 2026-11-27 ({exc})")
 
 
 class InstabilityWatch:
@@ -130,7 +146,7 @@ class InstabilityWatch:
             self.faults.fail("attach", exc)
             found = None
         # qk_clip: where each layer's query and key rows are (a model it cannot act on is refused here)
-        layouts = qk_layouts(found, model) if config.qk_clip and found else []
+        projections = qk_projections(found, model) if config.qk_clip and found else []
         self.observation = observe(model, found or [], beta=config.beta, eps=config.eps)
         if found is None:  # a null observation: no layer, never attached
             self.observation.detach()
@@ -138,11 +154,11 @@ class InstabilityWatch:
         self.observation.on_note = self._on_note
         self.layer_names = [s.name for s in self.observation.sites]
         self.head_counts = self.observation.head_counts
-        self.ring = Ring(RingLayout(self.head_counts, clip=bool(config.qk_clip)), config.log_every)
+        self.ring = Ring(RingColumns(self.head_counts, clip=bool(config.qk_clip)), config.log_every)
         self.builder = MetricsBuilder(self.head_counts)
         self.calls = CallTotals(self.head_counts)
         self.switchboard = Switchboard(self.observation, self.events)
-        self.clipper = QKClipper(config.qk_clip, config.qk_clip_tau, layouts, self.observation.sites,
+        self.clipper = QKClipper(config.qk_clip, config.qk_clip_tau, projections, self.observation.sites,
                                  self.layer_names, self.events)
         dist = lambda: self.distributed  # noqa: E731 - read at call time
         self.recorder = Recorder(config=config, cadence=self.cadence, faults=self.faults, ring=self.ring,
@@ -354,9 +370,10 @@ class InstabilityWatch:
     def _dispatch(self, metrics: List[StepMetrics], alerts: List[Alert], clips: List[Clip]) -> None:
         """Hand the read-back to each listener; a failing one is dropped (and reported, or raised with strict)."""
         events, self.events_read = self.events[self.events_read:], len(self.events)
-        record = ReadBack(metrics=metrics, alerts=alerts, events=events, clips=clips, coverage=self.coverage(),
-                          layer_names=list(self.layer_names), head_counts=list(self.head_counts),
-                          switched=dict(self.switched), all_alerts=self.alerts, config=self.config)
+        record = ReadBack(metrics=tuple(metrics), alerts=tuple(alerts), events=tuple(events), clips=tuple(clips),
+                          coverage=tuple(self.coverage()), layer_names=tuple(self.layer_names),
+                          head_counts=tuple(self.head_counts), switched=dict(self.switched),
+                          all_alerts=tuple(self.alerts), config=self.config, report=self.faults.fail)
         for listener in list(self.listeners):
             try:
                 listener(record)
@@ -364,7 +381,8 @@ class InstabilityWatch:
                 self.listeners.remove(listener)  # a failing listener is dropped, with strict too (it raises once)
                 if self.config.strict:
                     raise
-                self.faults.fail(f"listener {getattr(listener, '__name__', type(listener).__name__)}", exc)
+                self.faults.fail(f"listener {getattr(listener, '__name__', type(listener).__name__)}",
+                                 _old_signature(listener, exc))
 
     def coverage(self) -> List[LayerCoverage]:
         """What was observed, per layer, over the steps read back so far (no host sync).

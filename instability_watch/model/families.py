@@ -2,8 +2,8 @@
 
 One :class:`Family` per family, in :data:`FAMILIES` (first match wins, by shape, not name):
 ``locate(module)`` returns ``(num_heads, w_q)`` for a module of the family (``None``
-otherwise), ``qk(module, num_heads)`` the :class:`~instability_watch.model.qk.QKLayout`
-that QK-clip scales (``None`` where the family has none). :func:`qk_layouts` builds
+otherwise), ``qk(module, num_heads)`` the :class:`~instability_watch.model.qk.QKProjections`
+that QK-clip scales (``None`` where the family has none). :func:`qk_projections` builds
 those for a list of watched layers. The module docstring of
 :mod:`~instability_watch.model.layer` lists the families and what each recognises.
 
@@ -19,7 +19,7 @@ from typing import Callable, List, Optional, Tuple
 import torch
 import torch.nn as nn
 
-from instability_watch.model.qk import QKLayout, qk_norm_of, user_layout
+from instability_watch.model.qk import QKProjections, qk_norm_of, user_projections
 
 Located = Optional[Tuple[int, Callable[[], torch.Tensor]]]
 
@@ -211,9 +211,9 @@ def _attr(module: nn.Module, *path: str) -> Callable[[], Optional[torch.Tensor]]
     return get
 
 
-def _qk_linear_pair(q: str, k: str) -> Callable[[nn.Module, int], Optional[QKLayout]]:
+def _qk_linear_pair(q: str, k: str) -> Callable[[nn.Module, int], Optional[QKProjections]]:
     """Separate query and key ``nn.Linear`` modules (Llama's q_proj/k_proj, BERT, T5)."""
-    def build(module: nn.Module, n_head: int) -> Optional[QKLayout]:
+    def build(module: nn.Module, n_head: int) -> Optional[QKProjections]:
         qm, km = getattr(module, q, None), getattr(module, k, None)
         if not isinstance(qm, nn.Linear) or not isinstance(km, nn.Linear) or qm.out_features % n_head:
             return None
@@ -223,23 +223,23 @@ def _qk_linear_pair(q: str, k: str) -> Callable[[nn.Module, int], Optional[QKLay
         kv = km.out_features // d
         fq = lambda fq, fk: _rep(fq, d)  # noqa: E731
         fk_ = lambda fq, fk: _rep(fk, d)  # noqa: E731
-        return QKLayout(n_head, kv, d, [(_attr(module, q, "weight"), 0, fq), (_attr(module, q, "bias"), 0, fq),
+        return QKProjections(n_head, kv, d, [(_attr(module, q, "weight"), 0, fq), (_attr(module, q, "bias"), 0, fq),
                                          (_attr(module, k, "weight"), 0, fk_), (_attr(module, k, "bias"), 0, fk_)])
     return build
 
 
 def _qk_queries_first(fused: str, n_head: int, n_kv: int, d: int, module: nn.Module, dim: int = 0,
-                   bias: bool = True) -> QKLayout:
+                   bias: bool = True) -> QKProjections:
     """A fused ``[Q (H D) | K (KV D) | V (KV D)]`` projection along ``dim``."""
     def mult(fq, fk):
         return torch.cat([_rep(fq, d), _rep(fk, d), torch.ones(n_kv * d, dtype=fq.dtype, device=fq.device)])
     targets = [(_attr(module, fused, "weight"), dim, mult)]
     if bias:
         targets.append((_attr(module, fused, "bias"), 0, mult))
-    return QKLayout(n_head, n_kv, d, targets)
+    return QKProjections(n_head, n_kv, d, targets)
 
 
-def _qk_grouped(fused: str, n_head: int, n_kv: int, d: int, module: nn.Module) -> QKLayout:
+def _qk_grouped(fused: str, n_head: int, n_kv: int, d: int, module: nn.Module) -> QKProjections:
     """A fused projection grouped per key head: ``(KV, H / KV + 2, D)`` rows (GPT-NeoX, litgpt's legacy ``attn``)."""
     per = n_head // n_kv
 
@@ -247,15 +247,15 @@ def _qk_grouped(fused: str, n_head: int, n_kv: int, d: int, module: nn.Module) -
         ones = torch.ones(n_kv, 1, dtype=fq.dtype, device=fq.device)
         slots = torch.cat([fq.view(n_kv, per), fk.view(n_kv, 1), ones], dim=1)  # (KV, per + 2)
         return slots[..., None].expand(n_kv, per + 2, d).reshape(-1)
-    return QKLayout(n_head, n_kv, d, [(_attr(module, fused, "weight"), 0, mult), (_attr(module, fused, "bias"), 0, mult)])
+    return QKProjections(n_head, n_kv, d, [(_attr(module, fused, "weight"), 0, mult), (_attr(module, fused, "bias"), 0, mult)])
 
 
-def _qk_nanogpt(module: nn.Module, n_head: int) -> Optional[QKLayout]:
+def _qk_nanogpt(module: nn.Module, n_head: int) -> Optional[QKProjections]:
     e = module.c_attn.in_features
     return _qk_queries_first("c_attn", n_head, n_head, e // n_head, module)
 
 
-def _qk_hf_gpt2(module: nn.Module, n_head: int) -> Optional[QKLayout]:
+def _qk_hf_gpt2(module: nn.Module, n_head: int) -> Optional[QKProjections]:
     c_attn = module.c_attn
     nf = c_attn.nf if isinstance(getattr(c_attn, "nf", None), int) else c_attn.weight.shape[1]
     if getattr(module, "is_cross_attention", False):  # q_attn (C, E); c_attn (C, 2E) = [K | V]
@@ -263,26 +263,26 @@ def _qk_hf_gpt2(module: nn.Module, n_head: int) -> Optional[QKLayout]:
         d = e // n_head
         q = lambda fq, fk: _rep(fq, d)  # noqa: E731
         kv = lambda fq, fk: torch.cat([_rep(fk, d), torch.ones(e, dtype=fk.dtype, device=fk.device)])  # noqa: E731
-        return QKLayout(n_head, n_head, d, [
+        return QKProjections(n_head, n_head, d, [
             (_attr(module, "q_attn", "weight"), 1, q), (_attr(module, "q_attn", "bias"), 0, q),
             (_attr(module, "c_attn", "weight"), 1, kv), (_attr(module, "c_attn", "bias"), 0, kv)])
     e = nf // 3  # Conv1D stores (in, out): the heads run along the columns
     return _qk_queries_first("c_attn", n_head, n_head, e // n_head, module, dim=1)
 
 
-def _qk_gpt_neox(module: nn.Module, n_head: int) -> Optional[QKLayout]:
+def _qk_gpt_neox(module: nn.Module, n_head: int) -> Optional[QKProjections]:
     fused = module.query_key_value
     d = int_attr(module, "head_size", "head_dim") or fused.in_features // n_head
     return _qk_grouped("query_key_value", n_head, kv_heads(fused.out_features, n_head, d), d, module)
 
 
-def _qk_phi3(module: nn.Module, n_head: int) -> Optional[QKLayout]:
+def _qk_phi3(module: nn.Module, n_head: int) -> Optional[QKProjections]:
     fused = module.qkv_proj
     d = int_attr(module, "head_dim") or fused.in_features // n_head
     return _qk_queries_first("qkv_proj", n_head, int_attr(module, "num_key_value_heads"), d, module)
 
 
-def _qk_litgpt(module: nn.Module, n_head: int) -> Optional[QKLayout]:
+def _qk_litgpt(module: nn.Module, n_head: int) -> Optional[QKProjections]:
     groups, d = int_attr(module, "n_query_groups"), int_attr(module, "head_size")
     rows = (n_head + 2 * groups) * d
     if isinstance(getattr(module, "qkv", None), nn.Linear) and module.qkv.out_features == rows:
@@ -290,23 +290,23 @@ def _qk_litgpt(module: nn.Module, n_head: int) -> Optional[QKLayout]:
     return _qk_grouped("attn", n_head, groups, d, module)
 
 
-def _qk_timm(module: nn.Module, n_head: int) -> Optional[QKLayout]:
+def _qk_timm(module: nn.Module, n_head: int) -> Optional[QKProjections]:
     fused = module.qkv
     d = fused.out_features // (3 * n_head)
-    layout = _qk_queries_first("qkv", n_head, n_head, d, module)
+    projections = _qk_queries_first("qkv", n_head, n_head, d, module)
     if isinstance(getattr(module, "q_bias", None), torch.Tensor):  # BEiT-style: q_bias and v_bias, no k bias
-        layout.targets.append((_attr(module, "q_bias"), 0, lambda fq, fk: _rep(fq, d)))
-    return layout
+        projections.targets.append((_attr(module, "q_bias"), 0, lambda fq, fk: _rep(fq, d)))
+    return projections
 
 
 
 @dataclass(frozen=True)
 class Family:
-    """One model family: its name (``AttentionLayer.layout``), its locator and its QK layout builder."""
+    """One model family: its name (``AttentionLayer.family``), its locator and where its W_q and W_k are."""
 
     name: str
     locate: Callable[[nn.Module], Located]
-    qk: Optional[Callable[[nn.Module, int], Optional[QKLayout]]] = None
+    qk: Optional[Callable[[nn.Module, int], Optional[QKProjections]]] = None
 
 
 FAMILIES = (
@@ -319,13 +319,13 @@ FAMILIES = (
     Family("t5", _locate_t5, _qk_linear_pair("q", "k")),
     Family("litgpt", _locate_litgpt, _qk_litgpt),
     Family("timm", _locate_timm, _qk_timm),
-    Family("mha", _locate_mha),  # nn.MultiheadAttention: no QK layout (its attention cannot be observed either)
+    Family("mha", _locate_mha),  # nn.MultiheadAttention: no QK projections (its attention cannot be observed either)
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 
 
-def qk_layouts(layers, model: nn.Module) -> List[QKLayout]:
-    """One :class:`QKLayout` per watched layer.
+def qk_projections(layers, model: nn.Module) -> List[QKProjections]:
+    """One :class:`QKProjections` per watched layer.
 
     Raises:
         ValueError: a layer with QK-norm, or one whose query/key projections are unknown
@@ -338,9 +338,9 @@ def qk_layouts(layers, model: nn.Module) -> List[QKLayout]:
             normed.append(f"{layer.name} ({norm})")
             continue
         if layer.w_k is not None:
-            out.append(user_layout(layer, model))
+            out.append(user_projections(layer, model))
             continue
-        family = _BY_NAME.get(layer.layout)
+        family = _BY_NAME.get(layer.family)
         built = family.qk(layer.module, layer.num_heads) if family is not None and family.qk is not None else None
         if built is None:
             unknown.append(f"{layer.name} ({type(layer.module).__name__})")

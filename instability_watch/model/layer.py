@@ -74,8 +74,8 @@ class AttentionLayer:
             weight (as ``w_q``'s result must then be); ``KV`` divides ``num_heads``.
         b_q, b_k: with ``w_k``, functions returning the query and key biases per
             head, ``(H, head_dim)`` and ``(KV, head_dim)`` views (``None``: no bias).
-        layout: which built-in locator found the layer (set by the locators; how
-            ``qk_clip`` finds its key projection). Leave it empty.
+        family: the built-in family whose locator found the layer (set by the locators; how
+            ``qk_clip`` finds its key projection; :mod:`~instability_watch.model.families`). Leave it empty.
 
     Example::
 
@@ -92,7 +92,7 @@ class AttentionLayer:
     w_k: Optional[Callable[[], torch.Tensor]] = None
     b_q: Optional[Callable[[], torch.Tensor]] = None
     b_k: Optional[Callable[[], torch.Tensor]] = None
-    layout: str = ""
+    family: str = ""
 
     def __post_init__(self) -> None:
         if not isinstance(self.module, nn.Module):
@@ -120,7 +120,8 @@ def find_attention_layers(model: nn.Module) -> List[AttentionLayer]:
             hit = family.locate(module)
             if hit is not None:
                 n_head, w_q = hit
-                found.append(AttentionLayer(module, n_head, w_q, name or type(module).__name__, layout=family.name))
+                found.append(AttentionLayer(module, n_head, w_q, name or type(module).__name__,
+                                            family=family.name))
                 break
     return found
 

@@ -1,10 +1,10 @@
 """Where one layer's query and key projections are, and how to scale them per head in place (for QK-clip).
 
-A :class:`QKLayout` scales the parameters of one layer so that query head ``h``'s
+A :class:`QKProjections` scales the parameters of one layer so that query head ``h``'s
 logits are multiplied by ``gamma[h]`` (see :mod:`~instability_watch.act.qkclip` for
 the rule: ``sqrt(gamma)`` on ``W_q`` and ``W_k``, or all of it on ``W_q`` when key
 heads are shared). The built-in layouts are in :mod:`~instability_watch.model.families`;
-:func:`user_layout` builds one from ``AttentionLayer(w_q=..., w_k=...)``. Layers with
+:func:`user_projections` builds one from ``AttentionLayer(w_q=..., w_k=...)``. Layers with
 QK-norm are refused (:func:`qk_norm_of`): normalised queries and keys do not scale
 with ``W_q``/``W_k``.
 
@@ -27,7 +27,7 @@ QK_NORM_NAMES = ("q_norm", "k_norm", "norm_q", "norm_k", "q_layernorm", "k_layer
 Multiplier = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
-class QKLayout:
+class QKProjections:
     """Where one layer's query and key projections are, and how to scale them per head.
 
     Args:
@@ -125,7 +125,7 @@ def _storage_ptrs(model: nn.Module) -> set:
     return out
 
 
-def user_layout(layer, model: nn.Module) -> QKLayout:
+def user_projections(layer, model: nn.Module) -> QKProjections:
     """A layout from ``AttentionLayer(w_q, w_k, b_q, b_k)``: views whose first dimension is the heads."""
     wq, wk = layer.w_q(), layer.w_k()
     name = layer.name
@@ -160,6 +160,6 @@ def user_layout(layer, model: nn.Module) -> QKLayout:
             raise ValueError(f"qk_clip: layer {name!r}: the tensor of its {which} projection is not a view of a "
                              "parameter of the model (a copy?): scaling it would change nothing. Return a view, "
                              "e.g. module.wq.weight.view(H, D, d_in)")
-    return QKLayout(layer.num_heads, kv, wq.shape[1], views=views)
+    return QKProjections(layer.num_heads, kv, wq.shape[1], views=views)
 
 

@@ -290,7 +290,7 @@ def test_a_failing_clip_is_reported_once_and_training_goes_on(caplog):
     def broken(gamma):
         raise RuntimeError("no luck")
 
-    watch.clipper.layouts[0].apply = broken
+    watch.clipper.projections[0].apply = broken
     x = batch("cpu")
     with caplog.at_level(logging.ERROR, logger="instability_watch"):
         for _ in range(3):
@@ -300,7 +300,7 @@ def test_a_failing_clip_is_reported_once_and_training_goes_on(caplog):
     assert watch.last_metrics[-1]["max_score"][0].max() > 1.0  # statistics go on
     watch.detach()
     strict = InstabilityWatch(model, config(qk_clip="always", qk_clip_tau=1.0, strict=True))
-    strict.clipper.layouts[0].apply = broken
+    strict.clipper.projections[0].apply = broken
     with pytest.raises(RuntimeError, match="no luck"):
         probe_step(model, strict, x, "cpu")
     strict.detach()
@@ -332,7 +332,7 @@ def test_user_described_layers_are_checked_when_the_watch_attaches():
     ok = AttentionLayer(m, 8, w_q, w_k=lambda: m.wk.weight.view(1, 8, 64), b_q=lambda: m.wq.bias.view(8, 8),
                         b_k=lambda: m.wk.bias.view(1, 8))
     watch = InstabilityWatch(m, cfg, layers=[ok])
-    assert watch.clipper.layouts[0].grouped
+    assert watch.clipper.projections[0].grouped
     watch.detach()
 
 

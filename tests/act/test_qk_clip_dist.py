@@ -55,9 +55,13 @@ def out(tmp_path_factory):
         try:
             codes[name] = proc.wait(timeout=400)
         except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)  # the launcher and its workers (their own session)
-            proc.wait()
             codes[name] = "timeout"
+        finally:  # the launcher and its workers (their own session): none outlives the launch
+            try:
+                os.killpg(proc.pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+            proc.wait()
     for name, code in codes.items():
         assert code == 0, f"{name}: {code}\n" + (out / f"{name}.log").read_text()[-6000:]
     return out

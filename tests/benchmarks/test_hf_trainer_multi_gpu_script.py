@@ -4,10 +4,9 @@ One launch: a timed round (unwatched, watched), a checkpointed run whose watch a
 and its resumption, in the same two processes.
 """
 import json
-import subprocess
 import sys
 
-from helpers import REPO, child_env
+from helpers import REPO, child_env, run_process
 
 SCRIPT = REPO / "benchmarks" / "hf_trainer_multi_gpu.py"
 
@@ -21,7 +20,7 @@ def test_hf_trainer_driver_on_two_cpu_processes(tmp_path):
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
            "--cpu", "--tiny", "--rounds", "1", "--steps", "6", "--skip", "2", "--ckpt-step", "6",
            "--check-every", "1", "--block", "32", "--batch", "2", "--out", str(out)]
-    proc = subprocess.run(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    proc = run_process(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = json.loads((out / "results.json").read_text())
     assert r["world_size"] == 2 and len(r["rounds"]) == 1 and r["ratio_median"] > 0
@@ -48,6 +47,6 @@ def test_hf_trainer_driver_refuses_bad_arguments(tmp_path):
     for args, says in ((["--skip", "10", "--steps", "5"], "--skip must be in (0, --steps = 5), got 10"),
                        (["--batch", "0"], "--batch must be a positive integer, got 0"),
                        (["--cpu", "--share-device"], "--share-device is for a GPU")):
-        proc = subprocess.run([sys.executable, str(SCRIPT), *args], env=_env(tmp_path), capture_output=True,
+        proc = run_process([sys.executable, str(SCRIPT), *args], env=_env(tmp_path), capture_output=True,
                               text=True, timeout=120, cwd=tmp_path)
         assert proc.returncode == 2 and says in proc.stderr, (args, proc.stderr[-500:])

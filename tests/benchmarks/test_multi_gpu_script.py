@@ -3,16 +3,15 @@
 One launch in a subprocess with a clean environment (Lightning's DDP re-launches the script for rank 1).
 """
 import json
-import subprocess
 import sys
 
-from helpers import REPO, child_env
+from helpers import REPO, child_env, run_process
 
 
 def test_multi_gpu_driver_on_two_cpu_processes(tmp_path):
     env = child_env(tmp_path)
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(REPO / "benchmarks" / "multi_gpu.py"), "--accelerator", "cpu",
+    proc = run_process([sys.executable, str(REPO / "benchmarks" / "multi_gpu.py"), "--accelerator", "cpu",
                            "--devices", "2", "--tiny", "--strategies", "ddp,fsdp2", "--rounds", "1", "--steps", "8",
                            "--skip", "2", "--ckpt-step", "6", "--every", "2", "--block", "32", "--batch", "2",
                            "--out", str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)

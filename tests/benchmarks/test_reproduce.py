@@ -8,7 +8,7 @@ import math
 import pandas as pd
 import pytest
 
-from helpers import REPO, child_env
+from helpers import REPO, child_env, run_process
 
 BENCHMARKS = REPO / "benchmarks"
 TINY = ["--n-layer", "2", "--n-head", "2", "--n-embd", "32", "--block", "32", "--batch", "2", "--warmup", "5",
@@ -114,7 +114,7 @@ def _torchrun(out, args, steps, tmp_path):
     # (it resumes from its last checkpoint or starts again) and a second hang fails.
     for attempt in (1, 2):
         try:
-            proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+            proc = run_process(cmd, env=env, capture_output=True, text=True, timeout=240)
             break
         except subprocess.TimeoutExpired:
             if attempt == 2:

@@ -7,7 +7,6 @@ import json
 import logging
 import os
 import re
-import subprocess
 import sys
 from types import SimpleNamespace
 
@@ -24,7 +23,7 @@ from instability_watch import WatchConfig, load_run  # noqa: E402
 from instability_watch.callbacks.hf import STATE_FILE, InstabilityWatchTrainerCallback  # noqa: E402
 from instability_watch.callbacks.hf_setup import clean_name, unsupported  # noqa: E402
 
-from helpers import REPO, child_env  # noqa: E402
+from helpers import REPO, child_env, run_process  # noqa: E402
 
 SCRIPT = REPO / "tests" / "scripts" / "hf_trainer_run.py"
 _spec = importlib.util.spec_from_file_location("hf_trainer_run", SCRIPT)
@@ -193,7 +192,7 @@ def torchrun_runs(tmp_path_factory):
     one after the other in one launch (starting the processes dominates on CPU): ``{mode: (its folder,
     {(leg, rank): that rank's report of that leg})}``."""
     out = tmp_path_factory.mktemp("hf_torchrun")
-    proc = subprocess.run(
+    proc = run_process(
         [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
          str(out), *TORCHRUN_MODES],
         env=_clean_env(out), capture_output=True, text=True, timeout=600)

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import json
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
@@ -19,7 +18,7 @@ from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from instability_watch import InstabilityWatchCallback, WatchConfig, load_run
 from instability_watch.callbacks.lightning import unsupported_strategy
 
-from helpers import REPO, child_env
+from helpers import REPO, child_env, run_process
 from lightning_models import TiedModule, TinyGPT
 
 TIED_CFG = dict(probe_every=1, log_every=5, shadow_every=1, spectral_every=5, warmup_steps=5, sustain=3, auto_switch=True)
@@ -157,7 +156,7 @@ def two_process_runs(tmp_path_factory):
     for folder, mode, steps, last in TWO_PROCESS_RUNS:
         args += [mode, out / folder, steps, out / last if isinstance(last, str) and last != "-" else last]
     script = REPO / "tests" / "scripts" / "lightning_run.py"
-    proc = subprocess.run([sys.executable, str(script), *map(str, args)], env=_clean_env(out),
+    proc = run_process([sys.executable, str(script), *map(str, args)], env=_clean_env(out),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return out
@@ -223,7 +222,7 @@ def test_ddp_resume_from_checkpoint_is_identical_to_an_uninterrupted_run(two_pro
 
 def test_killed_run_keeps_every_step_before_the_last_flush(tmp_path):
     script = REPO / "tests" / "scripts" / "lightning_run.py"
-    proc = subprocess.run([sys.executable, str(script), "kill", str(tmp_path), "24"], env=_clean_env(tmp_path),
+    proc = run_process([sys.executable, str(script), "kill", str(tmp_path), "24"], env=_clean_env(tmp_path),
                           capture_output=True, text=True, timeout=600)
     assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
     run = load_run(tmp_path / "run")

@@ -9,7 +9,7 @@ import torch
 from instability_watch import InstabilityWatch, WatchConfig, WatchError
 from instability_watch.model.layer import AttentionLayer
 
-from helpers import REPO
+from helpers import REPO, run_process
 from nanogpt import GPT, GPTConfig
 from watch_models import TiedAttention, train_tied
 
@@ -177,6 +177,45 @@ def test_listeners_receive_metrics_and_a_failing_listener_is_dropped(caplog):
     assert watch.listeners[0] is good and bad not in watch.listeners
     errors = [r for r in caplog.records if "failed and is turned off" in r.getMessage()]
     assert len(errors) == 1 and "disk full" in errors[0].getMessage() and errors[0].exc_info
+
+
+def test_a_listener_with_the_old_three_argument_signature_is_told_what_changed():
+    torch.manual_seed(0)
+    model = TiedAttention()
+    seen = []
+
+    def old(metrics, alerts, watch):  # listeners before 2026-11-27
+        seen.append(len(metrics))
+
+    watch = InstabilityWatch(model, WatchConfig(**E2E), layers=model.layers(), listeners=[old])
+    _train_tied(model, watch, 5)
+    assert seen == [] and old not in watch.listeners
+    why = watch.disabled["listener old"]
+    assert why.startswith("TypeError: a listener takes one argument, a ReadBack") and "(metrics, alerts, watch)" in why
+
+
+def test_a_writer_opened_by_its_first_read_back_reports_failures_through_the_watch(tmp_path, monkeypatch):
+    """A RunWriter passed as a bare listener opens at the first read-back; a meta.json it cannot update later is
+    reported by the watch (the part turned off, training and the CSV files go on), not raised."""
+    from instability_watch.outputs.rundir import RunWriter, load_run
+    from instability_watch.outputs.rundir import writer as writer_module
+
+    torch.manual_seed(0)
+    model = TiedAttention()
+    writer = RunWriter(tmp_path / "run")
+    watch = InstabilityWatch(model, WatchConfig(**E2E), layers=model.layers(), listeners=[writer])
+    _train_tied(model, watch, 1)  # the first read-back opens the directory
+    assert writer.is_open
+
+    def no_room(path, obj):
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(writer_module, "_write_json", no_room)
+    _train_tied(model, watch, 9, start=1)
+    watch.detach()
+    writer.close()
+    assert "run directory meta.json" in watch.disabled and writer in watch.listeners
+    assert sorted(load_run(tmp_path / "run").metrics["step"].unique()) == list(range(1, 11))
 
 
 # ---------------------------------------------------------------- fail-open / strict
@@ -438,7 +477,6 @@ def test_load_state_after_failed_attach_is_a_no_op():
 def test_ddp_two_ranks_decide_the_same_and_a_failing_rank_does_not_hang(tmp_path):
     import os
     import socket
-    import subprocess
     import sys
 
     script = str(REPO / "tests" / "scripts" / "ddp_watch.py")
@@ -447,7 +485,7 @@ def test_ddp_two_ranks_decide_the_same_and_a_failing_rank_does_not_hang(tmp_path
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
     # both cases in one launch, the failing one last
-    proc = subprocess.run([sys.executable, script, str(tmp_path), str(port), "ok", "fail:1:12"], env=env,
+    proc = run_process([sys.executable, script, str(tmp_path), str(port), "ok", "fail:1:12"], env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     for case in ("ok", "fail"):

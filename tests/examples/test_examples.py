@@ -12,7 +12,7 @@ import torch
 from instability_watch import load_run
 from instability_watch.cli import main as cli_main
 
-from helpers import REPO, child_env
+from helpers import REPO, child_env, run_process
 
 EXAMPLES = REPO / "examples"
 
@@ -92,10 +92,9 @@ def test_plain_pytorch_shortened(tmp_path, capsys):
 def test_train_gpt2_fsdp2_on_two_cpu_processes(tmp_path):
     """``--devices 2 --strategy fsdp2``: Lightning's ModelParallelStrategy, FSDP2 on every block (in
     GPTModule.configure_model), gloo; a subprocess, since Lightning launches rank 1 by re-running the script."""
-    import subprocess
 
     env = child_env(tmp_path)
-    proc = subprocess.run([sys.executable, str(EXAMPLES / "train_gpt2.py"), "--devices", "2", "--strategy", "fsdp2",
+    proc = run_process([sys.executable, str(EXAMPLES / "train_gpt2.py"), "--devices", "2", "--strategy", "fsdp2",
                            "--steps", "6", "--batch", "2", "--no-live-table", "--no-checkpoint", "--out",
                            str(tmp_path / "runs")], env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]

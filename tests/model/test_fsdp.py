@@ -9,12 +9,11 @@ halves of each global batch as two micro-batches: the same gradients bit for bit
 import json
 import math
 import socket
-import subprocess
 import sys
 
 import pytest
 
-from helpers import REPO, child_env
+from helpers import REPO, child_env, run_process
 
 SCRIPT = REPO / "tests" / "scripts" / "fsdp_watch.py"
 EXACT = ("rows", "multi_max_rows", "masked_rows", "nonfinite_rows", "shadow_rows", "multi_max_freq",
@@ -33,7 +32,7 @@ def _port():
 def _run(jobs, out):
     """Run ``[(mode, model), ...]`` in one launch; ``{(mode, model): [rank 0's result, rank 1's]}`` (one for single)."""
     env = child_env(out)
-    proc = subprocess.run([sys.executable, str(SCRIPT), str(out), str(_port()), *(f"{m}:{n}" for m, n in jobs)],
+    proc = run_process([sys.executable, str(SCRIPT), str(out), str(_port()), *(f"{m}:{n}" for m, n in jobs)],
                           env=env, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-4000:]
     return {(mode, model): [json.loads((out / f"{mode}_{model}_rank{r}.json").read_text())

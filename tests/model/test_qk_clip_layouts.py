@@ -3,7 +3,7 @@
 For every model family, one attention layer at a time: the q, k and v tensors each
 layer hands to ``F.scaled_dot_product_attention`` are recorded (a
 ``TorchFunctionMode`` that passes every call through; no watch is attached, so
-nothing else patches SDPA), ``QKLayout.apply(gamma)`` scales that layer, the same
+nothing else patches SDPA), ``QKProjections.apply(gamma)`` scales that layer, the same
 batch is run again, and then:
 
 * query head ``h`` is scaled by ``fq[h]`` (``sqrt(gamma[h])`` with one key head per
@@ -38,7 +38,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from instability_watch import AttentionLayer, InstabilityWatch, WatchConfig
-from instability_watch.model.families import qk_layouts as build_layouts
+from instability_watch.model.families import qk_projections as build_layouts
 from instability_watch.model.layer import resolve_layers
 
 import family_models

@@ -215,7 +215,6 @@ def test_compiled_model_moved_after_attaching(monkeypatch):
 
     monkeypatch.setattr(Observation, "relocate", fresh_from_meta)
     obs.relocate(torch.device("meta"))  # "attached on another device"
-    watch_c._ring = None
     compiled = torch.compile(model_c, backend="aot_eager", fullgraph=True)
     _train_gpt(model_c, compiled, watch_c, 2)
     assert moves == [("cpu", "meta"), ("meta", "cpu")]  # moved back once, by the first compiled call

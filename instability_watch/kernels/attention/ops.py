@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from instability_watch.kernels.attention import reference
-from instability_watch.kernels.attention.layout import empty_like_layout
+from instability_watch.kernels.attention.alloc import empty_like_layout
 from instability_watch.kernels.common import dropout_mask, dropout_scale, expand_kv, mask4, mask_bias
 from instability_watch.probe.bank import Probe
 

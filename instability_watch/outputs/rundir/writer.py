@@ -274,7 +274,7 @@ class RunWriter:
         if self._failed is not None:
             return  # reported when it happened: later steps are not recorded
         if not self.is_open:
-            self._open(record.layer_names, record.head_counts, record.config)
+            self._open(record.layer_names, record.head_counts, record.config, on_error=record.report)
         metrics = record.metrics
         data = self.format_metrics(metrics).encode()
         rows = max(sum(self._head_counts), 1)  # per step
