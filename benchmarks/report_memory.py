@@ -17,10 +17,17 @@ training run: the loss falls, sigma(W_Q) and the logits of a few heads grow,
 sigma(W_Q) is observed every ``--spectral-every`` steps and the delta statistics
 every ``--shadow-every`` steps (``nan`` in between), as the watch writes them.
 
+With ``--damage`` it measures a damaged file too (issue 44): a run of half the
+steps with a bad line after every good one (a short row, a metric that is not a
+number, bytes that are not UTF-8, garbage, in turn), as long as the clean run's
+``metrics.csv``, against that clean run: the reader must not slow down with the
+number of bad lines.
+
 Usage::
 
     python benchmarks/report_memory.py                      # 200k x 144, then deletes the run
     python benchmarks/report_memory.py --steps 2000 --keep  # a small one, kept
+    python benchmarks/report_memory.py --steps 6945 --damage --no-plots   # 1M lines, clean and half bad
 """
 from __future__ import annotations
 
@@ -135,6 +142,30 @@ def write_run(run_dir: Path, *, steps: int, layers: int, per_layer: int, shadow_
     return (run_dir / "metrics.csv").stat().st_size
 
 
+def damage(run_dir: Path) -> int:
+    """Put a bad line after every line of ``run_dir``'s metrics.csv (after the header); returns how many."""
+    path = run_dir / "metrics.csv"
+    tmp = path.with_name("metrics.csv.tmp")
+    n = 0
+    with open(path, "rb") as src, open(tmp, "wb") as dst:
+        dst.write(src.readline())
+        for line in src:
+            kind = n % 4
+            if kind == 0:
+                bad = line[: line.rstrip(b"\n").rfind(b",")] + b"\n"  # a short row
+            elif kind == 1:
+                fields = line.split(b",")
+                bad = b",".join(fields[:5] + [b"abc"] + fields[6:])  # a metric that is not a number
+            elif kind == 2:
+                bad = line.replace(b".attn", b".at\xff\xfen", 1)  # bytes that are not UTF-8
+            else:
+                bad = b"\x00\x00 not a row at all\n"
+            dst.write(line + bad)
+            n += 1
+    os.replace(tmp, path)
+    return n
+
+
 def measure_report(run_dir: Path, out_dir: Path, *, plots: bool = True) -> dict:
     """Run ``instability-watch report`` in a child process: its wall time, peak RSS and exit status."""
     cmd = [sys.executable, "-m", "instability_watch.cli", "report", str(run_dir), "--out", str(out_dir)]
@@ -166,6 +197,8 @@ def main(argv=None) -> int:
     parser.add_argument("--keep", action="store_true", help="keep the run directory (default: delete it)")
     parser.add_argument("--no-plots", action="store_true", help="also measure the report without plots")
     parser.add_argument("--json", type=Path, default=None, help="write the results here as JSON")
+    parser.add_argument("--damage", action="store_true", help="also a damaged run of half the steps, a bad line "
+                        "after every good one, as long as the clean run's metrics.csv")
     args = parser.parse_args(argv)
     if args.heads % args.layers:
         parser.error(f"--heads must be a multiple of --layers, got {args.heads} and {args.layers}")
@@ -193,6 +226,22 @@ def main(argv=None) -> int:
             print(m["stdout"][-3000:], m["stderr"][-2000:], sep="\n")
             print(f"{name}: exit {m['returncode']}, wall {m['wall_s']:.1f} s, peak RSS {m['peak_rss_gib']:.2f} GiB"
                   f" ({m['peak_rss_gib'] * 2**30 / size:.2f}x the CSV)", flush=True)
+        if args.damage:
+            bad_dir = args.dir / "damaged"
+            if bad_dir.exists():
+                shutil.rmtree(bad_dir)
+            write_run(bad_dir, steps=args.steps // 2, layers=args.layers, per_layer=args.heads // args.layers,
+                      shadow_every=args.shadow_every, spectral_every=args.spectral_every)
+            result["damaged_bad_lines"] = damage(bad_dir)
+            bad_size = (bad_dir / "metrics.csv").stat().st_size
+            result["damaged_metrics_csv_bytes"] = bad_size
+            for name, plots in runs:
+                m = measure_report(bad_dir, args.dir / "report_damaged", plots=plots)
+                result[f"damaged {name}"] = {k: v for k, v in m.items() if k not in ("stdout", "stderr")}
+                print(m["stdout"][-1500:], m["stderr"][-2000:], sep="\n")
+                print(f"damaged {name}: exit {m['returncode']}, wall {m['wall_s']:.1f} s, peak RSS "
+                      f"{m['peak_rss_gib']:.2f} GiB ({bad_size / 1e9:.2f} GB, {result['damaged_bad_lines']} bad lines)",
+                      flush=True)
     finally:
         if not args.keep:
             shutil.rmtree(args.dir, ignore_errors=True)

@@ -62,7 +62,9 @@ BAD_LINES = {
     "step outside int64": b"99999999999999999999,0,tied,1,2.5," + b",".join([b"1"] * 13) + b"\n",
     "head not a number": b"5,0,tied,x,2.5," + b",".join([b"1"] * 13) + b"\n",
     "metric not a number": b"5,0,tied,1,2.5,abc," + b",".join([b"1"] * 12) + b"\n",
-    "empty metric": b"5,0,tied,1,," + b",".join([b"1"] * 13) + b"\n",
+    "empty step": b",0,tied,1,2.5," + b",".join([b"1"] * 13) + b"\n",
+    "step with a fraction": b"5.5,0,tied,1,2.5," + b",".join([b"1"] * 13) + b"\n",
+    "metric with an underscore": b"5,0,tied,1,2.5,1_0," + b",".join([b"1"] * 12) + b"\n",
     "not UTF-8": b"5,0,ti\xff\xfeed,1,2.5," + b",".join([b"1"] * 13) + b"\n",
     "blank line": b"\n",
     "unquoted comma in the name": b"5,0,ti,ed,1,2.5," + b",".join([b"1"] * 13) + b"\n",
@@ -89,6 +91,39 @@ def test_many_bad_lines_in_small_blocks(real_run, run):
         read = load_run(run, block_bytes=block_bytes)
         assert read.problems == ["metrics.csv: 8 malformed lines skipped (first at line 3)"], block_bytes
         _same_rows(read.metrics, load_run(real_run).metrics)
+
+
+def test_empty_float_cells_read_as_nan(real_run, run):
+    """pandas writes NaN as an empty cell: a run filtered with pandas and written back reads as it was."""
+    whole = load_run(real_run)
+    whole.metrics.to_csv(run / "metrics.csv", index=False)  # NaN -> "", floats in pandas' repr
+    assert b",," in (run / "metrics.csv").read_bytes()  # there are empty cells (steps without shadow, sigma)
+    read = load_run(run)
+    assert read.problems == []
+    pd.testing.assert_frame_equal(read.metrics, whole.metrics, check_exact=False, rtol=1e-7)
+
+
+def test_a_half_damaged_file_costs_a_few_parses_a_block_and_keeps_every_good_row(real_run, run, monkeypatch):
+    """Every other line bad, of many kinds: each is skipped and the first named, every good row is kept, and
+    each block is parsed a bounded number of times however many of its lines are bad (a screen of its lines,
+    not a halving down to each bad line)."""
+    from instability_watch.outputs.rundir import reader
+
+    path = run / "metrics.csv"
+    lines = _lines(path)
+    kinds = [k for k in BAD_LINES if b'"' not in BAD_LINES[k] and k != "blank line"]
+    damaged = [lines[0]]
+    for i, line in enumerate(lines[1:]):
+        damaged += [line, BAD_LINES[kinds[i % len(kinds)]]]
+    path.write_bytes(b"".join(damaged))
+    clean = load_run(real_run).metrics
+    calls = []
+    real_parse = reader._parse
+    monkeypatch.setattr(reader, "_parse", lambda data, table: calls.append(table.name) or real_parse(data, table))
+    read = load_run(run)
+    assert read.problems == [f"metrics.csv: {len(lines) - 1} malformed lines skipped (first at line 3)"]
+    _same_rows(read.metrics, clean)
+    assert calls.count("metrics.csv") == 2  # the block as it is, then its good lines at once
 
 
 def test_torn_last_line_and_the_incomplete_last_step_are_dropped(real_run, run):

@@ -131,7 +131,6 @@ class Table:
     name: str
     columns: Tuple[str, ...]
     key: Tuple[str, ...]
-    blank: Tuple[str, ...] = ()  # float columns in which an empty field means "no value" (a switch has none)
 
     @property
     def dtypes(self) -> Dict[str, object]:
@@ -151,5 +150,5 @@ class Table:
 
 
 METRICS_TABLE = Table(METRICS_FILE, METRIC_COLUMNS, INT_COLUMNS)
-EVENTS_TABLE = Table(EVENTS_FILE, EVENT_COLUMNS, ("step", "layer", "head", "event", "kind"), blank=("value", "threshold"))
+EVENTS_TABLE = Table(EVENTS_FILE, EVENT_COLUMNS, ("step", "layer", "head", "event", "kind"))
 
