@@ -31,8 +31,8 @@ follows one rule:
   exists but is not a JSON object.
 * Skipped, never silently: a line that does not parse (the wrong number of
   fields; step, layer or head not an integer within int64; a metric that is
-  not a number, ``nan`` or ``inf``; bytes that are not UTF-8; a row spread over
-  two lines); a last line without its newline (a torn write); the last step of
+  not a number, ``nan`` or ``inf`` (an empty metric cell is NaN, as pandas writes
+  it); bytes that are not UTF-8; a row spread over two lines); a last line without its newline (a torn write); the last step of
   metrics.csv when it has fewer rows than the run has heads, as a run killed
   mid-write leaves it (the heads are the (layer, head) pairs metrics.csv holds;
   meta.json's count only where it agrees with them). Every good row is kept,
