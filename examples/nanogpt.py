@@ -33,6 +33,10 @@ class GPTConfig:
     # nanoGPT's dropout: on attention probabilities (SDPA's dropout_p), after the attention and
     # MLP projections and on the embeddings. 0.0 as nanoGPT's default (pretraining); 0.1 for finetuning.
     dropout: float = 0.0
+    # None: the attention computes in its inputs' dtype (autocast's, under autocast). A dtype (e.g.
+    # torch.bfloat16): q, k, v are cast to it for SDPA and the output cast back, so the attention runs in
+    # BF16 while the rest of the model runs in float32 (the CPU demo on CPUs without native BF16).
+    attention_dtype: Optional[torch.dtype] = None
 
     def __post_init__(self) -> None:
         for name in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -41,6 +45,10 @@ class GPTConfig:
                 raise ValueError(f"GPTConfig.{name} must be a positive int, got {value!r}")
         if not isinstance(self.dropout, (int, float)) or isinstance(self.dropout, bool) or not 0 <= self.dropout < 1:
             raise ValueError(f"GPTConfig.dropout must be a number in [0, 1), got {self.dropout!r}")
+        if self.attention_dtype is not None and not (isinstance(self.attention_dtype, torch.dtype)
+                                                     and self.attention_dtype.is_floating_point):
+            raise ValueError(f"GPTConfig.attention_dtype must be None or a floating torch.dtype, got "
+                             f"{self.attention_dtype!r}")
         if self.n_embd % self.n_head:
             raise ValueError(f"GPTConfig.n_embd ({self.n_embd}) must be divisible by n_head ({self.n_head})")
 
@@ -60,6 +68,7 @@ class CausalSelfAttention(nn.Module):
         self.c_proj = nn.Linear(config.n_embd, config.n_embd, bias=config.bias)
         self.dropout = float(config.dropout)
         self.resid_dropout = nn.Dropout(config.dropout)
+        self.attention_dtype = config.attention_dtype
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``x`` ``(B, T, C)`` -> ``(B, T, C)``, same dtype (autocast's under autocast).
@@ -72,7 +81,12 @@ class CausalSelfAttention(nn.Module):
         q = q.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         k = k.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
         v = v.view(B, T, self.n_head, C // self.n_head).transpose(1, 2)
+        dt = self.attention_dtype
+        if dt is not None:
+            q, k, v = q.to(dt), k.to(dt), v.to(dt)
         y = F.scaled_dot_product_attention(q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True)
+        if dt is not None:
+            y = y.to(x.dtype)
         y = y.transpose(1, 2).contiguous().view(B, T, C)
         return self.resid_dropout(self.c_proj(y))
 

@@ -81,13 +81,14 @@ PRESETS = {
 class GPTModule(pl.LightningModule):
     """nanoGPT's GPT as a LightningModule: next-byte prediction, AdamW, warm-up + cosine schedule."""
 
-    def __init__(self, preset: Preset, compile: bool = False) -> None:
+    def __init__(self, preset: Preset, compile: bool = False, attention_bf16: bool = False) -> None:
         super().__init__()
-        self.save_hyperparameters({"preset": asdict(preset), "compile": compile})
+        self.save_hyperparameters({"preset": asdict(preset), "compile": compile, "attention_bf16": attention_bf16})
         self.preset = preset
         self.model = GPT(GPTConfig(vocab_size=256, block_size=preset.block, n_layer=preset.n_layer,
                                    n_head=preset.n_head, n_embd=preset.n_embd,
-                                   pos_embedding=preset.pos_embedding))
+                                   pos_embedding=preset.pos_embedding,
+                                   attention_dtype=torch.bfloat16 if attention_bf16 else None))
         self.compile = compile
 
     def configure_model(self) -> None:
@@ -183,6 +184,25 @@ def strategy_for(name: str, devices: int = 1):
     return name
 
 
+PRECISIONS = ("auto", "bf16-mixed", "attention-bf16")
+
+
+def cpu_has_fast_bf16() -> bool:
+    """Whether this CPU multiplies BF16 matrices natively (oneDNN with AVX-512 BF16 or AMX; ``ONEDNN_MAX_CPU_ISA``
+    limits it as it limits oneDNN). Without, BF16 products are emulated, ~30x slower than float32."""
+    try:
+        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    except (AttributeError, RuntimeError):
+        return False
+
+
+def choose_precision(requested: str, gpu: bool) -> str:
+    """``--precision`` resolved: ``auto`` is ``bf16-mixed``, except on a CPU without fast BF16."""
+    if requested != "auto":
+        return requested
+    return "bf16-mixed" if gpu or cpu_has_fast_bf16() else "attention-bf16"
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--preset", choices=sorted(PRESETS), default="cpu-demo", help="model and schedule (default cpu-demo)")
@@ -200,6 +220,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--pos-embedding", action=argparse.BooleanOptionalAction, default=None,
                     help="learned position embeddings (default: the preset's)")
     ap.add_argument("--compile", action="store_true", help="torch.compile the model")
+    ap.add_argument("--precision", choices=PRECISIONS, default="auto",
+                    help="bf16-mixed: the whole model in BF16 (autocast); attention-bf16: the attention in BF16, the "
+                         "rest in float32; auto (default): bf16-mixed, except on a CPU without native BF16 matrix "
+                         "products (AVX-512 BF16, AMX), where it is attention-bf16 (bf16-mixed is ~10x slower there)")
     ap.add_argument("--devices", type=int, default=1, help="devices (GPUs, or CPU processes) to train on")
     ap.add_argument("--strategy", default="auto",
                     help="Lightning strategy: ddp, fsdp (FSDP1, a unit per block; GPUs only), fsdp2 (FSDP2), or "
@@ -244,7 +268,11 @@ def main(argv=None) -> int:
         val = DataLoader(ByteWindows(val_bytes, preset.block, 20 * preset.batch, seed=args.seed + 1),
                          batch_size=preset.batch)
 
-    model = GPTModule(preset, compile=args.compile)
+    precision = choose_precision(args.precision, gpu)
+    if precision == "attention-bf16" and args.precision == "auto":
+        print("this CPU has no native BF16 matrix products: the attention (what the watch observes) runs in BF16, "
+              "the rest of the model in float32 (--precision bf16-mixed: all in BF16, ~10x slower here)", flush=True)
+    model = GPTModule(preset, compile=args.compile, attention_bf16=precision == "attention-bf16")
     logger = CSVLogger(args.out, name=args.preset)
     callbacks = [RichProgressBar(leave=True), Speed()]
     if not args.no_checkpoint:
@@ -257,7 +285,7 @@ def main(argv=None) -> int:
     trainer = pl.Trainer(
         accelerator="gpu" if gpu else "cpu", devices=args.devices,
         strategy=strategy_for(args.strategy, args.devices),
-        precision="bf16-mixed", max_steps=preset.steps, accumulate_grad_batches=preset.accumulate,
+        precision="bf16-mixed" if precision == "bf16-mixed" else "32-true", max_steps=preset.steps, accumulate_grad_batches=preset.accumulate,
         gradient_clip_val=1.0, logger=logger, callbacks=callbacks, log_every_n_steps=10,
         val_check_interval=(preset.val_every * preset.accumulate if val is not None else None),
         check_val_every_n_epoch=None if val is not None else 1, limit_val_batches=20 if val is not None else 0,
@@ -269,7 +297,7 @@ def main(argv=None) -> int:
     speed = next(c for c in callbacks if isinstance(c, Speed)).result
     summary = {
         "preset": args.preset, "steps": trainer.global_step, "devices": args.devices, "strategy": args.strategy,
-        "watch": watch_cb is not None, "compile": args.compile, "speed": speed,
+        "watch": watch_cb is not None, "compile": args.compile, "precision": precision, "speed": speed,
         # ranks that train on their own batches (the distributed sampler's replicas)
         "data_parallel": (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get("num_replicas", 1),
         "final_loss": float(trainer.callback_metrics.get("loss", float("nan"))),
