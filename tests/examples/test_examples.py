@@ -56,6 +56,36 @@ def test_train_gpt2_cpu_demo_shortened(tmp_path, capsys, monkeypatch):
     assert len(list((tmp_path / "report").glob("*.png"))) == 5
 
 
+@pytest.mark.parametrize("fast_bf16", [True, False])
+def test_the_main_job_runs_attention_in_bf16_on_every_cpu(tmp_path, capsys, monkeypatch, fast_bf16):
+    """On a CPU with native BF16 the whole model trains in bf16-mixed; on one without (emulated BF16 products
+    are ~30x slower) only the attention runs in BF16, the rest in float32, and the run says so in one line.
+    Either way every attention call the watch observes computes in BF16."""
+    mod = _load("train_gpt2")
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: None)
+    monkeypatch.setattr(mod, "cpu_has_fast_bf16", lambda: fast_bf16)
+    seen = []
+    real_sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(q, k, v, *args, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype, torch.is_autocast_enabled("cpu")))
+        return real_sdpa(q, k, v, *args, **kwargs)
+
+    monkeypatch.setattr(sys.modules["nanogpt"].F, "scaled_dot_product_attention", sdpa)
+    assert mod.main(["--steps", "4", "--batch", "2", "--out", str(tmp_path), "--no-checkpoint"]) == 0
+    out = capsys.readouterr().out
+    summary = json.loads((tmp_path / "cpu-demo" / "version_0" / "summary_rank0.json").read_text())
+    notice = "this CPU has no native BF16 matrix products"
+    if fast_bf16:
+        assert summary["precision"] == "bf16-mixed" and notice not in out
+        assert all(autocast for *_, autocast in seen)  # SDPA casts float32 inputs to BF16 under autocast
+    else:
+        assert summary["precision"] == "attention-bf16" and out.count(notice) == 1
+        assert seen and all(tuple(d) == (torch.bfloat16,) * 3 and not autocast for *d, autocast in seen)
+    assert mod.choose_precision("bf16-mixed", gpu=False) == "bf16-mixed"
+    assert mod.choose_precision("auto", gpu=True) == "bf16-mixed"
+
+
 def test_train_gpt2_argument_errors(capsys):
     mod = _load("train_gpt2")
     with pytest.raises(SystemExit):
@@ -120,3 +150,18 @@ def test_train_gpt2_refuses_fsdp1_on_cpu(capsys, monkeypatch):
     with pytest.raises(SystemExit):
         mod.main(["--strategy", "fsdp", "--devices", "2"])
     assert "--strategy fsdp needs GPUs" in capsys.readouterr().err
+
+
+def test_the_shipped_failure_run_reports_the_heads_that_blew_up(tmp_path, capsys):
+    """examples/failure_run (a thinned run directory of the first 4-GPU arm): the report reads it cleanly, names
+    layer 1's heads whose sigma(W_Q) grew about x100 first, and draws every plot."""
+    run_dir = EXAMPLES / "failure_run"
+    run = load_run(run_dir)
+    assert run.problems == [] and run.metrics["step"].max() == 4491 and run.metrics["head"].nunique() == 12
+    assert cli_main(["report", str(run_dir), "--out", str(tmp_path), "--top", "6"]) == 0
+    out = capsys.readouterr().out
+    assert "alerts: 50 on 19 of 144 heads" in out
+    for head in ("h.1.attn h4", "h.1.attn h5"):
+        line = next(ln for ln in out.splitlines() if ln.startswith(head))
+        assert "×10" in line  # sigma(W_Q) grew about a hundredfold
+    assert len(list(tmp_path.glob("*.png"))) == 5
