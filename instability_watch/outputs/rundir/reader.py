@@ -29,6 +29,7 @@ from instability_watch.outputs.rundir.schema import (
     Table,
     read_meta,
 )
+from instability_watch.outputs.rundir.screen import bad_lines
 
 if TYPE_CHECKING:  # pragma: no cover
     import pandas as pd
@@ -82,7 +83,7 @@ def _good_rows(block: bytes, table: Table, first_line: int, tally: _Tally) -> Tu
     """The rows of the lines of ``block`` that parse, and the number of lines; the others are tallied.
 
     The block is parsed at once. Only if that fails are its lines screened for what certainly does not parse
-    (:func:`_bad_lines`, about a microsecond a line) and the rest parsed at once again; a line the screen
+    (:func:`~instability_watch.outputs.rundir.screen.bad_lines`, about a microsecond a line) and the rest parsed at once again; a line the screen
     cannot judge and the parser refuses is found by halving. So a damaged block costs two parses and one
     pass over its lines however many of them are bad, and every good line is kept.
     """
@@ -93,7 +94,7 @@ def _good_rows(block: bytes, table: Table, first_line: int, tally: _Tally) -> Tu
         pass
     lines = block.split(b"\n")[:-1]  # whole lines: the block ends with one
     lines = [line + b"\n" for line in lines]
-    bad = set(_bad_lines(lines, table))
+    bad = set(bad_lines(lines, table))
     keep = [i for i in range(len(lines)) if i not in bad]
     parts: List["pd.DataFrame"] = []
 
@@ -116,61 +117,6 @@ def _good_rows(block: bytes, table: Table, first_line: int, tally: _Tally) -> Tu
     for i in sorted(bad):  # in file order: the first one is named
         tally.skip(first_line + i)
     return parts, len(lines)
-
-
-def _bad_lines(lines: List[bytes], table: Table) -> List[int]:
-    """The indices of ``lines`` that certainly do not parse as rows of ``table``: empty, not UTF-8, the wrong
-    number of fields (one count of commas a line), then, among the rest, values of the wrong kind: an integer
-    column that is not an integer within int64, a float column that is neither a number nor empty, ``nan`` or
-    ``NaN`` (:func:`_bad_values`, one parse). Lines with a quote or a carriage return are not judged here
-    (the parser is)."""
-    want = len(table.columns) - 1
-    bad, plain = [], []
-    for n, line in enumerate(lines):
-        if b'"' in line or b"\r" in line:
-            continue
-        if len(line) <= 1 or line.count(b",") != want:
-            bad.append(n)
-            continue
-        if not line.isascii():
-            try:
-                line.decode("utf-8")
-            except UnicodeDecodeError:
-                bad.append(n)
-                continue
-        plain.append(n)
-    if plain:
-        bad += [plain[i] for i in _bad_values(b"".join(lines[n] for n in plain), table)]
-    return bad
-
-
-def _bad_values(data: bytes, table: Table) -> List[int]:
-    """The rows of ``data`` (whole lines of the right number of fields, UTF-8, no quotes) whose numbers do not
-    parse as ``table``'s types: one parse that lets pandas infer each column's type, then a look at the few
-    columns that came back as text."""
-    import pandas as pd
-
-    floats = [c for c, t in table.dtypes.items() if t == "float64"]
-    frame = pd.read_csv(io.BytesIO(data), header=None, names=list(table.columns), index_col=False,
-                        dtype={c: object for c in table.columns if c in TEXT_COLUMNS},
-                        na_values={c: NAN_TEXT + [""] for c in floats}, keep_default_na=False, engine="c",
-                        encoding="utf-8")
-    ok = np.ones(len(frame), dtype=bool)
-    for c in table.columns:
-        col = frame[c]
-        if c in TEXT_COLUMNS or (c in floats and col.dtype.kind == "f"):
-            continue
-        if col.dtype.kind in "iu":  # integers: within int64
-            ok &= (col.to_numpy() <= np.iinfo(np.int64).max) if col.dtype.kind == "u" else True
-            continue
-        text = col.dtype == object
-        num = pd.to_numeric(col.where(~col.map(lambda x: isinstance(x, str) and "_" in x), "x") if text else col,
-                            errors="coerce").to_numpy(dtype=np.float64, na_value=np.nan)
-        if c in floats:  # a number, or NaN where the cell was empty, nan or NaN (pandas made those NaN already)
-            ok &= ~np.isnan(num) | col.map(lambda x: not isinstance(x, str)).to_numpy(dtype=bool)
-        else:  # an int64 as pandas reads one: 5, +5, 5.0, 1e3
-            ok &= np.isfinite(num) & (num == np.floor(num)) & (np.abs(num) <= 2.0 ** 63)
-    return np.flatnonzero(~ok).tolist()
 
 
 def _open_table(path: Path, table: Table) -> Tuple[Optional[io.BufferedReader], str]:
