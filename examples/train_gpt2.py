@@ -269,7 +269,7 @@ def main(argv=None) -> int:
                          batch_size=preset.batch)
 
     precision = choose_precision(args.precision, gpu)
-    if precision == "attention-bf16" and args.precision == "auto":
+    if precision == "attention-bf16" and args.precision == "auto" and os.environ.get("LOCAL_RANK", "0") == "0":
         print("this CPU has no native BF16 matrix products: the attention (what the watch observes) runs in BF16, "
               "the rest of the model in float32 (--precision bf16-mixed: all in BF16, ~10x slower here)", flush=True)
     model = GPTModule(preset, compile=args.compile, attention_bf16=precision == "attention-bf16")
@@ -285,7 +285,8 @@ def main(argv=None) -> int:
     trainer = pl.Trainer(
         accelerator="gpu" if gpu else "cpu", devices=args.devices,
         strategy=strategy_for(args.strategy, args.devices),
-        precision="bf16-mixed" if precision == "bf16-mixed" else "32-true", max_steps=preset.steps, accumulate_grad_batches=preset.accumulate,
+        precision="bf16-mixed" if precision == "bf16-mixed" else "32-true",
+        max_steps=preset.steps, accumulate_grad_batches=preset.accumulate,
         gradient_clip_val=1.0, logger=logger, callbacks=callbacks, log_every_n_steps=10,
         val_check_interval=(preset.val_every * preset.accumulate if val is not None else None),
         check_val_every_n_epoch=None if val is not None else 1, limit_val_batches=20 if val is not None else 0,

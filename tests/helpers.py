@@ -15,30 +15,50 @@ EXAMPLES = REPO / "examples"  # nanogpt.py and byte_corpus.py, imported by name
 
 
 def run_process(cmd, *, timeout: float, **kwargs) -> subprocess.CompletedProcess:
-    """Run ``cmd`` as ``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)`` does, in a
-    process group of its own that is killed when the command ends, fails or times out: nothing a test starts
-    outlives it (a torchrun rank stuck in its teardown after the launcher returned included). Raises
-    ``subprocess.TimeoutExpired`` as ``subprocess.run`` does."""
+    """Run ``cmd`` as ``subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, **kwargs)`` does, and
+    kill what it started when it ends, fails or times out: nothing a test starts outlives it. Raises
+    ``subprocess.TimeoutExpired`` as ``subprocess.run`` does.
+
+    What it started is its process group and every process that carries its token in its environment:
+    torchrun starts each rank in a session of its own, and a rank stuck in its teardown after the launcher
+    returned is in neither the launcher's group nor its children. The output goes to files, not pipes, so a
+    lingering rank that holds them cannot keep the call waiting."""
+    import tempfile
+    import uuid
+
     kwargs.pop("capture_output", None)
     kwargs.pop("text", None)
-    proc = subprocess.Popen(cmd, start_new_session=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            **kwargs)
-    try:
-        out, err = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        proc.communicate()
-        raise
-    finally:
-        _kill_group(proc)
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, err)
+    token = uuid.uuid4().hex
+    env = dict(kwargs.pop("env", None) or os.environ)
+    env[_TOKEN] = token
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        proc = subprocess.Popen(cmd, start_new_session=True, stdout=out, stderr=err, text=True, env=env, **kwargs)
+        try:
+            proc.wait(timeout=timeout)
+        finally:
+            _kill_all(proc, token)
+            proc.wait()
+        out.seek(0)
+        err.seek(0)
+        return subprocess.CompletedProcess(cmd, proc.returncode, out.read(), err.read())
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+_TOKEN = "INSTABILITY_WATCH_TEST_PROCESS"
+
+
+def _kill_all(proc: subprocess.Popen, token: str) -> None:
+    """SIGKILL ``proc``'s process group and every process whose environment holds ``token`` (Linux's /proc)."""
     try:
         os.killpg(proc.pid, signal.SIGKILL)
     except (ProcessLookupError, PermissionError):
         pass
+    mark = f"{_TOKEN}={token}".encode()
+    for entry in Path("/proc").glob("[0-9]*"):
+        try:
+            if mark in (entry / "environ").read_bytes().split(b"\0"):
+                os.kill(int(entry.name), signal.SIGKILL)
+        except (OSError, ValueError):
+            pass
 
 
 def child_env(home, **extra) -> dict:
