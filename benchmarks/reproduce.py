@@ -10,7 +10,9 @@ Arms (what the attention computes):
 * ``standard``: PyTorch's SDPA at its default backend (cuDNN or flash on a GPU;
   the same precision model as FA2: P rounded to BF16 for P V);
 * ``control``: our standard kernel, with the backward's delta = rowsum(dO * O)
-  taking O in float32 (the paper's Claim 1 control; ``experimental.high_precision_delta``);
+  taking O in float32 (the paper's Claim 1 control; ``experimental.high_precision_delta``:
+  on the GPU a pre-pass of our dQ kernel, P unrounded, checked at start against PyTorch's
+  float32 attention, which it falls back to if they disagree);
 * ``kernel``: our standard kernel with the ordinary delta (the control's pair: only delta differs);
 * ``stabilized``: every head on our stabilized kernel (the paper's fix) from step 1.
 
@@ -69,7 +71,7 @@ import torch.distributed as dist
 
 from instability_watch import InstabilityWatch, WatchConfig, flash_attention
 from instability_watch.callbacks.common import open_on_rank_zero
-from instability_watch.experimental import high_precision_delta
+from instability_watch.experimental import high_precision_delta_calls
 from instability_watch.outputs.rundir import RunWriter, load_run
 
 from _common import DIVERGENCE_JUMP, ExplosionDetector, device_name, explosion_step
@@ -160,8 +162,9 @@ def batch_at(data: torch.Tensor, cfg: RunConfig, step: int, rank: int = 0, world
     return chunk[:, :-1], chunk[:, 1:]
 
 
-def use_kernel_directly(model: GPT, stabilize: bool) -> None:
-    """Unwatched runs: every attention layer calls ``flash_attention`` itself (no watch, no routing)."""
+def use_kernel_directly(model: GPT, stabilize: bool, control: bool = False) -> None:
+    """Unwatched runs: every attention layer calls ``flash_attention`` itself (no watch, no routing);
+    ``control``: with the backward's delta from a float32 O."""
     for block in model.h:
         attn = block.attn
         dev = attn.c_attn.weight.device
@@ -171,10 +174,33 @@ def use_kernel_directly(model: GPT, stabilize: bool) -> None:
             B, T, C = x.shape
             q, k, v = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2)
                        for t in attn.c_attn(x).split(attn.n_embd, dim=2))
-            y = flash_attention(q, k, v, causal=True, stabilize=flags)
+            y = flash_attention(q, k, v, causal=True, stabilize=flags, high_precision_delta=control)
             return attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
         attn.forward = forward
+
+
+def control_preflight(device: str) -> str:
+    """The control's delta on this GPU: our dQ kernel's pre-pass (``"kernel"``) if its gradients match
+    those of ``O`` recomputed by PyTorch in float32 on a small call, else ``"pytorch"`` (that path is then
+    taken for the whole run, through ``INSTABILITY_WATCH_HP_DELTA``)."""
+    g = torch.Generator(device="cpu").manual_seed(0)
+    q, k, v, do = (torch.randn(2, 4, 300, 64, generator=g).to(device, torch.bfloat16) for _ in range(4))
+    grads = {}
+    try:
+        for path in ("pytorch", "kernel"):
+            os.environ["INSTABILITY_WATCH_HP_DELTA"] = path
+            qq = q.clone().requires_grad_(True)
+            flash_attention(qq, k, v, causal=True, high_precision_delta=True).backward(do)
+            grads[path] = qq.grad.float()
+        err = (grads["kernel"] - grads["pytorch"]).abs().max().item()
+        ok = err <= 2 ** -7 * grads["pytorch"].abs().max().item()
+        why = f"max |dQ difference| {err:.3g}"
+    except Exception as exc:  # noqa: BLE001 - the run goes on with PyTorch's float32 O
+        ok, why = False, f"{type(exc).__name__}: {exc}"
+    path = "kernel" if ok else "pytorch"
+    os.environ["INSTABILITY_WATCH_HP_DELTA"] = path
+    return f"{path} ({why})"
 
 
 # ---------------------------------------------------------------------------
@@ -248,10 +274,13 @@ def train(args) -> int:
     del text
     data = data.to(device)
 
+    control_delta = control_preflight(device) if cfg.arm == "control" and device.startswith("cuda") else None
+    if lead and control_delta:
+        print(f"[{out.name}] the control's delta from a float32 O: {control_delta}", flush=True)
     watch = writer = None
     if cfg.watch == "off":
         if cfg.arm != "standard":
-            use_kernel_directly(model, stabilize=cfg.arm == "stabilized")
+            use_kernel_directly(model, stabilize=cfg.arm == "stabilized", control=cfg.arm == "control")
     else:
         wcfg = WatchConfig(log_every=cfg.log_every, probe_every=cfg.probe_every, shadow_every=cfg.shadow_every,
                            spectral_every=cfg.spectral_every, warmup_steps=cfg.watch_warmup,
@@ -260,8 +289,8 @@ def train(args) -> int:
         writer = RunWriter(out / "run", overwrite=not resume) if lead else None
         watch = InstabilityWatch(model, wcfg, listeners=[writer] if writer else [])
         if cfg.arm in ("control", "kernel"):  # our standard kernel everywhere, observed like any other call
-            for layer in range(len(watch.head_counts)):
-                watch.observation.route(layer)
+            for layer in range(len(watch.head_counts)):  # the control's delta is an argument of the compiled op
+                watch.observation.route(layer, high_precision_delta=cfg.arm == "control")
     exploded = ExplosionDetector(args.ema, args.jump, cfg.warmup)
     step = 0
     if resume:
@@ -340,7 +369,7 @@ def train(args) -> int:
                 x, y = xs[i * micro: (i + 1) * micro], ys[i * micro: (i + 1) * micro]
                 # DDP all-reduces the gradients in the step's last backward only
                 no_sync = net.no_sync() if world > 1 and i < accumulate - 1 else contextlib.nullcontext()
-                with no_sync, autocast, high_precision_delta(cfg.arm == "control"):
+                with no_sync, autocast:
                     _, loss = net(x, y)
                     loss = loss / accumulate
                 loss.backward()
@@ -377,6 +406,9 @@ def train(args) -> int:
                 hist_lr.clear()
                 if t_warm is None:  # the first log step: compiled, one probe step done
                     t_warm, warm_step = time.perf_counter(), step
+                    if cfg.arm == "control" and high_precision_delta_calls() == 0:  # every rank alike
+                        raise SystemExit(f"error: the control arm's backward took no delta from a float32 O in "
+                                         f"{step} steps: this run would not be the control")
                 if lead and step % args.print_every < cfg.log_every:
                     rate = (step - start_step) / (now - t0)
                     print(f"[{out.name}] step {step} loss {rows[-1][0]:.4f} lr {lr:.2e} "
@@ -413,6 +445,7 @@ def train(args) -> int:
             writer.close()
     elapsed = t_end - t0
     status = {"step": step, "stopped": reason, "explosion_step": exploded.step,
+              "control_delta": control_delta, "high_precision_delta_calls": high_precision_delta_calls(),
               "seconds": round(elapsed, 1), "steps_per_s": round((step - start_step) / max(elapsed, 1e-9), 3),
               # after the first log step (compiling and the first probe done)
               "steps_per_s_warm": (round((step - warm_step) / (t_end - t_warm), 3)

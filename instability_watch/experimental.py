@@ -8,9 +8,16 @@ from __future__ import annotations
 
 import contextlib
 
+from instability_watch.kernels.attention import ops
 from instability_watch.kernels.attention.ops import HIGH_PRECISION_DELTA
 
-__all__ = ["high_precision_delta"]
+__all__ = ["high_precision_delta", "high_precision_delta_calls"]
+
+
+def high_precision_delta_calls() -> int:
+    """How many attention backward calls in this process took ``delta`` from a float32 ``O``
+    (the control experiment's check that it is running: a run meant to be the control with 0 is not one)."""
+    return ops.HIGH_PRECISION_DELTA_CALLS
 
 
 @contextlib.contextmanager
@@ -25,7 +32,10 @@ def high_precision_delta(enabled: bool = True):
     unchanged, so a training run inside it differs from a standard one only by
     the rounding bias the paper blames (Claim 1). Costs one float32 attention
     forward per call in the backward (``O_hp`` (B, H, N, D) and ``delta`` (B, H, N) in
-    float32, float64 for float64 inputs); eager only (ignored under ``torch.compile``).
+    float32, float64 for float64 inputs). Eager calls only: ``torch.compile`` cannot read
+    the context, so compiled code passes ``flash_attention(..., high_precision_delta=True)``
+    or routes a watched layer with ``watch.observation.route(layer, high_precision_delta=True)``;
+    :func:`high_precision_delta_calls` counts the backward calls that took it, compiled or not.
     A shadow step's ``delta`` drift then measures this ``delta`` against the
     kernel's own ``delta_hp`` (about 0). A research tool, not a fix: use
     ``stabilize`` for that.

@@ -16,7 +16,7 @@ from typing import Optional, Union
 
 import torch
 
-from instability_watch.kernels.attention.ops import FlashAttention
+from instability_watch.kernels.attention.ops import HIGH_PRECISION_DELTA, FlashAttention
 from instability_watch.kernels.attention.reference import attention_backward_lse, attention_forward_lse
 from instability_watch.kernels.common import (
     DEFAULT_BETA,
@@ -242,6 +242,7 @@ def flash_attention(
     backend: str = "auto",
     generator: Optional[torch.Generator] = None,
     seed: Optional[torch.Tensor] = None,
+    high_precision_delta: Optional[bool] = None,
 ) -> torch.Tensor:
     """Attention with FA2's BF16 precision model, per-head stabilization and diagnostics.
 
@@ -283,6 +284,12 @@ def flash_attention(
         eps: two scores within ``eps`` count as the same maximum (0 to 3.4e38).
         backend: ``"auto"`` (Triton for CUDA tensors, the reference otherwise),
             ``"triton"`` or ``"reference"``.
+        high_precision_delta: the paper's control experiment, a research tool
+            (:func:`~instability_watch.experimental.high_precision_delta`): ``True``
+            takes the backward's ``delta = rowsum(dO * O)`` from ``O`` recomputed by
+            PyTorch in float32; ``None`` (default) reads the
+            :func:`~instability_watch.experimental.high_precision_delta` context in
+            eager calls and is ``False`` under ``torch.compile`` (pass ``True`` there).
 
     Returns:
         The attention output, (B, H, N, D), in ``q``'s dtype. Differentiable
@@ -297,6 +304,8 @@ def flash_attention(
         o = flash_attention(q, k, v, causal=True, stabilize=torch.tensor([False, True], device=q.device))
     """
     _check_args(q, k, v, causal, scale, stabilize, beta, eps, probe, backend, attn_mask, dropout_p, generator, seed)
+    if high_precision_delta is not None and not isinstance(high_precision_delta, bool):
+        raise TypeError(f"high_precision_delta must be None, True or False, got {high_precision_delta!r}")
     backend = resolve_backend(q, backend)
     if isinstance(stabilize, bool):
         stabilize = torch.full((q.shape[1],), True, dtype=torch.bool, device=q.device) if stabilize else None
@@ -307,7 +316,9 @@ def flash_attention(
         seed = None
     elif seed is None:
         seed = dropout_seed(generator, q.device)
+    if high_precision_delta is None:
+        high_precision_delta = False if torch.compiler.is_compiling() else HIGH_PRECISION_DELTA.get()
     return FlashAttention.apply(
         q, k, v, attn_mask, seed, stabilize, counts, values, shadow, causal, scale, float(beta), float(eps),
-        float(dropout_p), backend,
+        float(dropout_p), backend, bool(high_precision_delta),
     )

@@ -53,6 +53,7 @@ class Site:
     stabilize: torch.Tensor
     observer: Optional[SdpaObserver] = field(default=None, repr=False)
     routed: bool = False  # runs on our kernels (a head switched, or asked for)
+    high_precision_delta: bool = False  # routed calls' backward takes delta from a float32 O (research)
     armed: bool = False  # its forward goes through the observer now
     reasons: Dict[str, List[str]] = field(default_factory=dict)  # kind -> reasons seen
     _bound: Optional[Callable] = field(default=None, repr=False)
@@ -175,6 +176,7 @@ class Observation:
             ob.shadow = self._shadow and self._collect
             ob.route = site.routed and self._routing
             ob.beta, ob.eps = self.beta, self.eps
+            ob.high_precision_delta = site.high_precision_delta
             ob.on_error = self.on_error
 
     def arm(self, *, stats: bool, shadow: bool) -> None:
@@ -251,10 +253,18 @@ class Observation:
 
     # -- switching ---------------------------------------------------------------------
 
-    def route(self, layer: int, on: bool = True) -> None:
-        """Run ``layer`` on our kernels (``on``) or on PyTorch's SDPA; its ``stabilize`` mask picks the heads."""
+    def route(self, layer: int, on: bool = True, *, high_precision_delta: bool = False) -> None:
+        """Run ``layer`` on our kernels (``on``) or on PyTorch's SDPA; its ``stabilize`` mask picks the heads.
+
+        ``high_precision_delta``: the routed calls' backward takes ``delta`` from ``O`` in float32,
+        compiled or not (the paper's control experiment, a research tool; see
+        :func:`~instability_watch.experimental.high_precision_delta`).
+        """
+        if not isinstance(high_precision_delta, bool):
+            raise TypeError(f"high_precision_delta must be True or False, got {high_precision_delta!r}")
         site = self.sites[layer]
         site.routed = bool(on)
+        site.high_precision_delta = high_precision_delta and site.routed
         self.arm(stats=self._stats, shadow=self._shadow)
 
     def set_stabilized(self, layer: int, head: int, on: bool = True) -> None:
@@ -264,13 +274,13 @@ class Observation:
             raise ValueError(f"head must be in [0, {site.num_heads}) for layer {site.name}, got {head}")
         site.stabilize[head:head + 1].fill_(bool(on))  # a kernel, not a host-to-device copy
         if on and not site.routed:
-            self.route(layer, True)
+            self.route(layer, True, high_precision_delta=site.high_precision_delta)
 
     def reset_switches(self) -> None:
         """Every head standard and every layer back on PyTorch's SDPA."""
         for site in self.sites:
             site.stabilize.zero_()
-            site.routed = False
+            site.routed = site.high_precision_delta = False
         self.arm(stats=self._stats, shadow=self._shadow)
 
     # -- introspection -----------------------------------------------------------------

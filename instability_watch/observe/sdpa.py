@@ -177,6 +177,7 @@ class SdpaObserver(TorchFunctionMode):
         self.counts: Optional[torch.Tensor] = None
         self.values: Optional[torch.Tensor] = None
         self.beta, self.eps = observation.beta, observation.eps
+        self.high_precision_delta = False  # the paper's control on this layer's routed calls (research)
         self.on_error: Optional[Callable[[str, BaseException], None]] = None
         self.sdpa_calls = 0  # eager only: calls seen, to find a forward without any
 
@@ -290,7 +291,8 @@ class SdpaObserver(TorchFunctionMode):
         with no_autocast(q.device.type):
             return flash_attention(q, k, v, attn_mask=mask, dropout_p=float(call.dropout_p),
                                    causal=bool(call.is_causal), scale=call.scale, stabilize=self.stabilize,
-                                   beta=self.beta, eps=self.eps, seed=seed)
+                                   beta=self.beta, eps=self.eps, seed=seed,
+                                   high_precision_delta=self.high_precision_delta)
 
 
 @torch._dynamo.assume_constant_result

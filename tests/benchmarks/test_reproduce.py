@@ -58,6 +58,9 @@ def test_launch_runs_the_arms_and_summarizes(repro, tmp_path, capsys):
     # The control and kernel arms differ in the backward's delta only: the same first forward, then apart.
     control, kernel = (pd.read_csv(tmp_path / n / "train.csv")["loss"] for n in ("control-observe", "kernel-observe"))
     assert control[0] == kernel[0] and not control.equals(kernel)
+    calls = {n: json.loads((tmp_path / n / "status.json").read_text())["high_precision_delta_calls"]
+             for n in ("control-observe", "kernel-observe")}
+    assert calls["control-observe"] >= 15 * 2 and calls["kernel-observe"] == 0  # every step's backward, each layer
     for name, on_ours in (("standard-observe", False), ("control-observe", True), ("kernel-observe", True),
                           ("stabilized-observe", True)):
         coverage = json.loads((tmp_path / name / "run" / "meta.json").read_text())["coverage"]

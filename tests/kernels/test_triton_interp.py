@@ -500,3 +500,38 @@ def test_split_forced_where_the_table_has_no_passes_takes_the_one_pass_tiles(D, 
         assert torch.equal(a, b)
     with pytest.raises(ValueError, match="kernel must be one of"):
         configs.has_launch_config("dkv", 256, dtype)
+
+
+@pytest.mark.parametrize("case", ["causal_gqa", "bool_mask", "dropout"])
+def test_high_precision_delta_prepass_equals_float32_o(case):
+    """The control's delta from the dQ kernel's pre-pass (rowsum(P * dP), P unrounded) gives the
+    gradients of delta = rowsum(dO * O_hp) with O_hp recomputed by PyTorch in float32, and
+    differs from the ordinary backward's."""
+    from instability_watch.kernels.attention import triton as ta
+    from instability_watch.kernels.attention.ops import _high_precision_delta
+    from instability_watch.kernels import dropout_seed
+
+    B, H, h_kv, N, D = 2, 4, (2 if case == "causal_gqa" else 4), 37, 32
+    q, k, v, do = _inputs(("hp_prepass", case), B, H, h_kv, N, D)
+    causal = case != "bool_mask"
+    mask = None
+    if case == "bool_mask":
+        mask = torch.rand(B, 1, N, N, generator=seeded("hp_prepass_mask")) > 0.3
+        mask[..., 0] = True
+    p = 0.25 if case == "dropout" else 0.0
+    seed = dropout_seed(torch.Generator().manual_seed(3), "cpu") if p else None
+    scale = D ** -0.5
+    o, lse2 = ta.attention_forward_lse2(q, k, v, causal=causal, scale=scale, stabilize=None, beta=2.0, eps=1e-3,
+                                        counts=None, values=None, attn_mask=mask, dropout_p=p, seed=seed)
+    common = dict(causal=causal, scale=scale, counts=None, values=None, shadow=False, attn_mask=mask,
+                  dropout_p=p, seed=seed)
+    prepass = ta.attention_backward_lse2(q, k, v, o, lse2, do, delta_hp=True, **common)[:3]
+    delta = _high_precision_delta(q, k, v, do, mask, seed, causal, scale, p)
+    given = ta.attention_backward_lse2(q, k, v, o, lse2, do, delta=delta, **common)[:3]
+    ordinary = ta.attention_backward_lse2(q, k, v, o, lse2, do, **common)[:3]
+    for a, b in zip(prepass, given):
+        assert max_err(a, b) <= 2 ** -7 * b.abs().max()
+    # the check can fail: the ordinary delta moves dQ by more than that tolerance here
+    assert max_err(ordinary[0], given[0]) > 0
+    with pytest.raises(ValueError, match="delta_hp"):
+        ta.attention_backward_lse2(q, k, v, o, lse2, do, delta=delta, delta_hp=True, **common)

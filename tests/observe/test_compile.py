@@ -252,3 +252,30 @@ def test_compiled_watched_model_on_gpu_attached_on_cpu():
         assert np.abs(mc["multi_max_freq"] - me["multi_max_freq"]).mean() <= 0.05
     watch_c.detach()
     watch_e.detach()
+
+
+def test_control_delta_reaches_a_compiled_model():
+    """The paper's control on a routed layer of a compiled, watched model: every backward of that
+    layer takes delta from a float32 O (counted where the op runs), the other layer's none; the
+    gradients are the eager control's."""
+    from instability_watch.experimental import high_precision_delta_calls
+
+    grads = {}
+    for mode in ("eager", "compiled"):
+        torch._dynamo.reset()
+        model, watch, _ = _watched_gpt()
+        watch.observation.route(0, high_precision_delta=True)
+        watch.observation.route(1)
+        forward = torch.compile(model, backend="aot_eager", fullgraph=True) if mode == "compiled" else model
+        before = high_precision_delta_calls()
+        x = _batch(1)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = forward(x, x)[1]
+        loss.backward()
+        assert high_precision_delta_calls() - before == 1, mode  # layer 0's one call
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        watch.detach()
+    for name, g in grads["eager"].items():
+        torch.testing.assert_close(grads["compiled"][name], g, atol=1e-4, rtol=1e-3, msg=name)
+    with pytest.raises(TypeError, match="high_precision_delta"):
+        watch.observation.route(0, high_precision_delta=1)

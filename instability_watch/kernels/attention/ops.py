@@ -16,6 +16,7 @@ passed back to the same backend's backward.
 from __future__ import annotations
 
 import contextvars
+import os
 from typing import Optional, Tuple
 
 import torch
@@ -42,11 +43,16 @@ ERROR_HANDLER: contextvars.ContextVar = contextvars.ContextVar("instability_watc
 
 # The paper's control experiment (its Claim 1): while True, the backward of an eager call
 # takes delta = rowsum(dO * O_hp), O_hp the exact softmax(S) V in float32, instead of
-# rowsum(dO * O) from the stored low-precision O. Read at the forward (the backward runs
-# on autograd's threads); set through ``instability_watch.experimental.high_precision_delta()``.
+# rowsum(dO * O) from the stored low-precision O. Read by ``flash_attention`` when its own
+# ``high_precision_delta`` argument is None (eager calls only: torch.compile cannot read a
+# context variable; a compiled call takes the argument); set through
+# ``instability_watch.experimental.high_precision_delta()``.
 HIGH_PRECISION_DELTA: contextvars.ContextVar = contextvars.ContextVar(
     "instability_watch_high_precision_delta", default=False
 )
+# Backward calls that took the control's delta (counted where the op runs, compiled or not):
+# a run meant to be the control can check that it is one.
+HIGH_PRECISION_DELTA_CALLS = 0
 
 
 def _dense_attention(q, k, v, attn_mask, keep, inv_keep: float, causal: bool, scale: float, cdt) -> Tensor:
@@ -153,14 +159,15 @@ def _backward_impl(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     attn_mask: Optional[Tensor], seed: Optional[Tensor], counts: Optional[Tensor], values: Optional[Tensor],
     causal: bool, scale: float, dropout_p: float, shadow: bool, mask_grad: bool, backend: str,
-    delta: Optional[Tensor] = None,
+    delta: Optional[Tensor] = None, delta_hp: bool = False,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(dq, dk, dv, dmask)``; ``dmask`` is an empty tensor unless ``mask_grad``."""
+    """``(dq, dk, dv, dmask)``; ``dmask`` is an empty tensor unless ``mask_grad``. ``delta_hp``
+    (Triton only): the kernels compute the control's delta themselves."""
     shadow = shadow and counts is not None
     if backend == "triton":
         dq, dk, dv, dmask = _triton().attention_backward_lse2(
             q, k, v, o, lse, do, causal=causal, scale=scale, counts=counts, values=values, shadow=shadow,
-            delta=delta, attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, mask_grad=mask_grad,
+            delta=delta, attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, mask_grad=mask_grad, delta_hp=delta_hp,
         )
     else:
         probe = Probe.from_buffers(counts, values) if shadow else None
@@ -175,17 +182,28 @@ def _backward_impl(
 def _backward(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     attn_mask: Optional[Tensor], seed: Optional[Tensor], counts: Optional[Tensor], values: Optional[Tensor],
-    causal: bool, scale: float, dropout_p: float, shadow: bool, mask_grad: bool, backend: str,
+    causal: bool, scale: float, dropout_p: float, shadow: bool, mask_grad: bool, backend: str, hp_delta: bool,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    # hp_delta (the paper's control) is an argument of the op, so a compiled graph carries it
+    delta, in_kernel = None, False
+    if hp_delta:
+        global HIGH_PRECISION_DELTA_CALLS
+        HIGH_PRECISION_DELTA_CALLS += 1
+        # Triton: a pre-pass of the dQ kernel (about a forward's work); elsewhere, or with
+        # INSTABILITY_WATCH_HP_DELTA=pytorch, O recomputed by PyTorch in float32 (an attention forward in float32)
+        in_kernel = backend == "triton" and os.environ.get("INSTABILITY_WATCH_HP_DELTA", "kernel") != "pytorch"
+        if not in_kernel:
+            delta = _high_precision_delta(q, k, v, do, attn_mask, seed, causal, scale, dropout_p)
     return _backward_impl(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow,
-                          mask_grad, backend)
+                          mask_grad, backend, delta, in_kernel)
 
 
 attention_bwd = torch.library.custom_op("instability_watch::attention_bwd", _backward, mutates_args=("counts", "values"))
 
 
 @attention_bwd.register_fake
-def _(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow, mask_grad, backend):
+def _(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow, mask_grad, backend,
+      hp_delta):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v), dmask
 
@@ -195,10 +213,11 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, seed, stabilize, counts, values, shadow, causal, scale, beta, eps,
-                dropout_p, backend):
+                dropout_p, backend, hp_delta):
         """o (B, H, N, D) in q's dtype, from q (B, H, N, D), k, v (B, H_kv, N_kv, D); ``attn_mask``
         broadcastable to (B, H, N, N_kv) or None, ``seed`` int64 (2,) or None, ``stabilize`` bool (H,)
-        or None, ``counts``/``values`` the probe's buffers or None (arguments checked by the caller)."""
+        or None, ``counts``/``values`` the probe's buffers or None, ``hp_delta`` the backward's delta
+        from a float32 ``O`` (the paper's control; arguments checked by the caller)."""
         # Eager calls skip the op dispatcher (tens of microseconds of host time per
         # call); under torch.compile the op is what gets traced.
         fwd = attention_fwd if torch.compiler.is_compiling() else _forward
@@ -213,7 +232,7 @@ class FlashAttention(torch.autograd.Function):
         ctx.causal, ctx.scale, ctx.dropout_p, ctx.backend = causal, scale, dropout_p, backend
         compiling = torch.compiler.is_compiling()
         ctx.on_error = None if compiling else ERROR_HANDLER.get()
-        ctx.hp_delta = False if compiling else HIGH_PRECISION_DELTA.get()
+        ctx.hp_delta = bool(hp_delta)
         return o
 
     @staticmethod
@@ -225,21 +244,15 @@ class FlashAttention(torch.autograd.Function):
         mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
         bwd = attention_bwd if torch.compiler.is_compiling() else _backward
         try:
-            if ctx.hp_delta:
-                delta = _high_precision_delta(q, k, v, do, attn_mask, seed, ctx.causal, ctx.scale, ctx.dropout_p)
-                dq, dk, dv, dmask = _backward_impl(
-                    q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
-                    ctx.shadow, mask_grad, ctx.backend, delta,
-                )
-            else:
-                dq, dk, dv, dmask = bwd(
-                    q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
-                    ctx.shadow, mask_grad, ctx.backend,
-                )
+            dq, dk, dv, dmask = bwd(
+                q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
+                ctx.shadow, mask_grad, ctx.backend, ctx.hp_delta,
+            )
         except Exception as exc:
             if ctx.on_error is None:
                 raise
             ctx.on_error(exc)  # reported once by the watch, which turns routing off
             dq, dk, dv, dmask = _pytorch_backward(q, k, v, do, attn_mask, seed, ctx.causal, ctx.scale, ctx.dropout_p,
                                                   mask_grad)
-        return dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None, None, None, None, None
+        return (dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None, None, None,
+                None, None, None)

@@ -257,6 +257,11 @@ def _gluon_dkdv(q, k, v, do, lse2, delta, dk, dv, causal, qk_scale, scale, mask_
         q, k, v, do, masked=mask_kind != MASK_NONE, dropout=seed is not None)
 
 
+def qk_scale_of(mask_kind: int, scale: float) -> float:
+    """The scores' factor into log2 units in the backward kernels (1 with an additive mask, which scales itself)."""
+    return 1.0 if mask_kind == MASK_ADD else scale * LOG2E
+
+
 def attention_backward_lse2(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, lse2: torch.Tensor, do: torch.Tensor, *,
     causal: bool, scale: float, counts: Optional[torch.Tensor], values: Optional[torch.Tensor], shadow: bool,
@@ -264,6 +269,7 @@ def attention_backward_lse2(
     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
     mask_grad: bool = False, fused: Optional[bool] = None, config_fused=None,
     split: Optional[bool] = None, config_dk=None, config_dv=None, gluon: Optional[bool] = None,
+    delta_hp: bool = False,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the backward. Two ways, with the same results up to float32 summation order.
 
@@ -296,7 +302,10 @@ def attention_backward_lse2(
     dQ runs as a Gluon kernel too where it can (the same calls, N a multiple of 128, no shadow
     statistics or mask gradient) unless ``gluon=False``, or ``config_dq`` is given with ``gluon=None``;
     ``gluon=True`` does not require it (a call it cannot serve takes the Triton dQ kernel).
-    ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``. Returns
+    ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``; ``delta_hp`` (the paper's
+    control, not with ``delta``) replaces it with ``rowsum(dO * O_hp)``, ``O_hp = PV`` with ``P``
+    unrounded in float32, from a pre-pass of the dQ kernel (``DELTA_HP_ONLY``: the scores and
+    ``dO V^T`` again, about a forward's work). Returns
     ``(dq, dk, dv, dmask)``; ``dmask`` (an additive mask's gradient, in its shape and
     dtype) only if ``mask_grad``, else None.
     """
@@ -305,8 +314,10 @@ def attention_backward_lse2(
     q, k, v, o, do = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, o, do))
     head_dim = head_dim_tile(D)
     precision = dot_precision(q.dtype)
-    delta_from_o = delta is None
-    if delta_from_o:
+    if delta_hp and delta is not None:
+        raise ValueError("delta_hp=True computes delta itself: pass no delta with it")
+    delta_from_o = delta is None and not delta_hp
+    if delta is None:
         delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     else:
         delta = delta.to(torch.float32).contiguous()
@@ -315,6 +326,19 @@ def attention_backward_lse2(
     mask_grad = mask_grad and mask.kind == MASK_ADD
     dmask = torch.zeros((B, H, N, n_kv), dtype=torch.float32, device=q.device) if mask_grad else None
     seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)
+    if delta_hp:  # the control's delta, before anything reads it (same stream)
+        cfg = launch_config("dq", head_dim, q.dtype)
+        lo, hi, r_strides = mask.rows(cfg.block_m) if mask.kind else (None, None, (0, 0, 0))
+        launch_dq(
+            (cdiv(N, cfg.block_m), B * H),
+            (q, k, v, o, do, lse2, delta, dq, None, None, mask.tensor, lo, hi, seed, None),
+            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
+             *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale_of(mask.kind, scale), scale,
+             drop_thr, drop_scale),
+            dict(CAUSAL=causal, SHADOW=False, DELTA_FROM_O=False, MASK_KIND=mask.kind, DROPOUT=seed is not None,
+                 MASK_GRAD=False, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
+                 DOT_PRECISION=precision, DELTA_HP_ONLY=True, **cfg.options()),
+        )
     shadow = shadow and counts is not None
     if fused is None:
         fused = (seed is not None and head_dim <= 128
@@ -323,7 +347,7 @@ def attention_backward_lse2(
         raise ValueError("fused=True: the fused backward computes neither the shadow statistics nor a mask's gradient")
     if fused and gluon:
         raise ValueError("gluon=True with a fused backward: the Gluon kernel serves only the two-kernel backward's dK/dV")
-    qk_scale = 1.0 if mask.kind == MASK_ADD else scale * LOG2E
+    qk_scale = qk_scale_of(mask.kind, scale)
 
     def dkdv(cfg: LaunchConfig, dq_acc: Optional[torch.Tensor], part: int = 0) -> None:
         """The dK/dV kernel; with ``dq_acc`` (B, H, N, D) float32, the fused backward's (dQ added there);

@@ -150,12 +150,14 @@ def attn_bwd_dq(
     qk_scale, scale, drop_thr, drop_scale,
     CAUSAL: tl.constexpr, SHADOW: tl.constexpr, DELTA_FROM_O: tl.constexpr,
     MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DELTA_HP_ONLY: tl.constexpr = False,
 ):
     """One query block: delta = rowsum(dO * O) (stored for the dK/dV kernel, launched after this
     one), dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta.
 
     With ``DELTA_FROM_O`` off, delta is read from ``Delta`` instead (a caller-supplied delta).
+    With ``DELTA_HP_ONLY`` (the paper's control, a pre-pass), only delta_hp = rowsum(P * dP) =
+    rowsum(dO * O_hp) is computed, P unrounded in float32, and stored into ``Delta``: no dQ.
     """
     start_m, off_bh, off_b, off_h = _program_ids(H, BLOCK_M)
     off_hk = off_h // GROUP
@@ -176,7 +178,10 @@ def attn_bwd_dq(
         o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
         tl.store(Delta + off_bh * N_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=m_ok)
         tl.debug_barrier()
-    delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
+    if DELTA_HP_ONLY:
+        delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     delta_hp = tl.zeros([BLOCK_M], dtype=tl.float32)
 
@@ -215,17 +220,21 @@ def attn_bwd_dq(
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
             dp = tl.where(dropout_keep(k0, k1, thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N), dp * drop_scale, 0.0)
-        if SHADOW:
+        if SHADOW or DELTA_HP_ONLY:
             delta_hp += tl.sum(p * dp, 1)  # rowsum(dO * O_hp), O_hp = (P * Z) V never formed
-        ds = p * (dp - delta[:, None])
-        if MASK_GRAD:  # an additive mask's gradient is dS (float32, the whole (B, H, N, N_kv))
-            tl.store(DMask + off_bh * N_Q * N_KV + offs_m[:, None] * N_KV + offs_n[None, :], ds,
-                     mask=m_ok[:, None] & (offs_n[None, :] < N_KV))
-        dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+        if not DELTA_HP_ONLY:
+            ds = p * (dp - delta[:, None])
+            if MASK_GRAD:  # an additive mask's gradient is dS (float32, the whole (B, H, N, N_kv))
+                tl.store(DMask + off_bh * N_Q * N_KV + offs_m[:, None] * N_KV + offs_n[None, :], ds,
+                         mask=m_ok[:, None] & (offs_n[None, :] < N_KV))
+            dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
 
-    dq = dq * scale
-    tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok)
-    if SHADOW:
+    if DELTA_HP_ONLY:
+        tl.store(Delta + off_bh * N_Q + offs_m, delta_hp, mask=m_ok)
+    else:
+        dq = dq * scale
+        tl.store(DQ + off_b * stride_dqb + off_h * stride_dqh + offs_m[:, None] * stride_dqn + offs_d[None, :], dq.to(DQ.dtype.element_ty), mask=m_ok[:, None] & d_ok)
+    if SHADOW and not DELTA_HP_ONLY:
         if MASK_KIND == 2:
             live = m_ok & (logl < float("inf"))  # rows that see a key
         else:
