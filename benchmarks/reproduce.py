@@ -184,6 +184,8 @@ def control_preflight(device: str) -> str:
     """The control's delta on this GPU: our dQ kernel's pre-pass (``"kernel"``) if its gradients match
     those of ``O`` recomputed by PyTorch in float32 on a small call, else ``"pytorch"`` (that path is then
     taken for the whole run, through ``INSTABILITY_WATCH_HP_DELTA``)."""
+    if os.environ.get("INSTABILITY_WATCH_HP_DELTA") == "pytorch":
+        return "pytorch (asked for by INSTABILITY_WATCH_HP_DELTA)"
     g = torch.Generator(device="cpu").manual_seed(0)
     q, k, v, do = (torch.randn(2, 4, 300, 64, generator=g).to(device, torch.bfloat16) for _ in range(4))
     grads = {}
