@@ -322,7 +322,19 @@ def main(argv=None) -> int:
             print(f"alerts: {len(summary['alerts'])}, heads switched: {len(summary['switched'])}")
             print(f"run directory: {watch_cb.run_dir}")
             print(f"postmortem:    {report_command(watch_cb.run_dir)}")
+    _close_process_group()
     return 0
+
+
+def _close_process_group() -> None:
+    """Every rank done, the process group closed before the interpreter exits: left to the
+    interpreter's teardown, gloo's threads were sometimes destroyed while running ("terminate
+    called without an active exception", the rank aborted after a finished run)."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
 
 
 if __name__ == "__main__":

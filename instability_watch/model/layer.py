@@ -203,7 +203,7 @@ def without_sdpa(module: nn.Module, model: Optional[nn.Module] = None) -> Option
         ``None`` where nothing says so (its calls are then observed, and a forward without any is counted).
     """
     impl = attention_implementation(module)
-    if impl is not None and impl != "sdpa":
+    if impl is not None and impl not in ("sdpa", "flex_attention"):  # both observed (SDPA, the flex op)
         setting = f"attn_implementation={impl!r}"
         # the outermost Hugging Face model: its class says whether the architecture supports SDPA
         hf_model = next((m for m in (model.modules() if model is not None else ())

@@ -42,6 +42,7 @@ from torch.overrides import TorchFunctionMode
 from instability_watch.kernels import dropout_seed, flash_attention, unsupported
 from instability_watch.kernels.attention.ops import ERROR_HANDLER
 from instability_watch.kernels.stats import attention_shadow, attention_stats
+from instability_watch.kernels.stats.flex import FLEX_OP, FlexCall, flex_stats
 from instability_watch.observe.coverage import KIND_ROW, NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED
 from instability_watch.probe.fields import COUNT_ROW
 
@@ -179,12 +180,16 @@ class SdpaObserver(TorchFunctionMode):
         self.beta, self.eps = observation.beta, observation.eps
         self.high_precision_delta = False  # the paper's control on this layer's routed calls (research)
         self.on_error: Optional[Callable[[str, BaseException], None]] = None
-        self.sdpa_calls = 0  # eager only: calls seen, to find a forward without any
+        self.sdpa_calls = 0  # eager only: attention calls seen (SDPA, FlexAttention), to find a forward without any
+        self.traced_calls = False  # an attention call of this layer was compiled into a graph (seen at trace time)
+        self._in_flex = False  # inside a FlexAttention call's statistics (their own flex calls pass through)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SDPA:
             return self._sdpa(args, kwargs)
+        if func is FLEX_OP and FLEX_OP is not None and not self._in_flex:
+            return self._flex(func, args, kwargs)
         if func is _MHA_FORWARD and self.stats:
             self.count(UNOBSERVED, "nn.MultiheadAttention hides its SDPA call in F.multi_head_attention_forward")
         return func(*args, **kwargs)
@@ -251,6 +256,45 @@ class SdpaObserver(TorchFunctionMode):
             self.on_error("statistics", exc)
         return o
 
+    def _flex(self, func, args, kwargs):
+        """A FlexAttention call (the ``flex_attention`` op, eager or compiled): run as the user called it;
+        on probe steps its statistics on the call's own scores (:mod:`~instability_watch.kernels.stats.flex`)."""
+        if torch.compiler.is_compiling():  # e.g. Hugging Face compiles its flex calls inside an eager forward
+            _traced_call(self.key)
+        else:
+            self.sdpa_calls += 1
+        out = func(*args, **kwargs)
+        watching = self.stats or self.shadow
+        if not (watching or self.route):
+            return out
+        try:
+            call = FlexCall.parse(args, kwargs)
+        except TypeError:
+            return out
+        why = call.unobservable(self.num_heads)
+        if why is None:
+            why = _follow_device(self.key, call.q.device)
+        if self.route:
+            self.count(NOT_APPLIED, "FlexAttention calls stay on FlexAttention (switching them is not supported)")
+        if why is not None:
+            if watching:
+                self.count(UNOBSERVED, why)
+            return out
+        if self.shadow:
+            self.count(SHADOW_SKIPPED, "FlexAttention calls get no shadow pass (not supported)")
+        if self.stats:
+            self._in_flex = True
+            try:
+                flex_stats(call, out[0], self.counts, self.values, eps=self.eps)
+                self.counts[COUNT_ROW["observed_calls"]] += 1
+            except Exception as exc:  # noqa: BLE001 - fail open: the user's output stands
+                if self.on_error is None or torch.compiler.is_compiling():
+                    raise
+                self.on_error("statistics", exc)
+            finally:
+                self._in_flex = False
+        return out
+
     def _statistics_failed(self, exc: BaseException) -> None:
         self.on_error("statistics", exc)
 
@@ -293,6 +337,15 @@ class SdpaObserver(TorchFunctionMode):
                                    causal=bool(call.is_causal), scale=call.scale, stabilize=self.stabilize,
                                    beta=self.beta, eps=self.eps, seed=seed,
                                    high_precision_delta=self.high_precision_delta)
+
+
+@torch._dynamo.assume_constant_result
+def _traced_call(key: int) -> int:
+    """An attention call of the observer ``key`` is being compiled (runs at trace time, once a graph)."""
+    observer = _OBSERVERS.get(key)
+    if observer is not None:
+        observer.traced_calls = True
+    return 0
 
 
 @torch._dynamo.assume_constant_result

@@ -1,0 +1,202 @@
+"""Statistics of a FlexAttention call: the definitions of :mod:`instability_watch.kernels.stats`, on the call's own
+scores.
+
+A call of ``torch.nn.attention.flex_attention.flex_attention`` reaches the watch as PyTorch's ``flex_attention``
+higher-order op, ``(q, k, v, score_mod, block_mask, scale, kernel_options, *other_buffers)``, eager or compiled.
+Its scores are ``score_mod(scale * q.k, b, h, q_idx, kv_idx)``; a key is masked for a row where the block mask's
+``mask_mod(b, h, q_idx, kv_idx)`` is False (as FlexAttention's own reference computes it). The statistics are
+taken on those scores: a document of a packed batch (a document ``mask_mod``) is its own set of rows and keys, a
+row never ties with, or sees, another document's keys, and a ``score_mod`` (soft-capping, ALiBi, relative biases)
+is applied before the maximum is taken.
+
+Two ways, the same definitions:
+
+* **the op itself** (CUDA): one call with the op's row maximum (``OUTPUT_MAX``) gives ``t1``; a second one, whose
+  score_mod keeps only the scores ``>= t1 - eps`` (at 0, the others at ``-inf``), gives through its log-sum-exp
+  the number of keys tied at the maximum. Two FlexAttention forwards, compiled with the user's where the user's
+  call is compiled, nothing of ``(N, N_kv)`` size in memory;
+* **dense** (elsewhere: on the CPU the compiled op gives no log-sum-exp): the scores of a chunk of query rows,
+  ``score_mod`` and ``mask_mod`` applied elementwise through ``torch.vmap``, as FlexAttention's reference does,
+  then the SDPA statistics' reduction.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable, Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from instability_watch.kernels.common import compute_dtype
+from instability_watch.kernels.stats.reference import CHUNK_ELEMENTS
+from instability_watch.probe.fields import COUNT_ROW as _C
+from instability_watch.probe.fields import VALUE_ROW as _V
+
+try:  # PyTorch >= 2.5
+    from torch._higher_order_ops.flex_attention import flex_attention as FLEX_OP
+except ImportError:  # pragma: no cover - an older PyTorch has no FlexAttention
+    FLEX_OP = None
+
+_LN2 = math.log(2.0)
+
+
+@dataclass
+class FlexCall:
+    """One call of the ``flex_attention`` op, its arguments however they were passed."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    score_mod: Callable
+    block_mask: tuple  # BlockMask.as_tuple(): ..., its mask_mod last
+    scale: float
+    kernel_options: dict
+    rest: tuple  # the op's other buffers (score_mod's, then mask_mod's), where the caller passed them
+
+    @classmethod
+    def parse(cls, args, kwargs) -> "FlexCall":
+        """The call's arguments (``TypeError`` for a call the op itself would refuse)."""
+        names = ("query", "key", "value", "score_mod", "block_mask", "scale", "kernel_options")
+        vals = list(args[:7]) + [kwargs[n] for n in names[len(args[:7]):] if n in kwargs]
+        if len(vals) != 7:
+            raise TypeError("flex_attention op: expected 7 leading arguments")
+        rest = tuple(args[7:]) + tuple(kwargs[n] for n in ("score_mod_other_buffers", "mask_mod_other_buffers")
+                                       if n in kwargs)
+        return cls(*vals, rest=rest)
+
+    @property
+    def mask_mod(self) -> Callable:
+        """The block mask's ``mask_mod(b, h, q_idx, kv_idx)`` (True: the key is seen)."""
+        return self.block_mask[-1]
+
+    def buffers(self) -> Tuple[tuple, tuple]:
+        """``(score_mod's, mask_mod's)`` other buffers (empty where the functions close over their tensors)."""
+        rest = self.rest
+        return (tuple(rest[0]) if len(rest) > 0 else ()), (tuple(rest[1]) if len(rest) > 1 else ())
+
+    def unobservable(self, num_heads: int) -> Optional[str]:
+        """Why the statistics cannot read this call (``None`` if they can)."""
+        q, k = self.q, self.k
+        if not all(isinstance(t, Tensor) for t in (q, k, self.v)):
+            return "inputs are not tensors"
+        if q.dim() != 4 or k.dim() != 4:
+            return f"inputs not 4-D (B, H, N, D): q {tuple(q.shape)}"
+        if q.shape[1] != num_heads:
+            return f"{q.shape[1]} query heads in the call, the layer has {num_heads}"
+        if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+            return f"key/value heads {k.shape[1]} do not divide query heads {q.shape[1]}"
+        if k.shape[0] not in (1, q.shape[0]):
+            return f"key batch {k.shape[0]} against query batch {q.shape[0]}"
+        if not q.is_floating_point() or q.device.type not in ("cuda", "cpu"):
+            return f"{q.dtype} on {q.device.type}"
+        if not callable(self.score_mod) or not callable(self.mask_mod):
+            return "score_mod or mask_mod is not callable"
+        return None
+
+
+def _bhqkv(fn: Callable, with_score: bool, n_buffers: int) -> Callable:
+    """``fn(score?, b, h, q_idx, kv_idx, *buffers)`` made to take index vectors and return the full grid."""
+    lead = 1 if with_score else 0
+    # innermost first: kv, then q, h, b; a score argument is mapped along with each
+    for axis in (3, 2, 1, 0):
+        dims = [0] * lead + [None, None, None, None] + [None] * n_buffers
+        dims[lead + axis] = 0
+        fn = torch.vmap(fn, in_dims=tuple(dims), out_dims=0)
+    return fn
+
+
+def _accumulate(t1: Tensor, multi: Tensor, nan: Tensor, o_rows: Optional[Tensor], acc: Tensor, top: Tensor) -> Tensor:
+    """Adds one block of rows ((B, H, n) each) into ``acc`` (4, H: rows, multi, masked, nonfinite); the new top."""
+    masked = torch.isneginf(t1) & ~nan
+    live = ~masked
+    bad = live & (nan | torch.isposinf(t1))
+    if o_rows is not None:
+        bad |= live & ~torch.isfinite(o_rows).all(dim=-1)
+    multi = live & torch.isfinite(t1) & multi
+    acc[0] += live.sum(dim=(0, 2))
+    acc[1] += multi.sum(dim=(0, 2))
+    acc[2] += masked.sum(dim=(0, 2))
+    acc[3] += bad.sum(dim=(0, 2))
+    return torch.maximum(top, torch.where(live & ~nan, t1, float("-inf")).amax(dim=(0, 2)).to(top.dtype))
+
+
+def _store(acc: Tensor, top: Tensor, counts: Tensor, values: Tensor) -> None:
+    counts[_C["rows"]] += acc[0]
+    counts[_C["tie_rows"]] += acc[0]
+    counts[_C["multi_max_rows"]] += acc[1]
+    counts[_C["masked_rows"]] += acc[2]
+    counts[_C["nonfinite_rows"]] += acc[3]
+    mx = values[_V["max_score"]]
+    torch.maximum(mx, top.to(mx.dtype), out=mx)
+
+
+def _dense(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tensor, eps: float) -> None:
+    q, k = call.q, call.k
+    B, H, N, D = q.shape
+    h_kv, n_kv = k.shape[1], k.shape[2]
+    g = H // h_kv
+    cdt = compute_dtype(q.dtype)
+    kf = k.to(cdt).expand(B, *k.shape[1:])
+    s_buf, m_buf = call.buffers()
+    score_fn = _bhqkv(call.score_mod, True, len(s_buf))
+    mask_fn = _bhqkv(call.mask_mod, False, len(m_buf))
+    dev = q.device
+    b_idx, h_idx, kv_idx = (torch.arange(n, device=dev) for n in (B, H, n_kv))
+    acc = torch.zeros(4, H, dtype=torch.int64, device=dev)
+    top = torch.full((H,), float("-inf"), dtype=cdt, device=dev)
+    step = max(1, min(N, CHUNK_ELEMENTS // max(1, B * H * n_kv)))
+    for i0 in range(0, N, step):
+        i1 = min(N, i0 + step)
+        n = i1 - i0
+        s = (q[:, :, i0:i1].to(cdt).reshape(B, h_kv, g, n, D) @ kf.unsqueeze(2).transpose(-1, -2))
+        s = s.reshape(B, H, n, n_kv) * call.scale
+        q_idx = torch.arange(i0, i1, device=dev)
+        s = score_fn(s, b_idx, h_idx, q_idx, kv_idx, *s_buf).to(cdt)
+        keep = mask_fn(b_idx, h_idx, q_idx, kv_idx, *m_buf).to(torch.bool)
+        s = torch.where(keep, s, float("-inf"))
+        nan = torch.isnan(s).any(dim=-1)
+        s = s.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        if n_kv >= 2:
+            t1, t2 = s.topk(2, dim=-1).values.unbind(-1)
+        else:
+            t1, t2 = s[..., 0], torch.full_like(s[..., 0], float("-inf"))
+        top = _accumulate(t1, t2 >= t1 - eps, nan, None if o is None else o[:, :, i0:i1], acc, top)
+    _store(acc, top, counts, values)
+
+
+def _through_the_op(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tensor, eps: float) -> None:
+    q, k, v = call.q, call.k, call.v
+    H = q.shape[1]
+    user = call.score_mod
+    opts = dict(call.kernel_options or {})
+    opts.update(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=True)
+    _, _, m2 = FLEX_OP(q, k, v, user, call.block_mask, call.scale, opts, *call.rest)
+    t1 = m2.float() * _LN2  # the op's row maximum is in log2 units; -inf for a row without keys
+    thr = torch.where(torch.isfinite(t1), t1 - eps, float("inf"))
+
+    def tied(score, b, h, q_idx, kv_idx, *buffers):
+        return torch.where(user(score, b, h, q_idx, kv_idx, *buffers) >= thr[b, h, q_idx], 0.0, float("-inf"))
+
+    opts2 = dict(opts)
+    opts2["OUTPUT_MAX"] = False
+    _, lse2, _ = FLEX_OP(q, k, v, tied, call.block_mask, call.scale, opts2, *call.rest)
+    multi = lse2.float() > 1.0 - 1e-3  # log2 of the number of keys tied at the maximum: >= 1 for two or more
+    acc = torch.zeros(4, H, dtype=torch.int64, device=q.device)
+    top = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
+    top = _accumulate(t1, multi, torch.isnan(t1), o, acc, top)
+    _store(acc, top, counts, values)
+
+
+@torch.no_grad()
+def flex_stats(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tensor, *, eps: float,
+               through_op: Optional[bool] = None) -> None:
+    """The statistics pass over one FlexAttention call (module docstring); adds into ``counts`` and ``values``.
+
+    ``o``: the call's output (rows with NaN/Inf count as non-finite) or None. ``through_op``: take the statistics
+    with two FlexAttention calls (default on CUDA) or densely (default elsewhere).
+    """
+    if through_op is None:
+        through_op = call.q.is_cuda
+    with torch.autocast(call.q.device.type, enabled=False):
+        (_through_the_op if through_op else _dense)(call, o, counts, values, float(eps))

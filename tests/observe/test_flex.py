@@ -1,0 +1,179 @@
+"""FlexAttention calls: statistics on the call's own scores (score_mod, block mask), per packed document, and a
+Hugging Face model built with attn_implementation="flex_attention" watched with no call unobserved.
+
+On the CPU, FlexAttention runs the forward only (no backward): the calls here are train-mode forwards under
+no_grad, as issue 43 plans; training through flex is a GPU matter."""
+import warnings
+
+import pytest
+import torch
+
+from instability_watch import Probe
+from instability_watch.kernels.stats.flex import FLEX_OP, FlexCall, flex_stats
+
+from helpers import seeded
+
+fa = pytest.importorskip("torch.nn.attention.flex_attention")
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+
+EPS = 1e-3
+DOCS = (50, 40, 38)  # three documents packed into one row of 128 tokens
+
+
+def _packed(B=2, H=4, h_kv=2, D=16):
+    """Integer-valued q and k (every score exact in float32 and float64, ties exact), a document-causal
+    block mask over DOCS and a score_mod that adds a per-head bias and soft-caps."""
+    g = seeded("flex_packed")
+    N = sum(DOCS)
+    q = torch.randint(-2, 3, (B, H, N, D), generator=g).float()
+    k = torch.randint(-2, 3, (B, h_kv, N, D), generator=g).float()
+    v = torch.randn(B, h_kv, N, D, generator=g)
+    doc = torch.repeat_interleave(torch.arange(len(DOCS)), torch.tensor(DOCS))
+    bias = torch.tensor([0.0, 0.5, -1.0, 2.0])
+
+    def mask_mod(b, h, qi, kv):
+        return (doc[qi] == doc[kv]) & (qi >= kv)
+
+    def score_mod(s, b, h, qi, kv):
+        return 8.0 * torch.tanh((s + bias[h]) / 8.0)
+
+    block = fa.create_block_mask(mask_mod, None, None, N, N, device="cpu", BLOCK_SIZE=32)
+    return q, k, v, score_mod, block, bias
+
+
+def _reference(q, k, bias, scale):
+    """Per head: rows, multi-max rows, max score, document by document in float64."""
+    H, g = q.shape[1], q.shape[1] // k.shape[1]
+    rows = torch.zeros(H, dtype=torch.int64)
+    multi = torch.zeros(H, dtype=torch.int64)
+    top = torch.full((H,), float("-inf"), dtype=torch.float64)
+    start = 0
+    for n in DOCS:
+        qd = q[:, :, start:start + n].double()
+        kd = k[:, :, start:start + n].double().repeat_interleave(g, dim=1)
+        s = (qd @ kd.transpose(-1, -2)) * scale
+        s = 8.0 * torch.tanh((s + bias.double().view(1, -1, 1, 1)) / 8.0)
+        s = s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf"))
+        t1, t2 = s.topk(2, dim=-1).values.unbind(-1) if n > 1 else (s[..., 0], torch.full_like(s[..., 0], -1e300))
+        rows += torch.full((H,), q.shape[0] * n)
+        multi += (t2 >= t1 - EPS).sum(dim=(0, 2))
+        top = torch.maximum(top, t1.amax(dim=(0, 2)))
+        start += n
+    return rows, multi, top
+
+
+@pytest.mark.parametrize("through_op", [False, True])
+def test_flex_statistics_per_document_equal_a_float64_reference(through_op):
+    q, k, v, score_mod, block, bias = _packed()
+    scale = 0.25
+    probe = Probe(q.shape[1])
+    call = FlexCall(q, k, v, score_mod, block.as_tuple(), scale, {}, rest=())
+    assert call.unobservable(4) is None
+    flex_stats(call, None, probe.counts, probe.values, eps=EPS, through_op=through_op)
+    rows, multi, top = _reference(q, k, bias, scale)
+    assert torch.equal(probe.rows, rows)
+    assert torch.equal(probe.multi_max_rows, multi)
+    assert multi.min() > 0 and (multi < rows).all()  # the check can fail both ways
+    torch.testing.assert_close(probe.max_score.double(), top, rtol=1e-6, atol=1e-6)
+    assert probe.masked_rows.sum() == 0 and probe.nonfinite_rows.sum() == 0
+
+
+def test_flex_statistics_count_rows_without_keys_and_nonfinite_output():
+    q, k, v, score_mod, _, _ = _packed(B=1)
+    N = q.shape[2]
+    block = fa.create_block_mask(lambda b, h, qi, kv: (qi >= 10) & (qi >= kv), None, None, N, N, device="cpu",
+                                 BLOCK_SIZE=32)
+    o = torch.zeros(1, 4, N, 16)
+    o[0, 1, 20, 3] = float("nan")
+    for through_op in (False, True):
+        probe = Probe(4)
+        flex_stats(FlexCall(q, k, v, score_mod, block.as_tuple(), 0.25, {}, rest=()), o, probe.counts,
+                   probe.values, eps=EPS, through_op=through_op)
+        assert probe.masked_rows.tolist() == [10] * 4, through_op  # rows 0..9 see no key
+        assert probe.rows.tolist() == [N - 10] * 4
+        assert probe.nonfinite_rows.tolist() == [0, 1, 0, 0]
+
+
+# ----------------------------------------------------------------------------- Hugging Face, flex vs sdpa
+
+
+def _llama(impl):
+    t = pytest.importorskip("transformers")
+    cfg = t.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                        intermediate_size=128, vocab_size=64, max_position_embeddings=256, bos_token_id=0,
+                        eos_token_id=0, attn_implementation=impl)
+    torch.manual_seed(0)
+    return t.LlamaForCausalLM(cfg)
+
+
+def _probe_step(model, batch):
+    """One train-mode forward under no_grad on a probe step; the metrics the watch read back."""
+    from instability_watch import InstabilityWatch, WatchConfig
+
+    metrics = []
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, spectral_every=0, log_every=1,
+                                                warmup_steps=100, strict=True),
+                             listeners=[lambda r: metrics.extend(r.metrics)])
+    model.train()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        loss = model(**batch).logits.float().pow(2).mean()
+    watch.step(loss)
+    coverage = watch.coverage()
+    watch.detach()
+    return metrics, coverage
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_hf_llama_flex_attention_is_watched_like_sdpa(packed):
+    """The same weights through sdpa and through flex_attention: 0 calls unobserved, the same per-head
+    statistics. Packed: three documents in one row as DataCollatorWithFlattening packs them (position_ids
+    restart per document; the packing kwargs make the document mask on sdpa and flex alike)."""
+    g = seeded("hf_flex", packed)
+    lengths = (40, 30, 26)
+    ids = torch.randint(1, 64, (1, sum(lengths)), generator=g)
+    if packed:
+        pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        cu = torch.tensor([0, 40, 70, 96], dtype=torch.int32)
+        batch = dict(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=40,
+                     max_length_k=40, use_cache=False)
+    else:
+        batch = dict(input_ids=ids.expand(2, -1).clone())
+    results = {}
+    for impl in ("sdpa", "flex_attention"):
+        metrics, coverage = _probe_step(_llama(impl), batch)
+        assert [c.unobserved_calls for c in coverage] == [{}, {}], impl
+        assert all(c.observed_calls == 1 for c in coverage), impl
+        results[impl] = metrics
+    sdpa, flex = results["sdpa"], results["flex_attention"]
+    assert len(sdpa) == len(flex) == 1
+    for name in ("rows", "multi_max_rows", "masked_rows"):
+        assert torch.equal(torch.as_tensor(flex[0][name]), torch.as_tensor(sdpa[0][name])), name
+    torch.testing.assert_close(torch.as_tensor(flex[0]["max_score"]), torch.as_tensor(sdpa[0]["max_score"]),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_packed_batch_statistics_equal_the_documents_one_by_one():
+    """A packed row (DataCollatorWithFlattening's position_ids and packing kwargs) on sdpa and on flex: the
+    per-head statistics of the documents run one by one; without the packing kwargs they differ (the
+    documents then see each other, as HF builds no document mask from position_ids alone)."""
+    g = seeded("hf_packed_docs")
+    lengths = (40, 30, 26)
+    docs = [torch.randint(1, 64, (1, n), generator=g) for n in lengths]
+    ids = torch.cat(docs, dim=1)
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    cu = torch.tensor([0, 40, 70, 96], dtype=torch.int32)
+    # use_cache=False as in training: with a cache HF looks for no packed documents in position_ids
+    packed = dict(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=40,
+                  max_length_k=40, use_cache=False)
+    one_by_one = [_probe_step(_llama("sdpa"), dict(input_ids=d))[0][0] for d in docs]
+    rows = sum(torch.as_tensor(m["rows"]) for m in one_by_one)
+    multi = sum(torch.as_tensor(m["multi_max_rows"]) for m in one_by_one)
+    top = torch.stack([torch.as_tensor(m["max_score"]) for m in one_by_one]).amax(dim=0)
+    for impl in ("sdpa", "flex_attention"):
+        m = _probe_step(_llama(impl), packed)[0][0]
+        assert torch.equal(torch.as_tensor(m["rows"]), rows), impl
+        assert torch.equal(torch.as_tensor(m["multi_max_rows"]), multi), impl
+        torch.testing.assert_close(torch.as_tensor(m["max_score"]), top, rtol=1e-5, atol=1e-5, msg=impl)
+    leaky = _probe_step(_llama("sdpa"), dict(input_ids=ids, position_ids=pos, use_cache=True))[0][0]
+    assert not torch.allclose(torch.as_tensor(leaky["max_score"]), top, rtol=1e-5, atol=1e-5)
