@@ -42,7 +42,8 @@ from torch.overrides import TorchFunctionMode
 from instability_watch.kernels import dropout_seed, flash_attention, unsupported
 from instability_watch.kernels.attention.ops import ERROR_HANDLER
 from instability_watch.kernels.stats import attention_shadow, attention_stats
-from instability_watch.kernels.stats.flex import FLEX_OP, FlexCall, flex_stats
+from instability_watch.kernels.stats.flex import FLEX_OP, FlexCall, flex_shadow, flex_shadow_forward, flex_stats
+from instability_watch.kernels.stats.varlen import VARLEN_OP, VarlenCall, varlen_stats
 from instability_watch.observe.coverage import KIND_ROW, NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED
 from instability_watch.probe.fields import COUNT_ROW
 
@@ -146,6 +147,30 @@ class ShadowTap(torch.autograd.Function):
         return do, None, None, None, None, None, None, None, None, None, None, None
 
 
+class FlexShadowTap(torch.autograd.Function):
+    """Identity on a FlexAttention call's ``o``; its backward runs the shadow pass on ``dO`` against ``O_hp``
+    (the call in float32, computed in the forward) and returns ``dO`` unchanged."""
+
+    @staticmethod
+    def forward(ctx, o, o_hp, live, counts, values, on_error):
+        ctx.save_for_backward(o, o_hp, live)
+        ctx.buffers, ctx.on_error = (counts, values), on_error  # attributes: see ShadowTap
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, do):
+        o, o_hp, live = ctx.saved_tensors
+        counts, values = ctx.buffers
+        try:
+            flex_shadow(o, o_hp, live, do, counts, values)
+            counts[COUNT_ROW["shadow_calls"]] += 1
+        except Exception as exc:  # noqa: BLE001 - monitoring never breaks the backward
+            if ctx.on_error is None or torch.compiler.is_compiling():
+                raise
+            ctx.on_error(exc)
+        return do, None, None, None, None, None
+
+
 # ----------------------------------------------------------------------------- the mode
 
 
@@ -182,14 +207,18 @@ class SdpaObserver(TorchFunctionMode):
         self.on_error: Optional[Callable[[str, BaseException], None]] = None
         self.sdpa_calls = 0  # eager only: attention calls seen (SDPA, FlexAttention), to find a forward without any
         self.traced_calls = False  # an attention call of this layer was compiled into a graph (seen at trace time)
-        self._in_flex = False  # inside a FlexAttention call's statistics (their own flex calls pass through)
+        self._in_other = False  # inside a FlexAttention or varlen call's statistics (their own calls pass through)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SDPA:
             return self._sdpa(args, kwargs)
-        if func is FLEX_OP and FLEX_OP is not None and not self._in_flex:
+        if self._in_other:  # the statistics' own calls
+            return func(*args, **kwargs)
+        if func is FLEX_OP and FLEX_OP is not None:
             return self._flex(func, args, kwargs)
+        if func is VARLEN_OP and VARLEN_OP is not None:
+            return self._varlen(func, args, kwargs)
         if func is _MHA_FORWARD and self.stats:
             self.count(UNOBSERVED, "nn.MultiheadAttention hides its SDPA call in F.multi_head_attention_forward")
         return func(*args, **kwargs)
@@ -258,7 +287,18 @@ class SdpaObserver(TorchFunctionMode):
 
     def _flex(self, func, args, kwargs):
         """A FlexAttention call (the ``flex_attention`` op, eager or compiled): run as the user called it;
-        on probe steps its statistics on the call's own scores (:mod:`~instability_watch.kernels.stats.flex`)."""
+        on probe steps its statistics on the call's own scores (:mod:`~instability_watch.kernels.stats.flex`),
+        on shadow steps the shadow pass against the call in float32."""
+        return self._other(func, args, kwargs, FlexCall, "FlexAttention", flex_stats)
+
+    def _varlen(self, func, args, kwargs):
+        """A packed call of ``varlen_attn`` (the ``_varlen_attn`` op): run as the user called it; on probe
+        steps its statistics document by document (:mod:`~instability_watch.kernels.stats.varlen`)."""
+        return self._other(func, args, kwargs, VarlenCall, "varlen_attn", varlen_stats)
+
+    def _other(self, func, args, kwargs, parser, name: str, stats):
+        """An attention call other than SDPA's: the call itself untouched, then its statistics (and, for
+        FlexAttention, its shadow tap); what cannot be done is counted with its reason."""
         if torch.compiler.is_compiling():  # e.g. Hugging Face compiles its flex calls inside an eager forward
             _traced_call(self.key)
         else:
@@ -268,31 +308,37 @@ class SdpaObserver(TorchFunctionMode):
         if not (watching or self.route):
             return out
         try:
-            call = FlexCall.parse(args, kwargs)
+            call = parser.parse(args, kwargs)
         except TypeError:
             return out
         why = call.unobservable(self.num_heads)
         if why is None:
             why = _follow_device(self.key, call.q.device)
         if self.route:
-            self.count(NOT_APPLIED, "FlexAttention calls stay on FlexAttention (switching them is not supported)")
+            self.count(NOT_APPLIED, f"{name} calls stay on {name} (switching them is not supported)")
         if why is not None:
             if watching:
                 self.count(UNOBSERVED, why)
             return out
-        if self.shadow:
-            self.count(SHADOW_SKIPPED, "FlexAttention calls get no shadow pass (not supported)")
-        if self.stats:
-            self._in_flex = True
-            try:
-                flex_stats(call, out[0], self.counts, self.values, eps=self.eps)
+        self._in_other = True
+        try:
+            if self.stats:
+                stats(call, out[0], self.counts, self.values, eps=self.eps)
                 self.counts[COUNT_ROW["observed_calls"]] += 1
-            except Exception as exc:  # noqa: BLE001 - fail open: the user's output stands
-                if self.on_error is None or torch.compiler.is_compiling():
-                    raise
-                self.on_error("statistics", exc)
-            finally:
-                self._in_flex = False
+            if self.shadow and out[0].requires_grad:
+                if parser is FlexCall:
+                    o_hp, live = flex_shadow_forward(call)
+                    on_error = (None if torch.compiler.is_compiling() or self.on_error is None
+                                else self._statistics_failed)
+                    out = (FlexShadowTap.apply(out[0], o_hp, live, self.counts, self.values, on_error), *out[1:])
+                else:
+                    self.count(SHADOW_SKIPPED, f"{name} calls get no shadow pass (not supported yet)")
+        except Exception as exc:  # noqa: BLE001 - fail open: the user's output stands
+            if self.on_error is None or torch.compiler.is_compiling():
+                raise
+            self.on_error("statistics", exc)
+        finally:
+            self._in_other = False
         return out
 
     def _statistics_failed(self, exc: BaseException) -> None:

@@ -334,3 +334,35 @@ def test_shadow_with_dropout_regenerates_the_calls_keep_mask(causal, mask_kind, 
     other = check_shadow(q, k, v, o, do, mask, causal=causal, scale=D ** -0.5, dropout_p=p, seed=seed + 1)
     plain = check_shadow(q, k, v, o, do, mask, causal=causal, scale=D ** -0.5)
     assert not torch.allclose(inc[V_DSUM], other[V_DSUM], rtol=1e-3) and not torch.allclose(inc[V_DSUM], plain[V_DSUM], rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------- packed calls (documents)
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "cross_lengths", "tail", "gqa_bf16"])
+def test_document_statistics_match_the_reference(case):
+    """The statistics kernel with a document mask (a varlen call) against the PyTorch path, which is checked
+    against float64 documents one by one in tests/observe/test_varlen.py: counts equal, max_score bitwise."""
+    from instability_watch.kernels.stats.varlen import VarlenCall, varlen_stats
+
+    g = seeded("docs_interp", case)
+    H, h_kv, D = 4, (2 if case == "gqa_bf16" else 4), 16
+    cu_q = [0, 37, 50, 61, 97]
+    cu_k = [0, 40, 61, 70, 97] if case == "cross_lengths" else cu_q
+    t_q = cu_q[-1] + (9 if case == "tail" else 0)
+    dtype = torch.bfloat16 if case == "gqa_bf16" else torch.float32
+    q = torch.randint(-2, 3, (t_q, H, D), generator=g).to(dtype)
+    k = torch.randint(-2, 3, (cu_k[-1], h_kv, D), generator=g).to(dtype)
+    o = torch.randn(t_q, H, D, generator=g)
+    o[40, 1, 3] = float("nan")
+    causal = case != "window"
+    window = (11, 4) if case == "window" else (-1, 0)
+    call = VarlenCall(q, k, k, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
+                      causal, 0.25, window, False)
+    tri, ref = _probes(H, ("docs", case))
+    varlen_stats(call, o, tri.counts, tri.values, eps=0.6, triton=True)
+    varlen_stats(call, o, ref.counts, ref.values, eps=0.6, triton=False)
+    for i, name in enumerate(COUNT_FIELDS):
+        assert tri.counts[i].tolist() == ref.counts[i].tolist(), name
+    assert torch.equal(tri.values[V_MAXS], ref.values[V_MAXS])
+    assert (ref.counts[COUNT_FIELDS.index("multi_max_rows")] > 0).all()

@@ -177,3 +177,43 @@ def test_packed_batch_statistics_equal_the_documents_one_by_one():
         torch.testing.assert_close(torch.as_tensor(m["max_score"]), top, rtol=1e-5, atol=1e-5, msg=impl)
     leaky = _probe_step(_llama("sdpa"), dict(input_ids=ids, position_ids=pos, use_cache=True))[0][0]
     assert not torch.allclose(torch.as_tensor(leaky["max_score"]), top, rtol=1e-5, atol=1e-5)
+
+
+def test_flex_shadow_equals_a_float64_reference():
+    """The shadow pass of a FlexAttention call (O_hp: the call again in float32, through FlexAttention's
+    op) against delta_hp = sum_j P_ij (dO_i . v_j) in float64 on the call's scores, document by document."""
+    from instability_watch.observe.sdpa import FlexShadowTap
+    from instability_watch.kernels.stats.flex import flex_shadow_forward
+
+    q, k, v, score_mod, block, bias = _packed()
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    scale = 0.25
+    call = FlexCall(q, k, v, score_mod, block.as_tuple(), scale, {}, rest=())
+    with torch.no_grad():
+        o = fa.flex_attention(q, k, v, score_mod=score_mod, block_mask=block, scale=scale, enable_gqa=True)
+    o_hp, live = flex_shadow_forward(call)
+    assert live.all()
+    probe = Probe(4)
+    leaf = o.detach().requires_grad_(True)
+    do = torch.randn(o.shape, generator=seeded("flex_shadow_do")).to(o.dtype)
+    FlexShadowTap.apply(leaf, o_hp, live, probe.counts, probe.values, None).backward(do)
+    assert torch.equal(leaf.grad, do)  # the gradient passes unchanged
+    # float64 reference, document by document
+    H, g = q.shape[1], q.shape[1] // k.shape[1]
+    err = torch.zeros(q.shape[0], H, 0, dtype=torch.float64)
+    start = 0
+    for n in DOCS:
+        sl = slice(start, start + n)
+        qd, kd, vd = q[:, :, sl].double(), k[:, :, sl].double().repeat_interleave(g, 1), v[:, :, sl].double()
+        s = 8.0 * torch.tanh(((qd @ kd.transpose(-1, -2)) * scale + bias.double().view(1, -1, 1, 1)) / 8.0)
+        p = torch.softmax(s.masked_fill(torch.ones(n, n, dtype=torch.bool).triu(1), float("-inf")), dim=-1)
+        dod = do[:, :, sl].double()
+        d_hp = (p * (dod @ vd.repeat_interleave(g, 1).transpose(-1, -2))).sum(-1)
+        d_lp = (dod * o[:, :, sl].double()).sum(-1)
+        err = torch.cat([err, d_lp - d_hp], dim=2)
+        start += n
+    assert probe.shadow_rows.tolist() == [q.shape[0] * sum(DOCS)] * 4
+    assert probe.delta_err_pos.tolist() == (err > 0).sum(dim=(0, 2)).tolist()
+    torch.testing.assert_close(probe.delta_err_abs.double(), err.abs().sum(dim=(0, 2)), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(probe.delta_err_sum.double(), err.sum(dim=(0, 2)), rtol=1e-3, atol=1e-3)
+    assert probe.shadow_calls.tolist() == [1] * 4

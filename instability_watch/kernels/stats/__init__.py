@@ -70,7 +70,8 @@ TRITON_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
 TRITON_MAX_HEAD_DIM = 256
 
 
-def _use_triton(q: Tensor, k: Tensor, v: Optional[Tensor] = None) -> bool:
+def triton_serves(q: Tensor, k: Tensor, v: Optional[Tensor] = None) -> bool:
+    """Whether the Triton kernels take these inputs (CUDA, their dtypes and head dims); else PyTorch's path."""
     if not (q.is_cuda and _TRITON_AVAILABLE and q.dtype in TRITON_DTYPES):
         return False
     dims = (q.shape[-1], k.shape[-1]) if v is None else (q.shape[-1], k.shape[-1], v.shape[-1])
@@ -95,7 +96,7 @@ def _stats_impl(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor], o: Optional[Tensor], counts: Tensor, values: Tensor,
     causal: bool, scale: float, eps: float,
 ) -> None:
-    if _use_triton(q, k):
+    if triton_serves(q, k):
         _triton().attention_stats(q, k, attn_mask, o, counts, values, causal=causal, scale=scale, eps=eps)
     else:
         stats_reference(q, k, attn_mask, o, counts, values, causal=causal, scale=scale, eps=eps)
@@ -105,7 +106,7 @@ def _shadow_impl(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, attn_mask: Optional[Tensor],
     counts: Tensor, values: Tensor, causal: bool, scale: float, dropout_p: float, seed: Optional[Tensor],
 ) -> None:
-    if _use_triton(q, k, v):
+    if triton_serves(q, k, v):
         _triton().attention_shadow(q, k, v, o, do, attn_mask, counts, values, causal=causal, scale=scale,
                                    dropout_p=dropout_p, seed=seed)
     else:

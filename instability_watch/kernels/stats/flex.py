@@ -106,10 +106,16 @@ def _bhqkv(fn: Callable, with_score: bool, n_buffers: int) -> Callable:
     return fn
 
 
-def _accumulate(t1: Tensor, multi: Tensor, nan: Tensor, o_rows: Optional[Tensor], acc: Tensor, top: Tensor) -> Tensor:
-    """Adds one block of rows ((B, H, n) each) into ``acc`` (4, H: rows, multi, masked, nonfinite); the new top."""
+def accumulate_rows(t1: Tensor, multi: Tensor, nan: Tensor, o_rows: Optional[Tensor], acc: Tensor, top: Tensor,
+                    valid: Optional[Tensor] = None) -> Tensor:
+    """Adds one block of rows ((B, H, n) each: row maximum, maximum repeated, a NaN score) into ``acc``
+    (4, H: rows, multi, masked, nonfinite) by the statistics' definitions; returns the new running maximum.
+    ``valid`` (broadcastable to (B, H, n)): the rows that exist (False: counted nowhere)."""
     masked = torch.isneginf(t1) & ~nan
     live = ~masked
+    if valid is not None:
+        masked = masked & valid
+        live = live & valid
     bad = live & (nan | torch.isposinf(t1))
     if o_rows is not None:
         bad |= live & ~torch.isfinite(o_rows).all(dim=-1)
@@ -121,7 +127,8 @@ def _accumulate(t1: Tensor, multi: Tensor, nan: Tensor, o_rows: Optional[Tensor]
     return torch.maximum(top, torch.where(live & ~nan, t1, float("-inf")).amax(dim=(0, 2)).to(top.dtype))
 
 
-def _store(acc: Tensor, top: Tensor, counts: Tensor, values: Tensor) -> None:
+def store_rows(acc: Tensor, top: Tensor, counts: Tensor, values: Tensor) -> None:
+    """Adds :func:`accumulate_rows`' sums and maximum into the probe's ``counts`` and ``values``."""
     counts[_C["rows"]] += acc[0]
     counts[_C["tie_rows"]] += acc[0]
     counts[_C["multi_max_rows"]] += acc[1]
@@ -161,8 +168,8 @@ def _dense(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tensor, 
             t1, t2 = s.topk(2, dim=-1).values.unbind(-1)
         else:
             t1, t2 = s[..., 0], torch.full_like(s[..., 0], float("-inf"))
-        top = _accumulate(t1, t2 >= t1 - eps, nan, None if o is None else o[:, :, i0:i1], acc, top)
-    _store(acc, top, counts, values)
+        top = accumulate_rows(t1, t2 >= t1 - eps, nan, None if o is None else o[:, :, i0:i1], acc, top)
+    store_rows(acc, top, counts, values)
 
 
 def _through_the_op(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tensor, eps: float) -> None:
@@ -184,8 +191,34 @@ def _through_the_op(call: FlexCall, o: Optional[Tensor], counts: Tensor, values:
     multi = lse2.float() > 1.0 - 1e-3  # log2 of the number of keys tied at the maximum: >= 1 for two or more
     acc = torch.zeros(4, H, dtype=torch.int64, device=q.device)
     top = torch.full((H,), float("-inf"), dtype=torch.float32, device=q.device)
-    top = _accumulate(t1, multi, torch.isnan(t1), o, acc, top)
-    _store(acc, top, counts, values)
+    top = accumulate_rows(t1, multi, torch.isnan(t1), o, acc, top)
+    store_rows(acc, top, counts, values)
+
+
+@torch.no_grad()
+def flex_shadow_forward(call: FlexCall) -> Tuple[Tensor, Tensor]:
+    """``(o_hp, live)`` for the shadow pass: the call again in float32 (FlexAttention's own op, ``P`` never
+    rounded: ``O_hp``), and the rows that see a key (B, H, N)."""
+    opts = dict(call.kernel_options or {})
+    opts.update(OUTPUT_LOGSUMEXP=True, OUTPUT_MAX=False)
+    q, k, v = (t.to(compute_dtype(call.q.dtype)) for t in (call.q, call.k, call.v))
+    with torch.autocast(q.device.type, enabled=False):
+        o_hp, lse, _ = FLEX_OP(q, k, v, call.score_mod, call.block_mask, call.scale, opts, *call.rest)
+    return o_hp, ~torch.isneginf(lse)
+
+
+@torch.no_grad()
+def flex_shadow(o: Tensor, o_hp: Tensor, live: Tensor, do: Tensor, counts: Tensor, values: Tensor) -> None:
+    """The shadow pass of a FlexAttention call: ``delta_lp = rowsum(dO * O)`` from the call's output,
+    ``delta_hp = rowsum(dO * O_hp)``, their differences over the rows that see a key added into
+    ``counts`` and ``values`` (the definitions of :mod:`instability_watch.kernels.stats`)."""
+    cdt = o_hp.dtype
+    dof = do.to(cdt)
+    err = torch.where(live, (dof * o.to(cdt)).sum(dim=-1) - (dof * o_hp).sum(dim=-1), 0.0)
+    counts[_C["shadow_rows"]] += live.sum(dim=(0, 2))
+    counts[_C["delta_err_pos"]] += (err > 0).sum(dim=(0, 2))
+    values[_V["delta_err_sum"]] += err.sum(dim=(0, 2)).to(values.dtype)
+    values[_V["delta_err_abs"]] += err.abs().sum(dim=(0, 2)).to(values.dtype)
 
 
 @torch.no_grad()

@@ -74,7 +74,7 @@ def _load_block(blk, start_n, stride_n, cols, offs_d, N_KV, D, MASK_KV: tl.const
 @triton.jit
 def _scores(
     q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale,
-    stride_kn, stride_mn,
+    stride_kn, stride_mn, doc_r, pos_r, KeyDocs, win_l, win_r,
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr, SCALED: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -91,9 +91,20 @@ def _scores(
     s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
     if SCALED:
         s = s * scale
+    # -- documents (a packed call, MASK_KIND 3): a key is seen from its own document only, within the
+    #    window (bottom-right aligned positions; win_l / win_r < 0: unbounded); KeyDocs points at the
+    #    keys' documents, followed by their positions
+    if MASK_KIND == 3:
+        c_ok = cols < N_KV
+        doc_c = tl.load(KeyDocs + cols, mask=c_ok, other=-1)
+        pos_c = tl.load(KeyDocs + N_KV + cols, mask=c_ok, other=0)
+        keep = doc_r[:, None] == doc_c[None, :]
+        keep = keep & ((win_l < 0) | (pos_c[None, :] >= pos_r[:, None] - win_l))
+        keep = keep & ((win_r < 0) | (pos_c[None, :] <= pos_r[:, None] + win_r))
+        s = tl.where(keep, s, float("-inf"))
     # -- the call's mask: a bool mask selects, an additive one is added (NaN in it is not
     #    "masked": it makes the score NaN, as in the reference)
-    if MASK_KIND != 0:
+    elif MASK_KIND != 0:
         m_ok = row_ok[:, None]
         if MASK_KV:
             m_ok = m_ok & (cols[None, :] < N_KV)
@@ -119,7 +130,7 @@ def _scores(
 def _stats_inner(
     top1, top2, poison,
     q, K_blk, M_blk, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
-    lo, hi,
+    lo, hi, doc_r, pos_r, KeyDocs, win_l, win_r,
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -128,7 +139,7 @@ def _stats_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         s = _scores(q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
-                    MASK_CAUSAL, MASK_KV, MASK_KIND, SCALED, EVEN_D, DOT_PRECISION)
+                    doc_r, pos_r, KeyDocs, win_l, win_r, MASK_CAUSAL, MASK_KV, MASK_KIND, SCALED, EVEN_D, DOT_PRECISION)
         # -- NaN flag: a visible NaN makes the row's sum NaN. So does +inf beside a -inf
         #    (masked) entry, harmlessly: such a row's t1 is +inf, non-finite anyway, and
         #    not masked either way.
@@ -147,7 +158,7 @@ def _shadow_inner(
     m_i, l_i, a_i,
     q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
     stride_kn, stride_vn, stride_mn,
-    lo, hi, k0, k1, drop_thr, off_bh,
+    lo, hi, k0, k1, drop_thr, off_bh, doc_r, pos_r, KeyDocs, win_l, win_r,
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -158,7 +169,7 @@ def _shadow_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         s = _scores(q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
-                    MASK_CAUSAL, MASK_KV, MASK_KIND, True, EVEN_D, DOT_PRECISION)
+                    doc_r, pos_r, KeyDocs, win_l, win_r, MASK_CAUSAL, MASK_KV, MASK_KIND, True, EVEN_D, DOT_PRECISION)
         # -- the V block
         cols = start_n + offs_n
         v = _load_block(V_blk, start_n, stride_vn, cols, offs_dv, N_KV, DV, MASK_KV, EVEN_DV)
@@ -195,7 +206,7 @@ def _attn_stats(
     stride_dob, stride_doh, stride_don,
     stride_mb, stride_mh, stride_mm, stride_mn,
     H, GROUP, N_Q, N_KV, D, DV,
-    scale, eps, drop_thr, drop_scale,
+    scale, eps, drop_thr, drop_scale, n_docs, win_l, win_r,
     SHADOW: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, SCALED: tl.constexpr,
     HAS_O: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -220,10 +231,28 @@ def _attn_stats(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_dv = tl.arange(0, HEAD_DV)
     row_ok = offs_m < N_Q
+    if MASK_KIND == 3:
+        # Mask: int64 [doc_q (N_Q), pos_q (N_Q), doc_k (N_KV), pos_k (N_KV), cu_k (n_docs + 1)]; rows past
+        # the last document (doc n_docs) count nowhere; the tile's keys: its documents' only
+        doc_r = tl.load(Mask + offs_m, mask=row_ok, other=n_docs)
+        pos_r = tl.load(Mask + N_Q + offs_m, mask=row_ok, other=0)
+        row_ok = row_ok & (doc_r < n_docs)
+        d_first = tl.minimum(tl.min(doc_r, 0), n_docs - 1)
+        d_last = tl.max(tl.where(row_ok, doc_r, -1), 0)
+        Cu = Mask + 2 * N_Q + 2 * N_KV
+        kv_lo = tl.load(Cu + d_first) // BLOCK_N * BLOCK_N
+        kv_hi = tl.where(d_last >= 0, tl.load(Cu + tl.maximum(d_last, 0) + 1), kv_lo)
+        KeyDocs = Mask + 2 * N_Q
+    else:
+        doc_r = offs_m  # unused
+        pos_r = offs_m
+        kv_lo = 0
+        kv_hi = 0
+        KeyDocs = Mask
     q_mask = row_ok[:, None] & (offs_d[None, :] < D)
     q = tl.load(Q + off_b * stride_qb + off_h64 * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_mask, other=0.0)
     K_blk = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
-    if MASK_KIND != 0:
+    if MASK_KIND == 1 or MASK_KIND == 2:
         M_blk = Mask + off_b * stride_mb + off_h64 * stride_mh + offs_m[:, None] * stride_mm + offs_n[None, :] * stride_mn
     else:
         M_blk = Mask  # unused
@@ -232,7 +261,10 @@ def _attn_stats(
     # -- KV range: causal rows see keys <= row, so blocks above the diagonal are skipped;
     #    blocks wholly below it (and, without causal, all but a ragged last block) need no
     #    causal or bounds mask.
-    if CAUSAL:
+    if MASK_KIND == 3:  # one masked loop over the tile's documents' keys
+        hi = kv_hi
+        n_full = kv_lo
+    elif CAUSAL:
         hi = tl.minimum((start_m + 1) * BLOCK_M, N_KV)
         n_full = tl.minimum(start_m * BLOCK_M, N_KV) // BLOCK_N * BLOCK_N
     else:
@@ -249,13 +281,13 @@ def _attn_stats(
         k0, k1, thr = dropout_key(Seed, drop_thr, DROPOUT)
         m_i, l_i, a_i = _shadow_inner(
             m_i, l_i, a_i, q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
-            stride_kn, stride_vn, stride_mn, 0, n_full, k0, k1, thr, off_bh,
+            stride_kn, stride_vn, stride_mn, kv_lo, n_full, k0, k1, thr, off_bh, doc_r, pos_r, KeyDocs, win_l, win_r,
             MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, DOT_PRECISION=DOT_PRECISION,
         )
         m_i, l_i, a_i = _shadow_inner(
             m_i, l_i, a_i, q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
-            stride_kn, stride_vn, stride_mn, n_full, hi, k0, k1, thr, off_bh,
+            stride_kn, stride_vn, stride_mn, n_full, hi, k0, k1, thr, off_bh, doc_r, pos_r, KeyDocs, win_l, win_r,
             MASK_CAUSAL=CAUSAL, MASK_KV=True, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, DOT_PRECISION=DOT_PRECISION,
         )
@@ -282,13 +314,13 @@ def _attn_stats(
         poison = offs_m < 0  # all False
         top1, top2, poison = _stats_inner(
             top1, top2, poison, q, K_blk, M_blk, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
-            0, n_full,
+            kv_lo, n_full, doc_r, pos_r, KeyDocs, win_l, win_r,
             MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=MASK_KIND, SCALED=SCALED,
             BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
         )
         top1, top2, poison = _stats_inner(
             top1, top2, poison, q, K_blk, M_blk, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
-            n_full, hi,
+            n_full, hi, doc_r, pos_r, KeyDocs, win_l, win_r,
             MASK_CAUSAL=CAUSAL, MASK_KV=True, MASK_KIND=MASK_KIND, SCALED=SCALED,
             BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
         )
@@ -337,14 +369,18 @@ def _strides(t: Optional[torch.Tensor]):
 
 
 def _launch(q, k, v, o, do, attn_mask, counts, values, *, shadow: bool, causal: bool, scale: float, eps: float,
-            dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None):
+            dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None, documents=None):
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
     q, k, v, o, do = (t if t is None or t.stride(-1) == 1 else t.contiguous() for t in (q, k, v, o, do))
     dv = o.shape[-1] if o is not None else D
     # the call's mask as a (B, H, N, N_kv) view (stride 0 on broadcast dims); bool read as bytes
     mask = mask4(attn_mask, B, H, N, n_kv)
-    if mask is None:
+    n_docs, win_l, win_r = 0, -1, -1
+    if documents is not None:  # a packed call: (the document vector, its number of documents, the window)
+        mask, n_docs, (win_l, win_r) = documents
+        kind, mask_strides = 3, (0, 0, 0, 0)
+    elif mask is None:
         kind, mask_strides = 0, (0, 0, 0, 0)
     else:
         kind, mask_strides = (1 if mask.dtype == torch.bool else 2), mask.stride()
@@ -364,7 +400,8 @@ def _launch(q, k, v, o, do, attn_mask, counts, values, *, shadow: bool, causal: 
         (q, k, v, o, do, mask, counts, values, seed if dropout_p else None),
         (*q.stride()[:3], *k.stride()[:3], *_strides(v), *_strides(o), *_strides(do), *mask_strides,
          H, H // h_kv, N, n_kv, D, dv, scale, eps,
-         dropout_threshold(dropout_p) if dropout_p else 0, dropout_scale(dropout_p) if dropout_p else 1.0),
+         dropout_threshold(dropout_p) if dropout_p else 0, dropout_scale(dropout_p) if dropout_p else 1.0,
+         n_docs, win_l, win_r),
         dict(
             SHADOW=shadow, CAUSAL=causal, MASK_KIND=kind, DROPOUT=bool(dropout_p), SCALED=scaled, HAS_O=o is not None,
             HEAD_DIM=head_dim, HEAD_DV=head_dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
@@ -389,6 +426,23 @@ def attention_stats(
         counts: int64 (len(COUNT_FIELDS), H); values: float32 (len(VALUE_FIELDS), H), contiguous.
     """
     _launch(q, k, None, o, None, attn_mask, counts, values, shadow=False, causal=causal, scale=scale, eps=eps)
+
+
+def attention_stats_documents(
+    q: torch.Tensor, k: torch.Tensor, o: Optional[torch.Tensor], documents: torch.Tensor, n_docs: int,
+    window, counts: torch.Tensor, values: torch.Tensor, *, scale: float, eps: float,
+) -> None:
+    """The statistics pass over a packed call (``varlen_attn``'s layout) on the GPU; no host sync.
+
+    Args:
+        q: (T_q, H, D), k: (T_k, H_kv, D), o: None or (T_q, H, D_v), as the call holds them.
+        documents: int64 ``[doc_q (T_q), pos_q (T_q), doc_k (T_k), pos_k (T_k), cu_seq_k (n_docs + 1)]``
+            (:func:`~instability_watch.kernels.stats.varlen.documents` and the call's ``cu_seq_k``).
+        window: ``(left, right)`` in aligned key positions, ``-1`` unbounded (causal: right = 0).
+    """
+    as4 = (lambda t: None if t is None else t.permute(1, 0, 2).unsqueeze(0))  # (1, H, T, D) views
+    _launch(as4(q), as4(k), None, as4(o), None, None, counts, values, shadow=False, causal=False, scale=scale,
+            eps=eps, documents=(documents.contiguous(), int(n_docs), (int(window[0]), int(window[1]))))
 
 
 def attention_shadow(

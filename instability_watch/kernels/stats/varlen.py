@@ -1,0 +1,178 @@
+"""Statistics of a variable-length (packed) attention call: ``torch.nn.attention.varlen.varlen_attn``.
+
+The call reaches the watch as PyTorch's ``torch_attn::_varlen_attn`` op: ``q (T_q, H, D)``, ``k, v (T_k, H_kv,
+D)``, the documents' boundaries ``cu_seq_q``/``cu_seq_k`` (int32 ``(n + 1,)``), ``is_causal``, ``scale`` and
+(PyTorch >= 2.11) ``window_size``. Document ``d`` holds query rows ``cu_seq_q[d] .. cu_seq_q[d + 1]`` and keys
+``cu_seq_k[d] .. cu_seq_k[d + 1]``; a row sees only its own document's keys. Within a document, causal and window
+masks are bottom-right aligned, as flash-attn's: row ``i`` (local index) sits at key position
+``a = i + len_k - len_q``; ``window_size = (left, right)`` keeps keys ``a - left .. a + right`` (``-1``: no bound),
+causal is ``right = 0``. Rows past ``cu_seq_q[-1]`` belong to no document and count nowhere.
+
+The statistics are those of :mod:`instability_watch.kernels.stats` on these scores, computed document by
+document without a host sync: the document of every row and key is found on the device
+(:func:`documents`), and the scores are taken in chunks of query rows against all keys, masked by document.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+from torch import Tensor
+
+from instability_watch.kernels.common import compute_dtype
+from instability_watch.kernels.stats.flex import accumulate_rows, store_rows
+from instability_watch.kernels.stats.reference import CHUNK_ELEMENTS
+
+try:  # PyTorch >= 2.10 registers the op when the module is imported
+    import torch.nn.attention.varlen  # noqa: F401
+
+    VARLEN_OP = torch.ops.torch_attn._varlen_attn
+except (ImportError, AttributeError, RuntimeError):  # pragma: no cover - an older PyTorch
+    VARLEN_OP = None
+
+
+@dataclass
+class VarlenCall:
+    """One call of the ``_varlen_attn`` op, its arguments by name (however they were passed)."""
+
+    q: Tensor
+    k: Tensor
+    v: Tensor
+    cu_seq_q: Tensor
+    cu_seq_k: Optional[Tensor]
+    is_causal: bool
+    scale: Optional[float]
+    window: Tuple[int, int]
+    paged: bool  # seqused_k or block_table given (decoding from a cache)
+
+    @classmethod
+    def parse(cls, args, kwargs) -> "VarlenCall":
+        """The call's arguments, by the op's schema (``TypeError`` for a call the op would refuse)."""
+        names = [a.name for a in VARLEN_OP.default._schema.arguments]
+        if len(args) > len(names):
+            raise TypeError("_varlen_attn: too many arguments")
+        got = dict(zip(names, args))
+        got.update(kwargs)
+        for need in ("query", "key", "value", "cu_seq_q"):
+            if need not in got:
+                raise TypeError(f"_varlen_attn: missing {need}")
+        causal = bool(got.get("is_causal", False))
+        window = got.get("window_size")
+        window = (-1, 0 if causal else -1) if window is None else (int(window[0]), int(window[1]))
+        if causal:
+            window = (window[0], 0)
+        return cls(got["query"], got["key"], got["value"], got["cu_seq_q"], got.get("cu_seq_k"), causal,
+                   got.get("scale"), window, got.get("seqused_k") is not None or got.get("block_table") is not None)
+
+    def unobservable(self, num_heads: int) -> Optional[str]:
+        """Why the statistics cannot read this call (``None`` if they can)."""
+        q, k = self.q, self.k
+        if not all(isinstance(t, Tensor) for t in (q, k, self.v, self.cu_seq_q)):
+            return "inputs are not tensors"
+        if self.paged:
+            return "keys from a paged cache (seqused_k or block_table)"
+        if q.dim() != 3 or k.dim() != 3:
+            return f"inputs not 3-D (T, H, D): q {tuple(q.shape)}"
+        if q.shape[1] != num_heads:
+            return f"{q.shape[1]} query heads in the call, the layer has {num_heads}"
+        if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+            return f"key/value heads {k.shape[1]} do not divide query heads {q.shape[1]}"
+        if not q.is_floating_point() or q.device.type not in ("cuda", "cpu"):
+            return f"{q.dtype} on {q.device.type}"
+        cu_k = self.cu_seq_k if self.cu_seq_k is not None else self.cu_seq_q
+        if self.cu_seq_q.dim() != 1 or cu_k.shape != self.cu_seq_q.shape:
+            return "cu_seq_q and cu_seq_k are not two vectors of the same length"
+        if self.scale is not None and not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)):
+            return f"scale {self.scale!r}"
+        return None
+
+
+def documents(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(doc_q, pos_q, doc_k, pos_k)``, int64 on the device: each query row's document (``n``, the number of
+    documents, past the last) and its position aligned to the document's keys (bottom-right), each key's
+    document and its position within it. No host sync."""
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    rows = torch.arange(t_q, device=cu_q.device)
+    keys = torch.arange(t_k, device=cu_q.device)
+    n = cu_q.numel() - 1
+    doc_q = torch.searchsorted(cu_q[1:], rows, right=True)
+    doc_k = torch.searchsorted(cu_k[1:], keys, right=True)
+    dq, dk = doc_q.clamp(max=n - 1), doc_k.clamp(max=n - 1)
+    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    pos_q = rows - cu_q[dq] + (len_k[dq] - len_q[dq])
+    pos_k = keys - cu_k[dk]
+    return doc_q, pos_q, doc_k, pos_k
+
+
+@torch.no_grad()
+def varlen_stats(call: VarlenCall, o: Optional[Tensor], counts: Tensor, values: Tensor, *, eps: float,
+                 triton: Optional[bool] = None) -> None:
+    """The statistics pass over one varlen call (module docstring); adds into ``counts`` and ``values``.
+
+    ``o``: the call's output ``(T_q, H, D_v)`` (rows with NaN/Inf count as non-finite) or None. ``triton``:
+    the statistics kernel with its document mask (default where it can: CUDA, its dtypes and head dims),
+    else PyTorch in chunks of rows.
+    """
+    from instability_watch.kernels.stats import triton_serves
+
+    if triton is None:
+        triton = triton_serves(call.q, call.k)
+    with torch.autocast(call.q.device.type, enabled=False):
+        if triton:
+            _varlen_stats_triton(call, o, counts, values, float(eps))
+        else:
+            _varlen_stats(call, o, counts, values, float(eps))
+
+
+def _varlen_stats_triton(call: VarlenCall, o: Optional[Tensor], counts: Tensor, values: Tensor, eps: float) -> None:
+    from instability_watch.kernels.stats.triton import attention_stats_documents
+
+    t_q, t_k = call.q.shape[0], call.k.shape[0]
+    cu_k = call.cu_seq_k if call.cu_seq_k is not None else call.cu_seq_q
+    doc_q, pos_q, doc_k, pos_k = documents(call.cu_seq_q, cu_k, t_q, t_k)
+    vec = torch.cat([doc_q, pos_q, doc_k, pos_k, cu_k.long()])
+    scale = float(call.scale) if call.scale is not None else 1.0 / math.sqrt(call.q.shape[-1])
+    attention_stats_documents(call.q, call.k, o, vec, call.cu_seq_q.numel() - 1, call.window, counts, values,
+                              scale=scale, eps=eps)
+
+
+def _varlen_stats(call: VarlenCall, o: Optional[Tensor], counts: Tensor, values: Tensor, eps: float) -> None:
+    q, k = call.q, call.k
+    t_q, H, D = q.shape
+    t_k, h_kv = k.shape[0], k.shape[1]
+    g = H // h_kv
+    cdt = compute_dtype(q.dtype)
+    scale = float(call.scale) if call.scale is not None else 1.0 / math.sqrt(D)
+    cu_k = call.cu_seq_k if call.cu_seq_k is not None else call.cu_seq_q
+    n_docs = call.cu_seq_q.numel() - 1
+    doc_q, pos_q, doc_k, pos_k = documents(call.cu_seq_q, cu_k, t_q, t_k)
+    left, right = call.window
+    kf = k.to(cdt).permute(1, 0, 2).unsqueeze(1)  # (H_kv, 1, T_k, D)
+    acc = torch.zeros(4, H, dtype=torch.int64, device=q.device)
+    top = torch.full((H,), float("-inf"), dtype=cdt, device=q.device)
+    step = max(1, min(t_q, CHUNK_ELEMENTS // max(1, H * t_k)))
+    for i0 in range(0, t_q, step):
+        i1 = min(t_q, i0 + step)
+        n = i1 - i0
+        qc = q[i0:i1].to(cdt).permute(1, 0, 2).reshape(h_kv, g, n, D)
+        s = (qc @ kf.transpose(-1, -2)).reshape(H, n, t_k) * scale
+        keep = doc_q[i0:i1, None] == doc_k[None, :]
+        a = pos_q[i0:i1, None]
+        if left >= 0:
+            keep &= pos_k[None, :] >= a - left
+        if right >= 0:
+            keep &= pos_k[None, :] <= a + right
+        s = torch.where(keep, s, float("-inf"))
+        nan = torch.isnan(s).any(dim=-1)
+        s = s.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+        if t_k >= 2:
+            t1, t2 = s.topk(2, dim=-1).values.unbind(-1)
+        else:
+            t1, t2 = s[..., 0], torch.full_like(s[..., 0], float("-inf"))
+        o_rows = None if o is None else o[i0:i1].permute(1, 0, 2).unsqueeze(0)
+        valid = (doc_q[i0:i1] < n_docs).view(1, 1, n)
+        top = accumulate_rows(t1.unsqueeze(0), (t2 >= t1 - eps).unsqueeze(0), nan.unsqueeze(0), o_rows, acc, top,
+                              valid=valid)
+    store_rows(acc, top, counts, values)

@@ -1,0 +1,180 @@
+"""Packed calls of torch.nn.attention.varlen.varlen_attn: statistics document by document, and the call observed
+in a watched model.
+
+The CPU build of PyTorch has no kernel for varlen_attn's op (it raises NotImplementedError): this module
+registers a reference CPU kernel for it (attention per document, in float32), so that the watch's handling of
+the call runs here as it does on the GPU."""
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from instability_watch import Probe
+from instability_watch.kernels.stats.varlen import VARLEN_OP, VarlenCall, documents, varlen_stats
+
+from helpers import seeded
+
+if VARLEN_OP is None:
+    pytest.skip("this PyTorch has no torch.nn.attention.varlen", allow_module_level=True)
+from torch.nn.attention.varlen import varlen_attn  # noqa: E402
+
+EPS = 1e-3
+NAMES = [a.name for a in VARLEN_OP.default._schema.arguments]
+
+
+def _visible(n_q, n_k, causal, window):
+    """(n_q, n_k) bool: flash-attn's bottom-right aligned causal / window mask of one document."""
+    a = torch.arange(n_q)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k)[None, :]
+    left, right = window
+    if causal:
+        right = 0
+    keep = torch.ones(n_q, n_k, dtype=torch.bool)
+    if left >= 0:
+        keep &= j >= a - left
+    if right >= 0:
+        keep &= j <= a + right
+    return keep
+
+
+def _cpu_varlen(*args, **kwargs):
+    """The op on the CPU, for these tests: attention per document in float32 (the op's outputs: out, lse, rng)."""
+    got = dict(zip(NAMES, args))
+    got.update(kwargs)
+    q, k, v = got["query"], got["key"], got["value"]
+    cu_q = got["cu_seq_q"].tolist()
+    cu_k = (got.get("cu_seq_k") if got.get("cu_seq_k") is not None else got["cu_seq_q"]).tolist()
+    window = tuple(got.get("window_size") or (-1, -1))
+    causal = bool(got.get("is_causal", False))
+    scale = got.get("scale") or 1.0 / math.sqrt(q.shape[-1])
+    g = q.shape[1] // k.shape[1]
+    out = torch.zeros(q.shape, dtype=q.dtype)
+    lse = torch.zeros(q.shape[1], q.shape[0])
+    for d in range(len(cu_q) - 1):
+        qs, ks = slice(cu_q[d], cu_q[d + 1]), slice(cu_k[d], cu_k[d + 1])
+        s = torch.einsum("nhd,mhd->hnm", q[qs].float(), k[ks].float().repeat_interleave(g, 1)) * scale
+        s = s.masked_fill(~_visible(s.shape[1], s.shape[2], causal, window), float("-inf"))
+        p = torch.softmax(s, dim=-1).nan_to_num(0.0)
+        out[qs] = torch.einsum("hnm,mhd->nhd", p, v[ks].float().repeat_interleave(g, 1)).to(q.dtype)
+        lse[:, qs] = s.logsumexp(-1)
+    return out, lse, torch.zeros(2, dtype=torch.int64)
+
+
+try:
+    torch.library.register_kernel("torch_attn::_varlen_attn", "cpu", _cpu_varlen)
+except RuntimeError:  # already registered (the module imported twice)
+    pass
+
+
+def _reference(q, k, cu_q, cu_k, causal, window, scale):
+    """rows, multi-max rows, max score per head: document by document in float64; rows past the last document
+    counted nowhere."""
+    H, g = q.shape[1], q.shape[1] // k.shape[1]
+    rows = torch.zeros(H, dtype=torch.int64)
+    multi = torch.zeros(H, dtype=torch.int64)
+    masked = torch.zeros(H, dtype=torch.int64)
+    top = torch.full((H,), float("-inf"), dtype=torch.float64)
+    for d in range(len(cu_q) - 1):
+        qd = q[cu_q[d]:cu_q[d + 1]].double()
+        kd = k[cu_k[d]:cu_k[d + 1]].double().repeat_interleave(g, 1)
+        s = torch.einsum("nhd,mhd->hnm", qd, kd) * scale
+        s = s.masked_fill(~_visible(s.shape[1], s.shape[2], causal, window), float("-inf"))
+        top2 = s.topk(min(2, s.shape[-1]), dim=-1).values
+        t1 = top2[..., 0]
+        t2 = top2[..., 1] if s.shape[-1] > 1 else torch.full_like(t1, float("-inf"))
+        live = ~torch.isneginf(t1)
+        rows += live.sum(-1)
+        masked += (~live).sum(-1)
+        multi += (live & (t2 >= t1 - EPS)).sum(-1)
+        top = torch.maximum(top, torch.where(live, t1, float("-inf")).amax(-1))
+    return rows, multi, masked, top
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "cross_lengths", "tail"])
+def test_varlen_statistics_equal_a_float64_reference_per_document(case):
+    g = seeded("varlen", case)
+    H, h_kv, D = 4, 2, 16
+    cu_q = [0, 37, 50, 96]
+    cu_k = [0, 40, 61, 96] if case == "cross_lengths" else cu_q
+    t_q = cu_q[-1] + (7 if case == "tail" else 0)  # rows past the last document
+    q = torch.randint(-2, 3, (t_q, H, D), generator=g).float()
+    k = torch.randint(-2, 3, (cu_k[-1], h_kv, D), generator=g).float()
+    v = torch.randn(cu_k[-1], h_kv, D, generator=g)
+    causal = case != "window"
+    window = (9, 3) if case == "window" else (-1, 0)
+    call = VarlenCall(q, k, v, torch.tensor(cu_q, dtype=torch.int32), torch.tensor(cu_k, dtype=torch.int32),
+                      causal, 0.25, window, False)
+    assert call.unobservable(H) is None
+    probe = Probe(H)
+    varlen_stats(call, None, probe.counts, probe.values, eps=EPS)
+    rows, multi, masked, top = _reference(q, k, cu_q, cu_k, causal, window, 0.25)
+    assert torch.equal(probe.rows, rows) and torch.equal(probe.masked_rows, masked)
+    assert torch.equal(probe.multi_max_rows, multi)
+    assert multi.min() > 0 and (multi < rows).all()
+    torch.testing.assert_close(probe.max_score.double(), top)
+
+
+def test_documents_are_found_on_the_device_without_a_host_loop():
+    cu = torch.tensor([0, 3, 5], dtype=torch.int32)
+    doc_q, pos_q, doc_k, pos_k = documents(cu, torch.tensor([0, 4, 5], dtype=torch.int32), 6, 5)
+    assert doc_q.tolist() == [0, 0, 0, 1, 1, 2]  # row 5: past the last document
+    assert pos_q[:5].tolist() == [1, 2, 3, -1, 0]  # bottom-right: document 0 has 4 keys for 3 rows
+    assert doc_k.tolist() == [0, 0, 0, 0, 1] and pos_k.tolist() == [0, 1, 2, 3, 0]
+
+
+def test_paged_calls_are_unobservable_by_name():
+    q = torch.zeros(4, 2, 8)
+    call = VarlenCall(q, q, q, torch.tensor([0, 4]), None, True, None, (-1, 0), True)
+    assert "paged" in call.unobservable(2)
+
+
+# ----------------------------------------------------------------------------- a watched packed model
+
+
+class PackedAttention(nn.Module):
+    """Self-attention over a packed batch (T, C), as torchtitan's varlen wrapper calls it."""
+
+    def __init__(self, dim=64, heads=4, kv_heads=2):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+
+    def forward(self, x, cu, max_len):
+        T = x.shape[0]
+        q = self.wq(x).view(T, self.heads, self.hd)
+        k, v = self.wkv(x).view(T, 2, self.kv_heads, self.hd).unbind(1)
+        if "window_size" in NAMES:
+            o = varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=True)
+        else:  # pragma: no cover - PyTorch 2.10's signature
+            o = varlen_attn(q, k, v, cu, cu, max_len, max_len, is_causal=True)
+        return o.reshape(T, -1)
+
+
+def test_a_watched_packed_model_shows_no_unobserved_call():
+    from instability_watch import InstabilityWatch, WatchConfig
+    from instability_watch.model.layer import AttentionLayer
+
+    torch.manual_seed(0)
+    model = PackedAttention()
+    layer = AttentionLayer(model, 4, lambda: model.wq.weight.view(4, 16, 64), name="packed")
+    metrics = []
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, spectral_every=0, log_every=1,
+                                                warmup_steps=100, strict=True),
+                             layers=[layer], listeners=[lambda r: metrics.extend(r.metrics)])
+    cu = torch.tensor([0, 30, 52, 80], dtype=torch.int32)
+    x = torch.randn(80, 64, generator=seeded("packed_model"))
+    with torch.no_grad():
+        out = model(x, cu, 30)
+    watch.step(out.float().pow(2).mean())
+    (cov,) = watch.coverage()
+    assert cov.unobserved_calls == {} and cov.observed_calls == 1
+    assert metrics[0]["rows"].tolist() == [[80] * 4]
+    # the statistics are those of the documents: the same as varlen_stats on the call's own q, k
+    probe = Probe(4)
+    q = model.wq(x).view(80, 4, 16)
+    k = model.wkv(x).view(80, 2, 2, 16)[:, 0]
+    varlen_stats(VarlenCall(q, k, k, cu, cu, True, None, (-1, 0), False), None, probe.counts, probe.values, eps=1e-3)
+    torch.testing.assert_close(torch.as_tensor(metrics[0]["max_score"][0]), probe.max_score.double())
+    watch.detach()
