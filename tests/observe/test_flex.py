@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from instability_watch import Probe
-from instability_watch.kernels.stats.flex import FLEX_OP, FlexCall, flex_stats
+from instability_watch.kernels.stats.flex import FlexCall, flex_stats
 
 from helpers import seeded
 
