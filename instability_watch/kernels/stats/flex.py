@@ -37,6 +37,14 @@ try:  # PyTorch >= 2.5
     from torch._higher_order_ops.flex_attention import flex_attention as FLEX_OP
 except ImportError:  # pragma: no cover - an older PyTorch has no FlexAttention
     FLEX_OP = None
+try:  # the op returns its row maximum (out, lse, max) where FlexAttention offers max_scores (PyTorch >= 2.9)
+    import inspect
+
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    OP_RETURNS_MAX = "max_scores" in inspect.signature(AuxRequest).parameters
+except (ImportError, TypeError, ValueError):  # pragma: no cover
+    OP_RETURNS_MAX = False
 
 _LN2 = math.log(2.0)
 
@@ -230,6 +238,6 @@ def flex_stats(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tens
     with two FlexAttention calls (default on CUDA) or densely (default elsewhere).
     """
     if through_op is None:
-        through_op = call.q.is_cuda
+        through_op = call.q.is_cuda and OP_RETURNS_MAX
     with torch.autocast(call.q.device.type, enabled=False):
         (_through_the_op if through_op else _dense)(call, o, counts, values, float(eps))

@@ -1,0 +1,105 @@
+"""FlexAttention and varlen_attn on CUDA: the statistics' CUDA paths (FlexAttention's own row maximum; the
+statistics kernel's document mask) against their PyTorch paths, and training through both with the watch.
+Skipped without a GPU."""
+import pytest
+import torch
+import torch.nn as nn
+
+from instability_watch import InstabilityWatch, Probe, WatchConfig
+from instability_watch.kernels.stats.flex import FlexCall, flex_stats
+from instability_watch.kernels.stats.varlen import VARLEN_OP, VarlenCall, varlen_stats
+from instability_watch.model.layer import AttentionLayer
+
+from helpers import seeded
+
+pytestmark = pytest.mark.gpu
+fa = pytest.importorskip("torch.nn.attention.flex_attention")
+DEV = "cuda"
+DOCS = (300, 200, 524)
+
+
+def _doc_ids(docs):
+    return torch.repeat_interleave(torch.arange(len(docs)), torch.tensor(docs)).to(DEV)
+
+
+def _int_inputs(key, B, H, h_kv, N, D, dtype=torch.bfloat16):
+    g = seeded(*key)
+    q = torch.randint(-2, 3, (B, H, N, D), generator=g).to(DEV, dtype)
+    k = torch.randint(-2, 3, (B, h_kv, N, D), generator=g).to(DEV, dtype)
+    v = torch.randn(B, h_kv, N, D, generator=g).to(DEV, dtype)
+    return q, k, v
+
+
+def test_flex_statistics_through_the_op_equal_the_dense_path():
+    """Integer q, k: every score exact, so the two paths' counts are equal and the maxima too."""
+    N = sum(DOCS)
+    q, k, v = _int_inputs(("flex_gpu",), 2, 8, 2, N, 64)
+    doc = _doc_ids(DOCS)
+    block = fa.create_block_mask(lambda b, h, qi, kv: (doc[qi] == doc[kv]) & (qi >= kv), None, None, N, N,
+                                 device=DEV)
+    bias = torch.linspace(-1, 1, 8, device=DEV)
+    call = FlexCall(q, k, v, lambda s, b, h, qi, kv: s + bias[h], block.as_tuple(), 0.125, {}, rest=())
+    probes = {}
+    for through_op in (True, False):
+        probes[through_op] = Probe(8, device=DEV)
+        flex_stats(call, None, probes[through_op].counts, probes[through_op].values, eps=0.3, through_op=through_op)
+    a, b = probes[True], probes[False]
+    for name in ("rows", "multi_max_rows", "masked_rows", "nonfinite_rows"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+    assert (a.multi_max_rows > 0).all()
+    torch.testing.assert_close(a.max_score, b.max_score, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.skipif(VARLEN_OP is None, reason="this PyTorch has no varlen_attn")
+def test_varlen_statistics_kernel_equals_the_pytorch_path():
+    g = seeded("varlen_gpu")
+    cu = torch.tensor([0, 300, 500, 1024, 1500], dtype=torch.int32, device=DEV)
+    q = torch.randint(-2, 3, (1500, 8, 64), generator=g).to(DEV, torch.bfloat16)
+    k = torch.randint(-2, 3, (1500, 2, 64), generator=g).to(DEV, torch.bfloat16)
+    for window in ((-1, 0), (128, 0), (64, 16)):
+        call = VarlenCall(q, k, k, cu, cu, window[1] == 0 and window[0] < 0, 0.125, window, False)
+        tri, ref = Probe(8, device=DEV), Probe(8, device=DEV)
+        varlen_stats(call, None, tri.counts, tri.values, eps=0.3, triton=True)
+        varlen_stats(call, None, ref.counts, ref.values, eps=0.3, triton=False)
+        assert torch.equal(tri.counts, ref.counts), window
+        assert torch.equal(tri.values, ref.values), window
+
+
+class FlexBlock(nn.Module):
+    """Causal document attention through compiled FlexAttention, as torchtitan's flex wrapper."""
+
+    def __init__(self, dim=256, heads=4):
+        super().__init__()
+        self.h, self.hd = heads, dim // heads
+        self.qkv = nn.Linear(dim, 3 * dim, bias=False)
+        self.proj = nn.Linear(dim, dim, bias=False)
+        self.flex = torch.compile(fa.flex_attention)
+
+    def forward(self, x, block):
+        B, N, C = x.shape
+        q, k, v = (t.view(B, N, self.h, self.hd).transpose(1, 2) for t in self.qkv(x).split(C, dim=2))
+        return self.proj(self.flex(q, k, v, block_mask=block).transpose(1, 2).reshape(B, N, C))
+
+
+def test_training_through_compiled_flex_is_observed_and_shadowed():
+    torch.manual_seed(0)
+    model = FlexBlock().to(DEV)
+    layer = AttentionLayer(model, 4, lambda: model.qkv.weight[:256].view(4, 64, 256), name="flex")
+    watch = InstabilityWatch(model, WatchConfig(probe_every=2, shadow_every=2, spectral_every=2, log_every=2,
+                                                warmup_steps=100, strict=True), layers=[layer])
+    N = sum(DOCS)
+    doc = _doc_ids(DOCS)
+    block = fa.create_block_mask(lambda b, h, qi, kv: (doc[qi] == doc[kv]) & (qi >= kv), None, None, N, N,
+                                 device=DEV)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for step in range(4):
+        x = torch.randn(2, N, 256, device=DEV, generator=torch.Generator(DEV).manual_seed(step))
+        with torch.autocast("cuda", dtype=torch.bfloat16):
+            loss = model(x, block).float().pow(2).mean()
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        watch.step(loss)
+    (cov,) = watch.coverage()
+    assert cov.unobserved_calls == {} and cov.observed_calls == 2 and cov.shadow_calls == 2
+    watch.detach()
