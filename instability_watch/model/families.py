@@ -183,6 +183,21 @@ def _locate_timm(module: nn.Module) -> Located:
     return n_head, lambda: _queries_first(fused.weight, n_head, head_dim)
 
 
+def _locate_torchtitan(module: nn.Module) -> Located:
+    """torchtitan's ``GQAttention``: ``qkv_linear`` holding ``wq`` (separate) or ``wqkv`` (fused, grouped per
+    key/value head: its query heads, then its key head and value head), with ``n_heads``/``n_kv_heads``/``head_dim``."""
+    qkv = getattr(module, "qkv_linear", None)
+    n_head, n_kv, head_dim = (int_attr(module, n) for n in ("n_heads", "n_kv_heads", "head_dim"))
+    if qkv is None or n_head is None or n_kv is None or head_dim is None or n_kv < 1 or n_head % n_kv:
+        return None
+    fused, query = getattr(qkv, "wqkv", None), getattr(qkv, "wq", None)
+    if isinstance(fused, nn.Linear) and fused.out_features == (n_head + 2 * n_kv) * head_dim:
+        return n_head, lambda: _grouped_queries(fused.weight, n_head, n_kv, head_dim)
+    if isinstance(query, nn.Linear) and query.out_features == n_head * head_dim:
+        return n_head, lambda: _heads_view(query.weight, n_head)
+    return None
+
+
 def _locate_mha(module: nn.Module) -> Located:
     if not isinstance(module, nn.MultiheadAttention):
         return None
@@ -319,6 +334,7 @@ FAMILIES = (
     Family("t5", _locate_t5, _qk_linear_pair("q", "k")),
     Family("litgpt", _locate_litgpt, _qk_litgpt),
     Family("timm", _locate_timm, _qk_timm),
+    Family("torchtitan", _locate_torchtitan),  # no QK projections yet: QK-clip refuses it, by name
     Family("mha", _locate_mha),  # nn.MultiheadAttention: no QK projections (its attention cannot be observed either)
 )
 _BY_NAME = {f.name: f for f in FAMILIES}

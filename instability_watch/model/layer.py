@@ -32,6 +32,9 @@ litgpt                     ``CausalSelfAttention``: a fused ``qkv`` ``nn.Linear`
                            ``attn`` grouped per query group like GPT-NeoX's
 timm                       ``Attention`` (ViT, DeiT, EVA, Swin, ...): a fused ``qkv``
                            ``nn.Linear`` with ``num_heads``, rows ``(3, H, D)``
+torchtitan                 ``GQAttention``: ``qkv_linear.wqkv`` grouped per key/value
+                           head like GPT-NeoX's, or ``qkv_linear.wq``; its inner
+                           attention (FlexAttention, varlen) is observed, not switched
 ``nn.MultiheadAttention``  ``in_proj_weight[:E]`` (or ``q_proj_weight``); its
                            attention cannot be observed (see ``observe.py``)
 =========================  ==========================================================
@@ -145,7 +148,8 @@ def not_found_message(model: nn.Module) -> str:
     return (
         f"no attention layers found in the model ({saw}). The built-in locators know nanoGPT, Hugging Face "
         "GPT-2, Llama-style q_proj/k_proj, BERT-style query/key/value, GPT-NeoX/Pythia query_key_value, Phi-3 "
-        "qkv_proj, T5, litgpt's CausalSelfAttention, timm's Attention and nn.MultiheadAttention. Describe "
+        "qkv_proj, T5, litgpt's CausalSelfAttention, timm's Attention, torchtitan's GQAttention and "
+        "nn.MultiheadAttention. Describe "
         "other layers with layers=[AttentionLayer(module, num_heads, w_q), ...]: the module whose forward calls "
         "F.scaled_dot_product_attention, its number of query heads, and a function returning its query "
         "projection per head, a (num_heads, head_dim, d_in) view of the weight; e.g. for a fused qkv Linear "

@@ -1,0 +1,58 @@
+"""torchtitan's attention, as torchtitan builds it: its Llama 3 debug model with the FlexAttention and the varlen
+backends, on documents packed into each row (torchtitan's own document masks from restarting positions).
+
+On the CPU torchtitan's flex backend runs (forward only) and its varlen backend reaches PyTorch's varlen op,
+which has a CPU kernel here only from tests/varlen_cpu.py (attention per document in float32). Train-mode
+forwards under no_grad and bf16 autocast, as torchtitan trains."""
+import warnings
+
+import numpy as np
+import pytest
+import torch
+
+import varlen_cpu  # noqa: F401 - registers the CPU kernel of PyTorch's varlen op
+
+pytest.importorskip("torch.nn.attention.flex_attention")
+llama3 = pytest.importorskip("torchtitan.models.llama3")
+pytestmark = pytest.mark.filterwarnings("ignore")
+
+DOCS = (50, 40, 38)
+
+
+def _probe_step(backend, state=None):
+    from instability_watch import InstabilityWatch, WatchConfig
+
+    torch.manual_seed(0)
+    model = llama3.model_registry("debugmodel", attn_backend=backend).model.build()
+    if state is not None:
+        model.load_state_dict(state)
+    metrics = []
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, spectral_every=1, log_every=1,
+                                                warmup_steps=100, strict=True),
+                             listeners=[lambda r: metrics.extend(r.metrics)])
+    tokens = torch.randint(0, 2048, (2, sum(DOCS)), generator=torch.Generator().manual_seed(1))
+    positions = torch.cat([torch.arange(n) for n in DOCS]).repeat(2, 1)
+    model.train()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        out = model(tokens, positions=positions, attention_masks=model.get_attention_masks(positions))
+    watch.step(out.float().pow(2).mean())
+    coverage = watch.coverage()
+    heads = watch.head_counts
+    watch.detach()
+    return model, metrics[0], coverage, heads
+
+
+def test_torchtitan_flex_and_varlen_are_watched_document_by_document():
+    model, flex, cov_flex, heads = _probe_step("flex")
+    _, varlen, cov_varlen, _ = _probe_step("varlen", model.state_dict())
+    assert heads == [16] * 6  # the torchtitan family found every GQAttention
+    for cov in (cov_flex, cov_varlen):
+        assert all(c.unobserved_calls == {} and c.observed_calls == 1 for c in cov)
+    for m in (flex, varlen):
+        assert (np.asarray(m["rows"]) == 2 * sum(DOCS)).all()
+        assert np.isfinite(np.asarray(m["sigma_wq"])).all()
+    # the first layer sees the same q and k through both entry points: the same per-document statistics
+    for name in ("rows", "multi_max_rows", "masked_rows", "max_score"):
+        np.testing.assert_array_equal(np.asarray(flex[name])[0], np.asarray(varlen[name])[0], err_msg=name)
+    assert np.asarray(flex["multi_max_rows"])[0].sum() > 0
