@@ -463,3 +463,47 @@ def test_after_an_exception_close_detaches_and_the_callback_can_be_reused(tmp_pa
     assert cb.watch.model is model2 and cb.watch.step_count == 2 and _detached(model2)
     m = load_run(tmp_path / "b" / "instability_watch").metrics
     assert sorted(m["step"].unique()) == [1, 2] and (m["rows"] == ROWS).all()
+
+
+# ---------------------------------------------------------------------------------------------- packed batches
+
+
+class DocDataset(torch.utils.data.Dataset):
+    """Documents of different lengths (each its own labels), for padding-free packing."""
+
+    def __init__(self, n: int = 16, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.docs = [torch.randint(1, run_script.VOCAB, (int(n_),), generator=g).tolist()
+                     for n_ in torch.randint(5, 30, (n,), generator=g)]
+
+    def __len__(self) -> int:
+        return len(self.docs)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.docs[i], "labels": list(self.docs[i])}
+
+
+def test_packed_batches_through_the_trainer_are_watched_document_by_document(tmp_path):
+    """DataCollatorWithFlattening packs each micro-batch into one row (position_ids restart per document);
+    with use_cache=False (as for training) HF masks the documents from each other on sdpa. Every call is
+    observed and each probe step counts every token of the packed micro-batches as a row."""
+    from transformers import DataCollatorWithFlattening
+
+    model = build("llama")
+    model.config.use_cache = False
+    data = DocDataset()
+    cb = InstabilityWatchTrainerCallback(
+        WatchConfig(probe_every=1, shadow_every=1, spectral_every=1, log_every=2, warmup_steps=2), alerts=False)
+    trainer = Trainer(model=model, args=training_args(tmp_path, max_steps=4, save_steps=100), train_dataset=data,
+                      data_collator=DataCollatorWithFlattening(return_flash_attn_kwargs=True), callbacks=[cb])
+    trainer.train()
+    run = load_run(cb.run_dir)
+    coverage = run.meta["coverage"]
+    assert all(c["unobserved_calls"] == {} and c["observed_calls"] > 0 for c in coverage), coverage
+    assert all(c["shadow_calls"] > 0 for c in coverage)
+    m = run.metrics
+    assert sorted(m["step"].unique()) == [1, 2, 3, 4]
+    # rows per head and step: the tokens of the step's micro-batches (2 x 2 documents, 4 steps = all 16 documents)
+    per_step = m.groupby("step")["rows"].first().sum()
+    assert per_step == sum(len(d) for d in data.docs)
+    assert m["max_score"].notna().all() and m["delta_cum"].notna().all()
