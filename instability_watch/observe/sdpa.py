@@ -43,7 +43,7 @@ from instability_watch.kernels import dropout_seed, flash_attention, unsupported
 from instability_watch.kernels.attention.ops import ERROR_HANDLER
 from instability_watch.kernels.stats import attention_shadow, attention_stats
 from instability_watch.kernels.stats.flex import FLEX_OP, FlexCall, flex_shadow, flex_shadow_forward, flex_stats
-from instability_watch.kernels.stats.varlen import VARLEN_OP, VarlenCall, varlen_stats
+from instability_watch.kernels.stats.varlen import VARLEN_OP, VarlenCall, varlen_shadow, varlen_stats
 from instability_watch.observe.coverage import KIND_ROW, NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED
 from instability_watch.probe.fields import COUNT_ROW
 
@@ -169,6 +169,32 @@ class FlexShadowTap(torch.autograd.Function):
                 raise
             ctx.on_error(exc)
         return do, None, None, None, None, None
+
+
+class VarlenShadowTap(torch.autograd.Function):
+    """Identity on a varlen call's ``o`` (T, H, D_v); its backward runs the shadow pass document by document
+    on ``dO`` and returns ``dO`` unchanged."""
+
+    @staticmethod
+    def forward(ctx, o, q, k, v, cu_q, cu_k, causal, scale, window, counts, values, on_error):
+        ctx.save_for_backward(o, q, k, v, cu_q, cu_k)
+        ctx.buffers, ctx.on_error = (counts, values), on_error  # attributes: see ShadowTap
+        ctx.causal, ctx.scale, ctx.window = causal, scale, window
+        return o.view_as(o)
+
+    @staticmethod
+    def backward(ctx, do):
+        o, q, k, v, cu_q, cu_k = ctx.saved_tensors
+        counts, values = ctx.buffers
+        try:
+            call = VarlenCall(q, k, v, cu_q, cu_k, ctx.causal, ctx.scale, ctx.window, False)
+            varlen_shadow(call, o, do, counts, values)
+            counts[COUNT_ROW["shadow_calls"]] += 1
+        except Exception as exc:  # noqa: BLE001 - monitoring never breaks the backward
+            if ctx.on_error is None or torch.compiler.is_compiling():
+                raise
+            ctx.on_error(exc)
+        return do, None, None, None, None, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- the mode
@@ -326,13 +352,16 @@ class SdpaObserver(TorchFunctionMode):
                 stats(call, out[0], self.counts, self.values, eps=self.eps)
                 self.counts[COUNT_ROW["observed_calls"]] += 1
             if self.shadow and out[0].requires_grad:
+                on_error = None if torch.compiler.is_compiling() or self.on_error is None else self._statistics_failed
                 if parser is FlexCall:
                     o_hp, live = flex_shadow_forward(call)
-                    on_error = (None if torch.compiler.is_compiling() or self.on_error is None
-                                else self._statistics_failed)
-                    out = (FlexShadowTap.apply(out[0], o_hp, live, self.counts, self.values, on_error), *out[1:])
+                    tapped = FlexShadowTap.apply(out[0], o_hp, live, self.counts, self.values, on_error)
                 else:
-                    self.count(SHADOW_SKIPPED, f"{name} calls get no shadow pass (not supported yet)")
+                    cu_k = call.cu_seq_k if call.cu_seq_k is not None else call.cu_seq_q
+                    tapped = VarlenShadowTap.apply(out[0], call.q.detach(), call.k.detach(), call.v.detach(),
+                                                   call.cu_seq_q, cu_k, call.is_causal, call.scale, call.window,
+                                                   self.counts, self.values, on_error)
+                out = (tapped, *out[1:])
         except Exception as exc:  # noqa: BLE001 - fail open: the user's output stands
             if self.on_error is None or torch.compiler.is_compiling():
                 raise

@@ -366,3 +366,25 @@ def test_document_statistics_match_the_reference(case):
         assert tri.counts[i].tolist() == ref.counts[i].tolist(), name
     assert torch.equal(tri.values[V_MAXS], ref.values[V_MAXS])
     assert (ref.counts[COUNT_FIELDS.index("multi_max_rows")] > 0).all()
+
+
+@pytest.mark.parametrize("case", ["causal", "window", "tail"])
+def test_document_shadow_matches_the_reference(case):
+    from instability_watch.kernels.stats.varlen import VarlenCall, varlen_shadow
+
+    g = seeded("docs_shadow_interp", case)
+    H, h_kv, D = 4, 2, 16
+    cu = torch.tensor([0, 37, 50, 97], dtype=torch.int32)
+    t_q = 97 + (9 if case == "tail" else 0)
+    q = torch.randn(t_q, H, D, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(97, h_kv, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    o, do = (torch.randn(t_q, H, D, generator=g).to(torch.bfloat16) for _ in range(2))
+    window = (11, 4) if case == "window" else (-1, 0)
+    call = VarlenCall(q, k, v, cu, cu, case != "window", 0.25, window, False)
+    tri, ref = _probes(H, ("docs_shadow", case))
+    varlen_shadow(call, o, do, tri.counts, tri.values, triton=True)
+    varlen_shadow(call, o, do, ref.counts, ref.values, triton=False)
+    for i, name in enumerate(COUNT_FIELDS):
+        assert tri.counts[i].tolist() == ref.counts[i].tolist(), name
+    torch.testing.assert_close(tri.values[V_DSUM], ref.values[V_DSUM], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(tri.values[V_DABS], ref.values[V_DABS], rtol=1e-4, atol=1e-4)

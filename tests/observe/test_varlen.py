@@ -132,3 +132,78 @@ def test_a_watched_packed_model_shows_no_unobserved_call():
     varlen_stats(VarlenCall(q, k, k, cu, cu, True, None, (-1, 0), False), None, probe.counts, probe.values, eps=1e-3)
     torch.testing.assert_close(torch.as_tensor(metrics[0]["max_score"][0]), probe.max_score.double())
     watch.detach()
+
+
+def test_varlen_shadow_equals_a_float64_reference_per_document():
+    from instability_watch.kernels.stats.varlen import varlen_shadow
+
+    g = seeded("varlen_shadow")
+    H, h_kv, D = 4, 2, 16
+    cu = [0, 37, 50, 96]
+    t_q = 103  # 7 rows past the last document: counted nowhere
+    q, k, v = (torch.randn(t_q if i == 0 else 96, H if i == 0 else h_kv, D, generator=g).to(torch.bfloat16)
+               for i in range(3))
+    o = torch.randn(t_q, H, D, generator=g).to(torch.bfloat16)
+    do = torch.randn(t_q, H, D, generator=g).to(torch.bfloat16)
+    cu_t = torch.tensor(cu, dtype=torch.int32)
+    probe = Probe(H)
+    varlen_shadow(VarlenCall(q, k, v, cu_t, cu_t, True, 0.3, (-1, 0), False), o, do, probe.counts, probe.values)
+    err = []
+    for d in range(3):
+        sl = slice(cu[d], cu[d + 1])
+        n = cu[d + 1] - cu[d]
+        s = torch.einsum("nhd,mhd->hnm", q[sl].double(), k[sl].double().repeat_interleave(2, 1)) * 0.3
+        p = torch.softmax(s.masked_fill(~_visible(n, n, True, (-1, 0)), float("-inf")), dim=-1)
+        dp = torch.einsum("nhd,mhd->hnm", do[sl].double(), v[sl].double().repeat_interleave(2, 1))
+        err.append((do[sl].double() * o[sl].double()).sum(-1).T - (p * dp).sum(-1))
+    err = torch.cat(err, dim=1)  # (H, rows)
+    assert probe.shadow_rows.tolist() == [96] * H
+    assert probe.delta_err_pos.tolist() == (err > 0).sum(1).tolist()
+    torch.testing.assert_close(probe.delta_err_abs.double(), err.abs().sum(1), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(probe.delta_err_sum.double(), err.sum(1), rtol=1e-3, atol=1e-3)
+
+
+def test_training_a_watched_packed_model_takes_the_shadow_pass():
+    """A backward through varlen_attn (the tests' CPU kernels): probe and shadow steps observed, nothing skipped,
+    and the model's gradients exactly those of the unwatched model."""
+    from instability_watch import InstabilityWatch, WatchConfig
+    from instability_watch.model.layer import AttentionLayer
+
+    cu = torch.tensor([0, 30, 52, 80], dtype=torch.int32)
+    x = torch.randn(80, 64, generator=seeded("packed_train"))
+    grads = {}
+    for watched in (False, True):
+        torch.manual_seed(0)
+        model = PackedAttention()
+        if watched:
+            layer = AttentionLayer(model, 4, lambda: model.wq.weight.view(4, 16, 64), name="packed")
+            watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=1, spectral_every=1, log_every=2,
+                                                        warmup_steps=100, strict=True), layers=[layer])
+        loss = model(x, cu, 30).float().pow(2).mean()
+        loss.backward()
+        grads[watched] = [p.grad.clone() for p in model.parameters()]
+        if watched:
+            watch.step(loss)
+            (cov,) = watch.coverage()
+            assert cov.unobserved_calls == {} and cov.shadow_skipped == {}
+            assert cov.observed_calls == 1 and cov.shadow_calls == 1
+            watch.detach()
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.equal(a, b)
+
+
+def test_the_cpu_kernels_of_the_tests_are_right():
+    """The tests' CPU backward of the varlen op against autograd through the same attention, in float64."""
+    from varlen_cpu import attend, cpu_varlen_backward
+
+    g = seeded("varlen_cpu_bwd")
+    q = torch.randn(40, 4, 8, generator=g, dtype=torch.float64)
+    k, v = (torch.randn(40, 2, 8, generator=g, dtype=torch.float64) for _ in range(2))
+    do = torch.randn(40, 4, 8, generator=g, dtype=torch.float64)
+    cu = torch.tensor([0, 15, 40], dtype=torch.int32)
+    got = cpu_varlen_backward(do, q, k, v, None, None, cu, cu, 25, 25, True, None, 0.3, [5, 0])
+    qq, kk, vv = (t.clone().requires_grad_(True) for t in (q, k, v))
+    o, _ = attend(qq.double(), kk.double(), vv.double(), [0, 15, 40], [0, 15, 40], True, (5, 0), 0.3)
+    want = torch.autograd.grad(o, (qq, kk, vv), do.float())
+    for a, b in zip(got, want):
+        torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5)

@@ -445,6 +445,17 @@ def attention_stats_documents(
             eps=eps, documents=(documents.contiguous(), int(n_docs), (int(window[0]), int(window[1]))))
 
 
+def attention_shadow_documents(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor, documents: torch.Tensor,
+    n_docs: int, window, counts: torch.Tensor, values: torch.Tensor, *, scale: float,
+) -> None:
+    """The shadow pass over a packed call (``varlen_attn``'s layout) on the GPU; no host sync. Shapes as
+    :func:`attention_stats_documents`, with v (T_k, H_kv, D_v), o and do (T_q, H, D_v)."""
+    as4 = (lambda t: t.permute(1, 0, 2).unsqueeze(0))  # (1, H, T, D) views
+    _launch(as4(q), as4(k), as4(v), as4(o), as4(do), None, counts, values, shadow=True, causal=False, scale=scale,
+            eps=0.0, documents=(documents.contiguous(), int(n_docs), (int(window[0]), int(window[1]))))
+
+
 def attention_shadow(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor, do: torch.Tensor,
     attn_mask: Optional[torch.Tensor], counts: torch.Tensor, values: torch.Tensor, *, causal: bool, scale: float,

@@ -8,9 +8,10 @@ masks are bottom-right aligned, as flash-attn's: row ``i`` (local index) sits at
 ``a = i + len_k - len_q``; ``window_size = (left, right)`` keeps keys ``a - left .. a + right`` (``-1``: no bound),
 causal is ``right = 0``. Rows past ``cu_seq_q[-1]`` belong to no document and count nowhere.
 
-The statistics are those of :mod:`instability_watch.kernels.stats` on these scores, computed document by
-document without a host sync: the document of every row and key is found on the device
-(:func:`documents`), and the scores are taken in chunks of query rows against all keys, masked by document.
+The statistics and the shadow pass are those of :mod:`instability_watch.kernels.stats` on these scores,
+computed document by document without a host sync: the document of every row and key is found on the device
+(:func:`documents`); the statistics kernel takes them as a document mask (CUDA), the PyTorch path forms the
+scores in chunks of query rows against all keys, masked by document.
 """
 from __future__ import annotations
 
@@ -24,6 +25,8 @@ from torch import Tensor
 from instability_watch.kernels.common import compute_dtype
 from instability_watch.kernels.stats.flex import accumulate_rows, store_rows
 from instability_watch.kernels.stats.reference import CHUNK_ELEMENTS
+from instability_watch.probe.fields import COUNT_ROW as _C
+from instability_watch.probe.fields import VALUE_ROW as _V
 
 try:  # PyTorch >= 2.10 registers the op when the module is imported
     import torch.nn.attention.varlen  # noqa: F401
@@ -124,6 +127,78 @@ def varlen_stats(call: VarlenCall, o: Optional[Tensor], counts: Tensor, values: 
             _varlen_stats_triton(call, o, counts, values, float(eps))
         else:
             _varlen_stats(call, o, counts, values, float(eps))
+
+
+@torch.no_grad()
+def varlen_shadow(call: VarlenCall, o: Tensor, do: Tensor, counts: Tensor, values: Tensor, *,
+                  triton: Optional[bool] = None) -> None:
+    """The shadow pass over one varlen call: ``delta_lp = rowsum(dO * O)`` from the call's output against
+    ``delta_hp = sum_j P_ij (dO_i . v_j) / sum_j P_ij`` on the same documents (``P`` unrounded), over the rows
+    that see a key; adds ``shadow_rows``, ``delta_err_*`` into ``counts`` and ``values``. ``o``, ``do``:
+    ``(T_q, H, D_v)``."""
+    from instability_watch.kernels.stats import triton_serves
+
+    if triton is None:
+        triton = triton_serves(call.q, call.k, call.v)
+    t_q, t_k = call.q.shape[0], call.k.shape[0]
+    cu_k = call.cu_seq_k if call.cu_seq_k is not None else call.cu_seq_q
+    docs = documents(call.cu_seq_q, cu_k, t_q, t_k)
+    scale = float(call.scale) if call.scale is not None else 1.0 / math.sqrt(call.q.shape[-1])
+    with torch.autocast(call.q.device.type, enabled=False):
+        if triton:
+            from instability_watch.kernels.stats.triton import attention_shadow_documents
+
+            attention_shadow_documents(call.q, call.k, call.v, o, do, torch.cat([*docs, cu_k.long()]),
+                                       call.cu_seq_q.numel() - 1, call.window, counts, values, scale=scale)
+        else:
+            _varlen_shadow(call, o, do, docs, counts, values, scale)
+
+
+def _varlen_shadow(call: VarlenCall, o: Tensor, do: Tensor, docs, counts: Tensor, values: Tensor,
+                   scale: float) -> None:
+    q, k, v = call.q, call.k, call.v
+    t_q, H, D = q.shape
+    t_k, h_kv, d_v = k.shape[0], k.shape[1], v.shape[2]
+    g = H // h_kv
+    cdt = compute_dtype(q.dtype)
+    doc_q, pos_q, doc_k, pos_k = docs
+    n_docs = call.cu_seq_q.numel() - 1
+    left, right = call.window
+    kf = k.to(cdt).permute(1, 0, 2).unsqueeze(1)  # (H_kv, 1, T_k, D)
+    vt = v.to(cdt).permute(1, 2, 0).unsqueeze(1)  # (H_kv, 1, D_v, T_k)
+    n_rows = torch.zeros(H, dtype=torch.int64, device=q.device)
+    n_pos = torch.zeros(H, dtype=torch.int64, device=q.device)
+    e_sum = torch.zeros(H, dtype=cdt, device=q.device)
+    e_abs = torch.zeros(H, dtype=cdt, device=q.device)
+    step = max(1, min(t_q, CHUNK_ELEMENTS // max(1, H * t_k)))
+    for i0 in range(0, t_q, step):
+        i1 = min(t_q, i0 + step)
+        n = i1 - i0
+        s = (q[i0:i1].to(cdt).permute(1, 0, 2).reshape(h_kv, g, n, D) @ kf.transpose(-1, -2)).reshape(H, n, t_k)
+        s = s * scale
+        keep = doc_q[i0:i1, None] == doc_k[None, :]
+        a = pos_q[i0:i1, None]
+        if left >= 0:
+            keep &= pos_k[None, :] >= a - left
+        if right >= 0:
+            keep &= pos_k[None, :] <= a + right
+        s = torch.where(keep, s, float("-inf"))
+        t1 = s.amax(dim=-1)
+        live = ~torch.isneginf(t1) & (doc_q[i0:i1] < n_docs)
+        p = torch.exp(s - torch.where(torch.isneginf(t1), 0.0, t1)[..., None])
+        do_c = do[i0:i1].to(cdt).permute(1, 0, 2)  # (H, n, D_v)
+        dp = (do_c.reshape(h_kv, g, n, d_v) @ vt).reshape(H, n, t_k)
+        delta_hp = (p * dp).sum(dim=-1) / p.sum(dim=-1)
+        delta_lp = (do_c * o[i0:i1].to(cdt).permute(1, 0, 2)).sum(dim=-1)
+        err = torch.where(live, delta_lp - delta_hp, 0.0)
+        n_rows += live.sum(dim=1)
+        n_pos += (err > 0).sum(dim=1)
+        e_sum += err.sum(dim=1)
+        e_abs += err.abs().sum(dim=1)
+    counts[_C["shadow_rows"]] += n_rows
+    counts[_C["delta_err_pos"]] += n_pos
+    values[_V["delta_err_sum"]] += e_sum.to(values.dtype)
+    values[_V["delta_err_abs"]] += e_abs.to(values.dtype)
 
 
 def _varlen_stats_triton(call: VarlenCall, o: Optional[Tensor], counts: Tensor, values: Tensor, eps: float) -> None:
