@@ -508,7 +508,7 @@ def test_high_precision_delta_prepass_equals_float32_o(case):
     gradients of delta = rowsum(dO * O_hp) with O_hp recomputed by PyTorch in float32, and
     differs from the ordinary backward's."""
     from instability_watch.kernels.attention import triton as ta
-    from instability_watch.kernels.attention.ops import _high_precision_delta
+    from instability_watch.kernels.attention.ops import delta_from_float32_o
     from instability_watch.kernels import dropout_seed
 
     B, H, h_kv, N, D = 2, 4, (2 if case == "causal_gqa" else 4), 37, 32
@@ -526,7 +526,7 @@ def test_high_precision_delta_prepass_equals_float32_o(case):
     common = dict(causal=causal, scale=scale, counts=None, values=None, shadow=False, attn_mask=mask,
                   dropout_p=p, seed=seed)
     prepass = ta.attention_backward_lse2(q, k, v, o, lse2, do, delta_hp=True, **common)[:3]
-    delta = _high_precision_delta(q, k, v, do, mask, seed, causal, scale, p)
+    delta = delta_from_float32_o(q, k, v, do, mask, seed, causal, scale, p)
     given = ta.attention_backward_lse2(q, k, v, o, lse2, do, delta=delta, **common)[:3]
     ordinary = ta.attention_backward_lse2(q, k, v, o, lse2, do, **common)[:3]
     for a, b in zip(prepass, given):

@@ -75,7 +75,7 @@ def _dense_attention(q, k, v, attn_mask, keep, inv_keep: float, causal: bool, sc
     return p @ vf
 
 
-def _high_precision_delta(q, k, v, do, attn_mask, seed, causal: bool, scale: float, dropout_p: float) -> Tensor:
+def delta_from_float32_o(q, k, v, do, attn_mask, seed, causal: bool, scale: float, dropout_p: float) -> Tensor:
     """``rowsum(dO * O_hp)`` (B, H, N), ``O_hp`` recomputed by PyTorch in float32 (float64 for float64 inputs)."""
     cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
     with torch.autocast(q.device.type, enabled=False), torch.no_grad():
@@ -193,7 +193,7 @@ def _backward(
         # INSTABILITY_WATCH_HP_DELTA=pytorch, O recomputed by PyTorch in float32 (an attention forward in float32)
         in_kernel = backend == "triton" and os.environ.get("INSTABILITY_WATCH_HP_DELTA", "kernel") != "pytorch"
         if not in_kernel:
-            delta = _high_precision_delta(q, k, v, do, attn_mask, seed, causal, scale, dropout_p)
+            delta = delta_from_float32_o(q, k, v, do, attn_mask, seed, causal, scale, dropout_p)
     return _backward_impl(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow,
                           mask_grad, backend, delta, in_kernel)
 
