@@ -21,8 +21,17 @@ plain copy with a watch attached for one block (its first steps untimed):
 * ``clip``     -- ``probe`` with ``qk_clip="always"`` (tau 100): the clip's cost is ``clip`` - ``probe``
   (its in-place multiplies run whether or not a head is over tau).
 
+Entry points other than plain SDPA calls (issue 43), on packed batches (documents of random lengths in one row,
+``position_ids`` restarting per document, ``use_cache=False``: what ``DataCollatorWithFlattening`` gives a model):
+
+* ``packed-sdpa`` / ``packed-flex`` -- a Llama (12 layers, 1024 wide, 16 query heads on 4) built with
+  ``attn_implementation="sdpa"`` / ``"flex_attention"`` (HF compiles its flex calls); HF builds the document mask;
+* ``packed-varlen`` -- the same shape with attention by ``torch.nn.attention.varlen.varlen_attn`` from the
+  documents' ``cu_seqlens`` (a model written here, Llama-style ``q_proj``/``k_proj``).
+
 Run:  python benchmarks/observer_overhead.py [--models hf-gpt2,hf-llama-1b] [--rounds 4] [--block 40]
                                              [--json out.json]
+      python benchmarks/observer_overhead.py --models packed-sdpa,packed-flex,packed-varlen
 """
 from __future__ import annotations
 
@@ -92,7 +101,115 @@ class _Out:
         self.loss = loss
 
 
-MODELS: Dict[str, Callable] = {"hf-gpt2": hf_gpt2, "hf-llama-1b": hf_llama_1b, "nanogpt-small": nanogpt_small}
+def _documents(g: torch.Generator, total: int, lo: int, hi: int) -> List[int]:
+    """Random document lengths in [lo, hi) filling ``total`` tokens exactly (the last one cut)."""
+    lengths, n = [], 0
+    while n < total:
+        lengths.append(min(total - n, int(torch.randint(lo, hi, (1,), generator=g))))
+        n += lengths[-1]
+    return lengths
+
+
+def _packed_batch(vocab: int, total: int, lo: int, hi: int, varlen: bool):
+    """A packed row: ``input_ids``/``labels`` (1, total), ``position_ids`` restarting per document (and, for the
+    varlen model, ``cu_seqlens`` and ``max_len``)."""
+    def make(g: torch.Generator) -> dict:
+        lengths = _documents(g, total, lo, hi)
+        ids = torch.randint(0, vocab, (1, total), generator=g)
+        batch = {"input_ids": ids, "labels": ids,
+                 "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)}
+        if varlen:
+            batch["cu_seqlens"] = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            batch["max_len"] = max(lengths)
+        return batch
+    return make
+
+
+def _llama_cfg(tiny: bool, impl: str):
+    import transformers as t
+
+    if tiny:
+        cfg = t.LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                            num_key_value_heads=2, vocab_size=512, max_position_embeddings=256, use_cache=False)
+    else:
+        cfg = t.LlamaConfig(hidden_size=1024, intermediate_size=2816, num_hidden_layers=12, num_attention_heads=16,
+                            num_key_value_heads=4, vocab_size=32000, max_position_embeddings=8192, use_cache=False)
+    cfg._attn_implementation = impl
+    return cfg
+
+
+def _packed_hf(impl: str):
+    def build(tiny: bool):
+        import transformers as t
+
+        cfg = _llama_cfg(tiny, impl)
+        total, lo, hi = (128, 8, 40) if tiny else (8192, 128, 2048)
+        return t.LlamaForCausalLM(cfg), cfg.vocab_size, 1, total, _packed_batch(cfg.vocab_size, total, lo, hi, False)
+    return build
+
+
+class _VarlenAttention(torch.nn.Module):
+    """Llama-style projections, RoPE-free, attention by ``varlen_attn`` over the batch's documents."""
+
+    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.num_heads, self.kv, self.hd = heads, kv_heads, dim // heads
+        self.q_proj = torch.nn.Linear(dim, dim, bias=False)
+        self.k_proj = torch.nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.v_proj = torch.nn.Linear(dim, kv_heads * self.hd, bias=False)
+        self.o_proj = torch.nn.Linear(dim, dim, bias=False)
+
+    def forward(self, x, cu, max_len):
+        from torch.nn.attention.varlen import varlen_attn
+
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.hd)
+        k = self.k_proj(x).view(T, self.kv, self.hd)
+        v = self.v_proj(x).view(T, self.kv, self.hd)
+        o = varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=self.kv < self.num_heads)
+        return self.o_proj(o.reshape(T, -1))
+
+
+class _VarlenBlock(torch.nn.Module):
+    def __init__(self, dim: int, hidden: int, heads: int, kv_heads: int) -> None:
+        super().__init__()
+        self.n1, self.n2 = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
+        self.attn = _VarlenAttention(dim, heads, kv_heads)
+        self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, hidden, bias=False), torch.nn.SiLU(),
+                                       torch.nn.Linear(hidden, dim, bias=False))
+
+    def forward(self, x, cu, max_len):
+        x = x + self.attn(self.n1(x), cu, max_len)
+        return x + self.mlp(self.n2(x))
+
+
+class _VarlenLM(torch.nn.Module):
+    def __init__(self, cfg) -> None:
+        super().__init__()
+        d = cfg.hidden_size
+        self.emb = torch.nn.Embedding(cfg.vocab_size, d)
+        self.blocks = torch.nn.ModuleList(_VarlenBlock(d, cfg.intermediate_size, cfg.num_attention_heads,
+                                                       cfg.num_key_value_heads) for _ in range(cfg.num_hidden_layers))
+        self.norm = torch.nn.RMSNorm(d)
+        self.head = torch.nn.Linear(d, cfg.vocab_size, bias=False)
+
+    def forward(self, input_ids, labels, position_ids, cu_seqlens, max_len):
+        x = self.emb(input_ids[0])
+        for b in self.blocks:
+            x = b(x, cu_seqlens, max_len)
+        logits = self.head(self.norm(x)).float()
+        return _Out(torch.nn.functional.cross_entropy(logits[:-1], labels[0, 1:]))
+
+
+def packed_varlen(tiny: bool):
+    cfg = _llama_cfg(tiny, "sdpa")
+    total, lo, hi = (128, 8, 40) if tiny else (8192, 128, 2048)
+    return _VarlenLM(cfg), cfg.vocab_size, 1, total, _packed_batch(cfg.vocab_size, total, lo, hi, True)
+
+
+MODELS: Dict[str, Callable] = {"hf-gpt2": hf_gpt2, "hf-llama-1b": hf_llama_1b, "nanogpt-small": nanogpt_small,
+                               "packed-sdpa": _packed_hf("sdpa"), "packed-flex": _packed_hf("flex_attention"),
+                               "packed-varlen": packed_varlen}
 
 
 class Copy:
@@ -105,13 +222,13 @@ class Copy:
         self.forward = torch.compile(self.model) if compile else self.model  # after the watch attached
         self.events: List[tuple] = []  # (step kind, start, end) CUDA events, read after the run
 
-    def step(self, ids: torch.Tensor, device: str) -> None:
+    def step(self, batch: dict, device: str) -> None:
         record = device == "cuda" and self.watch is not None
         if record:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
         with torch.autocast(device, dtype=torch.bfloat16):
-            loss = self.forward(input_ids=ids, labels=ids).loss
+            loss = self.forward(**batch).loss
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
@@ -131,14 +248,14 @@ class Copy:
         return {k: statistics.median(v) for k, v in by.items()}
 
 
-def timed(c: Copy, batches: List[torch.Tensor], device: str, skip: int = 0) -> float:
+def timed(c: Copy, batches: List[dict], device: str, skip: int = 0) -> float:
     """Seconds per step over ``batches`` (the first ``skip`` steps run untimed)."""
-    for ids in batches[:skip]:
-        c.step(ids, device)
+    for batch in batches[:skip]:
+        c.step(batch, device)
     sync(device)
     t0 = time.perf_counter()
-    for ids in batches[skip:]:
-        c.step(ids, device)
+    for batch in batches[skip:]:
+        c.step(batch, device)
     sync(device)
     return (time.perf_counter() - t0) / max(1, len(batches) - skip)
 
@@ -153,13 +270,19 @@ KINDS = {
 
 def bench(name: str, args, device: str) -> dict:
     torch.manual_seed(0)
-    base, vocab, batch, seq = MODELS[name](args.tiny)
+    base, vocab, batch, seq, *make = MODELS[name](args.tiny)
     plain = Copy(copy.deepcopy(base), device, compile=args.compile)
     watched = Copy(base, device, WatchConfig(), compile=args.compile)
     g = torch.Generator().manual_seed(0)
 
+    def one() -> dict:
+        if make:  # a packed row: its own tensors (and ints)
+            return {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in make[0](g).items()}
+        ids = torch.randint(0, vocab, (batch, seq), generator=g).to(device)
+        return {"input_ids": ids, "labels": ids}
+
     def batches(n):
-        return [torch.randint(0, vocab, (batch, seq), generator=g).to(device) for _ in range(n)]
+        return [one() for _ in range(n)]
 
     for c in (plain, watched):  # warm-up: allocator, cuDNN plans, compiled graphs, the first probe and read-back
         timed(c, batches(12 if args.compile else 3), device)
@@ -237,17 +360,17 @@ def main() -> int:
     results = [bench(name, args, device) for name in args.models.split(",")]
     if args.json:
         write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "results": results})
-    print(f"\n{'model':<12} {'plain ms':>9} {'watch ms':>9} {'ratio':>7} {'range':>15} {'unobserved':>10}  "
+    print(f"\n{'model':<14} {'plain ms':>9} {'watch ms':>9} {'ratio':>7} {'range':>15} {'unobserved':>10}  "
           f"{'probe':>7} {'shadow':>7} {'switched':>8} {'clip':>7}")
     for r in results:
         k = r["kinds"]
         if not k:
-            print(f"{r['model']:<12} {statistics.median(r['plain_ms']):9.2f} {statistics.median(r['watch_ms']):9.2f} "
+            print(f"{r['model']:<14} {statistics.median(r['plain_ms']):9.2f} {statistics.median(r['watch_ms']):9.2f} "
                   f"{r['ratio_median']:7.4f} {min(r['ratios']):7.4f}-{max(r['ratios']):.4f} "
                   f"{r['unobserved_calls']:10d}  {'(compiled) ' if r['compile'] else ''}"
                   f"watched copy's steps (ms): {r['watched_step_ms']}")
             continue
-        print(f"{r['model']:<12} {statistics.median(r['plain_ms']):9.2f} {statistics.median(r['watch_ms']):9.2f} "
+        print(f"{r['model']:<14} {statistics.median(r['plain_ms']):9.2f} {statistics.median(r['watch_ms']):9.2f} "
               f"{r['ratio_median']:7.4f} {min(r['ratios']):7.4f}-{max(r['ratios']):.4f} {r['unobserved_calls']:10d}  "
               f"{100 * k['probe']['median']:+6.2f}% {100 * k['shadow']['median']:+6.2f}% "
               f"{100 * k['switched']['median']:+7.2f}% {100 * k['clip']['median']:+6.2f}%"
