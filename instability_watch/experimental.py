@@ -26,13 +26,13 @@ def high_precision_delta(enabled: bool = True):
 
     Calls to :func:`~instability_watch.flash_attention` whose forward runs inside this context
     (routed calls of a watched model included) compute, in their backward,
-    ``delta = rowsum(dO * O_hp)`` with ``O_hp = softmax(S) V`` recomputed by
-    PyTorch in float32, instead of ``rowsum(dO * O)`` from the stored BF16
-    ``O``. Everything else (the forward output, the rest of the backward) is
+    ``delta = rowsum(dO * O_hp)`` with ``O_hp = softmax(S) V`` and ``P`` never
+    rounded, instead of ``rowsum(dO * O)`` from the stored BF16 ``O``. Everything else (the forward output, the rest of the backward) is
     unchanged, so a training run inside it differs from a standard one only by
-    the rounding bias the paper blames (Claim 1). Costs one float32 attention
-    forward per call in the backward (``O_hp`` (B, H, N, D) and ``delta`` (B, H, N) in
-    float32, float64 for float64 inputs). Eager calls only: ``torch.compile`` cannot read
+    the rounding bias the paper blames (Claim 1). On CUDA our dQ kernel computes it in a
+    pre-pass, ``rowsum(P * (dO V^T))`` with ``P`` in float32 (about one attention forward per
+    backward; ``INSTABILITY_WATCH_HP_DELTA=pytorch`` takes the other way); elsewhere PyTorch
+    recomputes ``O_hp`` in float32 (float64 for float64 inputs). Eager calls only: ``torch.compile`` cannot read
     the context, so compiled code passes ``flash_attention(..., high_precision_delta=True)``
     or routes a watched layer with ``watch.observation.route(layer, high_precision_delta=True)``;
     :func:`high_precision_delta_calls` counts the backward calls that took it, compiled or not.

@@ -286,8 +286,9 @@ def flash_attention(
             ``"triton"`` or ``"reference"``.
         high_precision_delta: the paper's control experiment, a research tool
             (:func:`~instability_watch.experimental.high_precision_delta`): ``True``
-            takes the backward's ``delta = rowsum(dO * O)`` from ``O`` recomputed by
-            PyTorch in float32; ``None`` (default) reads the
+            takes the backward's ``delta = rowsum(dO * O)`` from ``O`` without rounding
+            ``P`` (Triton: a pre-pass of the dQ kernel; reference: PyTorch's float32
+            attention); ``None`` (default) reads the
             :func:`~instability_watch.experimental.high_precision_delta` context in
             eager calls and is ``False`` under ``torch.compile`` (pass ``True`` there).
 

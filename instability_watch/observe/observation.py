@@ -91,8 +91,9 @@ def _observed_forward(self: nn.Module, *args, **kwargs):
     with observer:
         out = _forward(self, own, args, kwargs)
     if observer.sdpa_calls == before and not observer.traced_calls and observer.stats and self.training:
-        observer.count(UNOBSERVED, "no F.scaled_dot_product_attention call in the layer's forward "
-                                    "(attention computed another way, e.g. attn_implementation='eager')")
+        observer.count(UNOBSERVED, "no attention call the watch can see (F.scaled_dot_product_attention, "
+                                    "FlexAttention, varlen_attn) in the layer's forward (attention computed "
+                                    "another way, e.g. attn_implementation='eager')")
     return out
 
 

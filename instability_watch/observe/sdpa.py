@@ -319,12 +319,13 @@ class SdpaObserver(TorchFunctionMode):
 
     def _varlen(self, func, args, kwargs):
         """A packed call of ``varlen_attn`` (the ``_varlen_attn`` op): run as the user called it; on probe
-        steps its statistics document by document (:mod:`~instability_watch.kernels.stats.varlen`)."""
+        steps its statistics and on shadow steps its shadow pass, document by document
+        (:mod:`~instability_watch.kernels.stats.varlen`)."""
         return self._other(func, args, kwargs, VarlenCall, "varlen_attn", varlen_stats)
 
     def _other(self, func, args, kwargs, parser, name: str, stats):
-        """An attention call other than SDPA's: the call itself untouched, then its statistics (and, for
-        FlexAttention, its shadow tap); what cannot be done is counted with its reason."""
+        """An attention call other than SDPA's: the call itself untouched, then its statistics and its shadow
+        tap; what cannot be done (switching it, a call the statistics cannot read) is counted with its reason."""
         if torch.compiler.is_compiling():  # e.g. Hugging Face compiles its flex calls inside an eager forward
             _traced_call(self.key)
         else:
