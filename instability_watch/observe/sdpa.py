@@ -119,6 +119,19 @@ def no_autocast(device_type: str):
     return torch.autocast(device_type, enabled=False)
 
 
+def _shadow_pass(on_error, counts: torch.Tensor, run: Callable[[], None]) -> None:
+    """A tap's backward: ``run()`` the shadow pass (no grad, autocast off) and count the call; a failure goes
+    to ``on_error`` (monitoring never breaks the backward), or is raised without one or under compile."""
+    try:
+        with torch.no_grad(), no_autocast(counts.device.type):
+            run()
+            counts[COUNT_ROW["shadow_calls"]] += 1
+    except Exception as exc:  # noqa: BLE001
+        if on_error is None or torch.compiler.is_compiling():
+            raise
+        on_error(exc)
+
+
 class ShadowTap(torch.autograd.Function):
     """Identity on ``o``; its backward runs the shadow pass on ``dO`` and returns ``dO`` unchanged."""
 
@@ -135,15 +148,9 @@ class ShadowTap(torch.autograd.Function):
     def backward(ctx, do):
         o, q, k, v, attn_mask, seed = ctx.saved_tensors
         counts, values = ctx.buffers
-        try:
-            with torch.no_grad(), no_autocast(q.device.type):
-                attention_shadow(q, k, v, o, do, attn_mask, counts, values, causal=ctx.causal, scale=ctx.scale,
-                                 dropout_p=ctx.dropout_p, seed=seed)
-                counts[COUNT_ROW["shadow_calls"]] += 1
-        except Exception as exc:  # noqa: BLE001 - monitoring never breaks the backward
-            if ctx.on_error is None or torch.compiler.is_compiling():
-                raise
-            ctx.on_error(exc)
+        _shadow_pass(ctx.on_error, counts, lambda: attention_shadow(
+            q, k, v, o, do, attn_mask, counts, values, causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p,
+            seed=seed))
         return do, None, None, None, None, None, None, None, None, None, None, None
 
 
@@ -161,13 +168,7 @@ class FlexShadowTap(torch.autograd.Function):
     def backward(ctx, do):
         o, o_hp, live = ctx.saved_tensors
         counts, values = ctx.buffers
-        try:
-            flex_shadow(o, o_hp, live, do, counts, values)
-            counts[COUNT_ROW["shadow_calls"]] += 1
-        except Exception as exc:  # noqa: BLE001 - monitoring never breaks the backward
-            if ctx.on_error is None or torch.compiler.is_compiling():
-                raise
-            ctx.on_error(exc)
+        _shadow_pass(ctx.on_error, counts, lambda: flex_shadow(o, o_hp, live, do, counts, values))
         return do, None, None, None, None, None
 
 
@@ -186,14 +187,8 @@ class VarlenShadowTap(torch.autograd.Function):
     def backward(ctx, do):
         o, q, k, v, cu_q, cu_k = ctx.saved_tensors
         counts, values = ctx.buffers
-        try:
-            call = VarlenCall(q, k, v, cu_q, cu_k, ctx.causal, ctx.scale, ctx.window, False)
-            varlen_shadow(call, o, do, counts, values)
-            counts[COUNT_ROW["shadow_calls"]] += 1
-        except Exception as exc:  # noqa: BLE001 - monitoring never breaks the backward
-            if ctx.on_error is None or torch.compiler.is_compiling():
-                raise
-            ctx.on_error(exc)
+        call = VarlenCall(q, k, v, cu_q, cu_k, ctx.causal, ctx.scale, ctx.window, False)
+        _shadow_pass(ctx.on_error, counts, lambda: varlen_shadow(call, o, do, counts, values))
         return do, None, None, None, None, None, None, None, None, None, None, None
 
 

@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from instability_watch.kernels.common import compute_dtype
-from instability_watch.kernels.stats.reference import CHUNK_ELEMENTS
+from instability_watch.kernels.stats.reference import CHUNK_ELEMENTS, accumulate_rows, store_rows
 from instability_watch.probe.fields import COUNT_ROW as _C
 from instability_watch.probe.fields import VALUE_ROW as _V
 
@@ -112,38 +112,6 @@ def _bhqkv(fn: Callable, with_score: bool, n_buffers: int) -> Callable:
         dims[lead + axis] = 0
         fn = torch.vmap(fn, in_dims=tuple(dims), out_dims=0)
     return fn
-
-
-def accumulate_rows(t1: Tensor, multi: Tensor, nan: Tensor, o_rows: Optional[Tensor], acc: Tensor, top: Tensor,
-                    valid: Optional[Tensor] = None) -> Tensor:
-    """Adds one block of rows ((B, H, n) each: row maximum, maximum repeated, a NaN score) into ``acc``
-    (4, H: rows, multi, masked, nonfinite) by the statistics' definitions; returns the new running maximum.
-    ``valid`` (broadcastable to (B, H, n)): the rows that exist (False: counted nowhere)."""
-    masked = torch.isneginf(t1) & ~nan
-    live = ~masked
-    if valid is not None:
-        masked = masked & valid
-        live = live & valid
-    bad = live & (nan | torch.isposinf(t1))
-    if o_rows is not None:
-        bad |= live & ~torch.isfinite(o_rows).all(dim=-1)
-    multi = live & torch.isfinite(t1) & multi
-    acc[0] += live.sum(dim=(0, 2))
-    acc[1] += multi.sum(dim=(0, 2))
-    acc[2] += masked.sum(dim=(0, 2))
-    acc[3] += bad.sum(dim=(0, 2))
-    return torch.maximum(top, torch.where(live & ~nan, t1, float("-inf")).amax(dim=(0, 2)).to(top.dtype))
-
-
-def store_rows(acc: Tensor, top: Tensor, counts: Tensor, values: Tensor) -> None:
-    """Adds :func:`accumulate_rows`' sums and maximum into the probe's ``counts`` and ``values``."""
-    counts[_C["rows"]] += acc[0]
-    counts[_C["tie_rows"]] += acc[0]
-    counts[_C["multi_max_rows"]] += acc[1]
-    counts[_C["masked_rows"]] += acc[2]
-    counts[_C["nonfinite_rows"]] += acc[3]
-    mx = values[_V["max_score"]]
-    torch.maximum(mx, top.to(mx.dtype), out=mx)
 
 
 def _dense(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tensor, eps: float) -> None:

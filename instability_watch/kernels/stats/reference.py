@@ -91,17 +91,34 @@ def _stats_reference(q, k, attn_mask, o, counts, values, *, causal, scale, eps) 
             t1, t2 = s.topk(2, dim=-1).values.unbind(-1)
         else:
             t1, t2 = s[..., 0], torch.full_like(s[..., 0], float("-inf"))
-        masked = torch.isneginf(t1) & ~nan
-        live = ~masked
-        bad = live & (nan | torch.isposinf(t1))
-        if o is not None:
-            bad |= live & ~torch.isfinite(o[:, :, i0:i1]).all(dim=-1)
-        multi = live & torch.isfinite(t1) & (t2 >= t1 - eps)
-        acc[0] += live.sum(dim=(0, 2))
-        acc[1] += multi.sum(dim=(0, 2))
-        acc[2] += masked.sum(dim=(0, 2))
-        acc[3] += bad.sum(dim=(0, 2))
-        top = torch.maximum(top, torch.where(live, t1, float("-inf")).amax(dim=(0, 2)))
+        top = accumulate_rows(t1, t2 >= t1 - eps, nan, None if o is None else o[:, :, i0:i1], acc, top)
+    store_rows(acc, top, counts, values)
+
+
+def accumulate_rows(t1: Tensor, multi: Tensor, nan: Tensor, o_rows: Optional[Tensor], acc: Tensor, top: Tensor,
+                    valid: Optional[Tensor] = None) -> Tensor:
+    """Adds one block of rows ((B, H, n) each: row maximum, maximum repeated, a NaN score) into ``acc``
+    (4, H: rows, multi, masked, nonfinite) by the statistics' definitions; returns the new running maximum.
+    ``valid`` (broadcastable to (B, H, n)): the rows that exist (False: counted nowhere)."""
+    masked = torch.isneginf(t1) & ~nan
+    live = ~masked
+    if valid is not None:
+        masked = masked & valid
+        live = live & valid
+    bad = live & (nan | torch.isposinf(t1))
+    if o_rows is not None:
+        bad |= live & ~torch.isfinite(o_rows).all(dim=-1)
+    multi = live & torch.isfinite(t1) & multi
+    acc[0] += live.sum(dim=(0, 2))
+    acc[1] += multi.sum(dim=(0, 2))
+    acc[2] += masked.sum(dim=(0, 2))
+    acc[3] += bad.sum(dim=(0, 2))
+    # a row with a NaN score keeps its largest other score (t1 read with NaN as -inf), unless t1 itself is NaN
+    return torch.maximum(top, torch.where(live & ~torch.isnan(t1), t1, float("-inf")).amax(dim=(0, 2)).to(top.dtype))
+
+
+def store_rows(acc: Tensor, top: Tensor, counts: Tensor, values: Tensor) -> None:
+    """Adds :func:`accumulate_rows`' sums and maximum into the probe's ``counts`` and ``values``."""
     counts[_C["rows"]] += acc[0]
     counts[_C["tie_rows"]] += acc[0]
     counts[_C["multi_max_rows"]] += acc[1]

@@ -109,6 +109,24 @@ def documents(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int) -> Tuple[Tensor, T
     return doc_q, pos_q, doc_k, pos_k
 
 
+def _document_scores(q: Tensor, kf: Tensor, docs, window, i0: int, i1: int, scale: float, cdt) -> Tensor:
+    """Scores of query rows ``i0 .. i1`` against every key, (H, n, T_k) in ``cdt``: a key of another document, or
+    outside the window, at ``-inf``. ``kf``: the keys as (H_kv, 1, T_k, D) in ``cdt``."""
+    doc_q, pos_q, doc_k, pos_k = docs
+    n, H, D = i1 - i0, q.shape[1], q.shape[2]
+    h_kv, t_k = kf.shape[0], kf.shape[2]
+    qc = q[i0:i1].to(cdt).permute(1, 0, 2).reshape(h_kv, H // h_kv, n, D)
+    s = (qc @ kf.transpose(-1, -2)).reshape(H, n, t_k) * scale
+    keep = doc_q[i0:i1, None] == doc_k[None, :]
+    a = pos_q[i0:i1, None]
+    left, right = window
+    if left >= 0:
+        keep &= pos_k[None, :] >= a - left
+    if right >= 0:
+        keep &= pos_k[None, :] <= a + right
+    return torch.where(keep, s, float("-inf"))
+
+
 @torch.no_grad()
 def varlen_stats(call: VarlenCall, o: Optional[Tensor], counts: Tensor, values: Tensor, *, eps: float,
                  triton: Optional[bool] = None) -> None:
@@ -161,9 +179,8 @@ def _varlen_shadow(call: VarlenCall, o: Tensor, do: Tensor, docs, counts: Tensor
     t_k, h_kv, d_v = k.shape[0], k.shape[1], v.shape[2]
     g = H // h_kv
     cdt = compute_dtype(q.dtype)
-    doc_q, pos_q, doc_k, pos_k = docs
+    doc_q = docs[0]
     n_docs = call.cu_seq_q.numel() - 1
-    left, right = call.window
     kf = k.to(cdt).permute(1, 0, 2).unsqueeze(1)  # (H_kv, 1, T_k, D)
     vt = v.to(cdt).permute(1, 2, 0).unsqueeze(1)  # (H_kv, 1, D_v, T_k)
     n_rows = torch.zeros(H, dtype=torch.int64, device=q.device)
@@ -174,15 +191,7 @@ def _varlen_shadow(call: VarlenCall, o: Tensor, do: Tensor, docs, counts: Tensor
     for i0 in range(0, t_q, step):
         i1 = min(t_q, i0 + step)
         n = i1 - i0
-        s = (q[i0:i1].to(cdt).permute(1, 0, 2).reshape(h_kv, g, n, D) @ kf.transpose(-1, -2)).reshape(H, n, t_k)
-        s = s * scale
-        keep = doc_q[i0:i1, None] == doc_k[None, :]
-        a = pos_q[i0:i1, None]
-        if left >= 0:
-            keep &= pos_k[None, :] >= a - left
-        if right >= 0:
-            keep &= pos_k[None, :] <= a + right
-        s = torch.where(keep, s, float("-inf"))
+        s = _document_scores(q, kf, docs, call.window, i0, i1, scale, cdt)
         t1 = s.amax(dim=-1)
         live = ~torch.isneginf(t1) & (doc_q[i0:i1] < n_docs)
         p = torch.exp(s - torch.where(torch.isneginf(t1), 0.0, t1)[..., None])
@@ -216,14 +225,13 @@ def _varlen_stats_triton(call: VarlenCall, o: Optional[Tensor], counts: Tensor, 
 def _varlen_stats(call: VarlenCall, o: Optional[Tensor], counts: Tensor, values: Tensor, eps: float) -> None:
     q, k = call.q, call.k
     t_q, H, D = q.shape
-    t_k, h_kv = k.shape[0], k.shape[1]
-    g = H // h_kv
+    t_k = k.shape[0]
     cdt = compute_dtype(q.dtype)
     scale = float(call.scale) if call.scale is not None else 1.0 / math.sqrt(D)
     cu_k = call.cu_seq_k if call.cu_seq_k is not None else call.cu_seq_q
     n_docs = call.cu_seq_q.numel() - 1
-    doc_q, pos_q, doc_k, pos_k = documents(call.cu_seq_q, cu_k, t_q, t_k)
-    left, right = call.window
+    docs = documents(call.cu_seq_q, cu_k, t_q, t_k)
+    doc_q = docs[0]
     kf = k.to(cdt).permute(1, 0, 2).unsqueeze(1)  # (H_kv, 1, T_k, D)
     acc = torch.zeros(4, H, dtype=torch.int64, device=q.device)
     top = torch.full((H,), float("-inf"), dtype=cdt, device=q.device)
@@ -231,15 +239,7 @@ def _varlen_stats(call: VarlenCall, o: Optional[Tensor], counts: Tensor, values:
     for i0 in range(0, t_q, step):
         i1 = min(t_q, i0 + step)
         n = i1 - i0
-        qc = q[i0:i1].to(cdt).permute(1, 0, 2).reshape(h_kv, g, n, D)
-        s = (qc @ kf.transpose(-1, -2)).reshape(H, n, t_k) * scale
-        keep = doc_q[i0:i1, None] == doc_k[None, :]
-        a = pos_q[i0:i1, None]
-        if left >= 0:
-            keep &= pos_k[None, :] >= a - left
-        if right >= 0:
-            keep &= pos_k[None, :] <= a + right
-        s = torch.where(keep, s, float("-inf"))
+        s = _document_scores(q, kf, docs, call.window, i0, i1, scale, cdt)
         nan = torch.isnan(s).any(dim=-1)
         s = s.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
         if t_k >= 2:
