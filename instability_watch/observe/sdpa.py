@@ -325,6 +325,8 @@ class SdpaObserver(TorchFunctionMode):
             _traced_call(self.key)
         else:
             self.sdpa_calls += 1
+            if parser is FlexCall and _replayed(args, kwargs):
+                return func(*args, **kwargs)  # a compiled graph's own call: this handler ran when it was traced
         out = func(*args, **kwargs)
         watching = self.stats or self.shadow
         if not (watching or self.route):
@@ -408,6 +410,14 @@ class SdpaObserver(TorchFunctionMode):
                                    causal=bool(call.is_causal), scale=call.scale, stabilize=self.stabilize,
                                    beta=self.beta, eps=self.eps, seed=seed,
                                    high_precision_delta=self.high_precision_delta)
+
+
+def _replayed(args, kwargs) -> bool:
+    """A FlexAttention op call made by a compiled graph as it runs (its ``score_mod`` is the graph's traced
+    module, not a function of the user's): even an eager ``flex_attention`` is traced (with Dynamo's eager
+    backend), and that trace already holds this handler's work."""
+    score_mod = args[3] if len(args) > 3 else kwargs.get("score_mod")
+    return isinstance(score_mod, torch.fx.GraphModule)
 
 
 @torch._dynamo.assume_constant_result

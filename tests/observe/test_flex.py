@@ -217,3 +217,60 @@ def test_flex_shadow_equals_a_float64_reference():
     torch.testing.assert_close(probe.delta_err_abs.double(), err.abs().sum(dim=(0, 2)), rtol=1e-4, atol=1e-4)
     torch.testing.assert_close(probe.delta_err_sum.double(), err.sum(dim=(0, 2)), rtol=1e-3, atol=1e-3)
     assert probe.shadow_calls.tolist() == [1] * 4
+
+
+class _FlexBlock(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.qkv = torch.nn.Linear(64, 192, bias=False)
+
+    def forward(self, x, block):
+        B, N, C = x.shape
+        q, k, v = (t.view(B, N, 4, 16).transpose(1, 2) for t in self.qkv(x).split(64, dim=2))
+        o = fa.flex_attention(q, k, v, block_mask=block, score_mod=lambda s, b, h, qi, kv: s * 0.5)
+        return o.transpose(1, 2).reshape(B, N, C)
+
+
+class _FlexModel(torch.nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.blocks = torch.nn.ModuleList([_FlexBlock(), _FlexBlock()])
+
+    def forward(self, x, block):
+        for b in self.blocks:
+            x = x + b(x, block)
+        return x
+
+
+def test_flex_calls_are_observed_once_eager_or_compiled_fullgraph():
+    """An eager flex_attention call is itself traced (Dynamo's eager backend) and the traced graph calls the op
+    again as it runs: each call must count once. The same model compiled with fullgraph=True (no graph break at
+    attention) gives the same statistics."""
+    from instability_watch import InstabilityWatch, WatchConfig
+    from instability_watch.model.layer import AttentionLayer
+
+    results = {}
+    for mode in ("eager", "compiled"):
+        torch.manual_seed(0)
+        torch._dynamo.reset()
+        model = _FlexModel()
+        layers = [AttentionLayer(b, 4, (lambda b=b: b.qkv.weight[:64].view(4, 16, 64)), name=f"b{i}")
+                  for i, b in enumerate(model.blocks)]
+        metrics = []
+        watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, spectral_every=0, log_every=1,
+                                                    warmup_steps=100, strict=True),
+                                 layers=layers, listeners=[lambda r: metrics.extend(r.metrics)])
+        forward = torch.compile(model, fullgraph=True) if mode == "compiled" else model
+        block = fa.create_block_mask(lambda b, h, qi, kv: qi >= kv, None, None, 128, 128, device="cpu")
+        x = torch.randn(2, 128, 64, generator=seeded("flex_once"))
+        with torch.no_grad():
+            y = forward(x, block)
+        watch.step(y.pow(2).mean())
+        assert [(c.observed_calls, c.unobserved_calls) for c in watch.coverage()] == [(1, {}), (1, {})], mode
+        results[mode] = metrics[0]
+        watch.detach()
+    assert (torch.as_tensor(results["eager"]["rows"]) == 2 * 128).all()  # each of the 2 x 128 rows once
+    for name in ("rows", "multi_max_rows", "masked_rows"):
+        assert torch.equal(torch.as_tensor(results["eager"][name]), torch.as_tensor(results["compiled"][name])), name
+    torch.testing.assert_close(torch.as_tensor(results["eager"]["max_score"]),
+                               torch.as_tensor(results["compiled"]["max_score"]), rtol=1e-5, atol=1e-6)
