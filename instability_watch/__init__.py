@@ -24,14 +24,14 @@ from instability_watch.engine.metrics import StepMetrics
 from instability_watch.engine.readback import ReadBack
 from instability_watch.engine.watch import InstabilityWatch
 from instability_watch.errors import WatchError
-from instability_watch.kernels import flash_attention
+from instability_watch.kernels import flash_attention, flash_attention_varlen
 from instability_watch.model.layer import AttentionLayer
 from instability_watch.probe.bank import Probe
 
 __version__ = "0.1.0"
 
 __all__ = [
-    "flash_attention", "Probe", "InstabilityWatch", "WatchConfig", "Alert", "Event", "StepMetrics", "ReadBack",
+    "flash_attention", "flash_attention_varlen", "Probe", "InstabilityWatch", "WatchConfig", "Alert", "Event", "StepMetrics", "ReadBack",
     "WatchError", "AttentionLayer", "KINDS", "ALERT_KINDS", "InstabilityWatchCallback", "load_run", "RunWriter",
     "ConsoleReporter", "__version__",
 ]

@@ -12,7 +12,7 @@ import importlib.util
 import math
 import os
 import warnings
-from typing import Optional, Union
+from typing import Optional, Tuple, Union
 
 import torch
 
@@ -30,6 +30,7 @@ from instability_watch.probe.bank import Probe, probe_buffers
 
 __all__ = [
     "flash_attention",
+    "flash_attention_varlen",
     "attention_forward_lse",
     "attention_backward_lse",
     "SUPPORTED_DTYPES",
@@ -322,4 +323,80 @@ def flash_attention(
     return FlashAttention.apply(
         q, k, v, attn_mask, seed, stabilize, counts, values, shadow, causal, scale, float(beta), float(eps),
         float(dropout_p), backend, bool(high_precision_delta),
+    )[0]
+
+
+def flash_attention_varlen(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cu_seq_q: torch.Tensor,
+    cu_seq_k: Optional[torch.Tensor] = None,
+    *,
+    causal: bool = False,
+    window: Tuple[int, int] = (-1, -1),
+    scale: Optional[float] = None,
+    stabilize: Union[None, bool, torch.Tensor] = None,
+    probe: Optional[Probe] = None,
+    beta: float = DEFAULT_BETA,
+    eps: float = DEFAULT_EPS,
+    backend: str = "auto",
+    return_lse: bool = False,
+):
+    """:func:`flash_attention` over packed documents, as ``torch.nn.attention.varlen.varlen_attn`` takes them.
+
+    Args:
+        q: (T_q, H, D) queries of every document, one after the other; k, v: (T_k, H_kv, D).
+        cu_seq_q, cu_seq_k: the documents' boundaries, int32/int64 ``(n + 1,)`` on ``q``'s device:
+            document ``d`` holds rows ``cu_seq_q[d] .. cu_seq_q[d + 1]`` and keys ``cu_seq_k[d] ..
+            cu_seq_k[d + 1]`` (``cu_seq_k`` None: ``cu_seq_q``). A row sees only its own document's keys;
+            rows past ``cu_seq_q[-1]`` see none (output 0).
+        causal, window: within a document, bottom-right aligned as flash-attn's: row ``i`` sits at key
+            position ``i + len_k - len_q`` and ``window = (left, right)`` keeps keys from ``left`` before to
+            ``right`` after it (``-1``: unbounded); ``causal`` is ``right = 0``.
+        scale, stabilize, probe, beta, eps, backend: as :func:`flash_attention`.
+        return_lse: also return the log-sum-exp of each row's scores, (H, T_q) float32 (natural log; +inf
+            for a row that sees no key), as ``varlen_attn``'s auxiliary output.
+
+    The kernels read the documents from ``cu_seq_q``/``cu_seq_k`` on the device (no mask is formed, no host
+    sync): each tile of rows visits only the keys of its documents.
+
+    Returns:
+        The output (T_q, H, D) in ``q``'s dtype (and the log-sum-exp with ``return_lse``), differentiable
+        with respect to ``q, k, v``.
+    """
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 3:
+            raise ValueError(f"{name} must be a 3-D tensor (T, heads, head_dim), got "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__}")
+    if cu_seq_k is None:
+        cu_seq_k = cu_seq_q
+    for name, t in (("cu_seq_q", cu_seq_q), ("cu_seq_k", cu_seq_k)):
+        if not isinstance(t, torch.Tensor) or t.dim() != 1 or t.numel() < 2 or t.dtype not in (torch.int32,
+                                                                                               torch.int64):
+            raise ValueError(f"{name} must be an int32/int64 vector of n + 1 >= 2 boundaries, got "
+                             f"{t.dtype if isinstance(t, torch.Tensor) else type(t).__name__} "
+                             f"{tuple(t.shape) if isinstance(t, torch.Tensor) else ''}")
+        if t.device != q.device:
+            raise ValueError(f"{name} must be on q's device {q.device}, got {t.device}")
+    if cu_seq_k.numel() != cu_seq_q.numel():
+        raise ValueError(f"cu_seq_q and cu_seq_k must hold the same number of documents, got "
+                         f"{cu_seq_q.numel() - 1} and {cu_seq_k.numel() - 1}")
+    if (not isinstance(window, (tuple, list)) or len(window) != 2
+            or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
+        raise ValueError(f"window must be (left, right), two ints (-1: unbounded), got {window!r}")
+    win_l, win_r = int(window[0]), (0 if causal else int(window[1]))
+    q4, k4, v4 = (t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))  # (1, H, T, D) views
+    _check_args(q4, k4, v4, False, scale, stabilize, beta, eps, probe, backend)
+    backend = resolve_backend(q4, backend)
+    if isinstance(stabilize, bool):
+        stabilize = torch.full((q.shape[1],), True, dtype=torch.bool, device=q.device) if stabilize else None
+    scale = 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+    counts, values = probe_buffers(probe)
+    shadow = probe is not None and probe.shadow
+    o4, lse4 = FlashAttention.apply(
+        q4, k4, v4, None, None, stabilize, counts, values, shadow, False, scale, float(beta), float(eps), 0.0,
+        backend, False, cu_seq_q, cu_seq_k, win_l, win_r,
     )
+    o = o4[0].permute(1, 0, 2)
+    return (o, lse4[0]) if return_lse else o

@@ -207,3 +207,21 @@ def dropout_mask(seed: torch.Tensor, B: int, H: int, N: int, N_kv: int, p: float
     rows = torch.arange(N, device=device)
     cols = torch.arange(N_kv, device=device)
     return dropout_bits(seed, B, H, rows, cols) >= dropout_threshold(p)
+
+
+def documents(cu_q: torch.Tensor, cu_k: torch.Tensor, t_q: int, t_k: int):
+    """``(doc_q, pos_q, doc_k, pos_k)``, int64 on the device: each query row's document (``n``, the number of
+    documents, past the last) and its position aligned to the document's keys (bottom-right), each key's
+    document (``n + 1`` past the last) and its position within it. No host sync."""
+    cu_q, cu_k = cu_q.long(), cu_k.long()
+    rows = torch.arange(t_q, device=cu_q.device)
+    keys = torch.arange(t_k, device=cu_q.device)
+    n = cu_q.numel() - 1
+    doc_q = torch.searchsorted(cu_q[1:], rows, right=True)
+    doc_k = torch.searchsorted(cu_k[1:], keys, right=True)
+    dq, dk = doc_q.clamp(max=n - 1), doc_k.clamp(max=n - 1)
+    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
+    pos_q = rows - cu_q[dq] + (len_k[dq] - len_q[dq])
+    pos_k = keys - cu_k[dk]
+    doc_k = torch.where(doc_k >= n, n + 1, doc_k)  # keys past the last document: seen by no row
+    return doc_q, pos_q, doc_k, pos_k

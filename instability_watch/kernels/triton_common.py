@@ -33,6 +33,9 @@ V_DABS = tl.constexpr(VALUE_ROW["delta_err_abs"])
 MASK_NONE = 0
 MASK_BOOL = 1  # uint8 view of a bool mask: nonzero = attend
 MASK_ADD = 2  # additive float mask, added to the scaled scores; <= MASK_FLOOR (or -inf) = masked
+# documents of a packed call (varlen): the "mask" is the int64 vector [doc_q (N_Q), pos_q (N_Q), doc_k (N_KV),
+# pos_k (N_KV)] (kernels/stats/varlen.documents); a key is seen from its own document, within the window
+MASK_DOCS = 3
 FLOOR = tl.constexpr(MASK_FLOOR)
 P_M0, P_M1 = tl.constexpr(PHILOX_M0), tl.constexpr(PHILOX_M1)
 P_W0, P_W1 = tl.constexpr(PHILOX_W0), tl.constexpr(PHILOX_W1)
@@ -194,6 +197,37 @@ def stabilized_shift2(m_std, r, beta, max_shift2):
     """Extra shift (log2 units) above the shift m_std = r * qk_scale of a row maximum r; see reference.stabilized_shift."""
     d = tl.where(r > 0, beta - 1.0, -1.0) * m_std  # beta > 1: d >= 0
     return tl.minimum(d, (max_shift2 - 1.0) + (d - tl.floor(d)))
+
+
+@triton.jit
+def document_scores(qk, Docs, rows, cols, N_Q, N_KV, win_l, win_r, TRANSPOSED: tl.constexpr):
+    """``qk`` with a key of another document, or outside the window, at ``-inf`` (MASK_DOCS).
+
+    ``qk`` is (rows, cols) of (query rows, keys), or with ``TRANSPOSED`` (keys, query rows) and ``rows`` the
+    keys. ``Docs``: the document vector (see MASK_DOCS); positions are aligned bottom-right per document, the
+    window keeps keys ``pos_q - win_l .. pos_q + win_r`` (a negative bound: none). Rows past ``N_Q`` and keys past
+    ``N_KV`` read as belonging to no document."""
+    if TRANSPOSED:
+        q_idx = cols
+        k_idx = rows
+    else:
+        q_idx = rows
+        k_idx = cols
+    q_ok = q_idx < N_Q
+    k_ok = k_idx < N_KV
+    doc_q = tl.load(Docs + q_idx, mask=q_ok, other=-1)
+    pos_q = tl.load(Docs + N_Q + q_idx, mask=q_ok, other=0)
+    doc_k = tl.load(Docs + 2 * N_Q + k_idx, mask=k_ok, other=-2)
+    pos_k = tl.load(Docs + 2 * N_Q + N_KV + k_idx, mask=k_ok, other=0)
+    if TRANSPOSED:
+        keep = doc_k[:, None] == doc_q[None, :]
+        keep = keep & ((win_l < 0) | (pos_k[:, None] >= pos_q[None, :] - win_l))
+        keep = keep & ((win_r < 0) | (pos_k[:, None] <= pos_q[None, :] + win_r))
+    else:
+        keep = doc_q[:, None] == doc_k[None, :]
+        keep = keep & ((win_l < 0) | (pos_k[None, :] >= pos_q[:, None] - win_l))
+        keep = keep & ((win_r < 0) | (pos_k[None, :] <= pos_q[:, None] + win_r))
+    return tl.where(keep, qk, float("-inf"))
 
 
 @triton.jit

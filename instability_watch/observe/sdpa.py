@@ -39,7 +39,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from instability_watch.kernels import dropout_seed, flash_attention, unsupported
+from instability_watch.kernels import dropout_seed, flash_attention, flash_attention_varlen, unsupported
 from instability_watch.kernels.attention.ops import ERROR_HANDLER
 from instability_watch.kernels.stats import attention_shadow, attention_stats
 from instability_watch.kernels.stats.flex import FLEX_OP, FlexCall, flex_shadow, flex_shadow_forward, flex_stats
@@ -327,19 +327,26 @@ class SdpaObserver(TorchFunctionMode):
             self.sdpa_calls += 1
             if parser is FlexCall and _replayed(args, kwargs):
                 return func(*args, **kwargs)  # a compiled graph's own call: this handler ran when it was traced
-        out = func(*args, **kwargs)
         watching = self.stats or self.shadow
         if not (watching or self.route):
-            return out
+            return func(*args, **kwargs)
         try:
             call = parser.parse(args, kwargs)
         except TypeError:
-            return out
+            return func(*args, **kwargs)  # PyTorch reports the bad call
         why = call.unobservable(self.num_heads)
         if why is None:
             why = _follow_device(self.key, call.q.device)
+        out = None
         if self.route:
-            self.count(NOT_APPLIED, f"{name} calls stay on {name} (switching them is not supported)")
+            if parser is not VarlenCall:
+                self.count(NOT_APPLIED, f"{name} calls stay on {name} (switching them is not supported)")
+            elif why is not None:
+                self.count(NOT_APPLIED, why)
+            else:
+                out = self._varlen_routed(call)
+        if out is None:
+            out = func(*args, **kwargs)  # the user's call, exactly as without the watch
         if why is not None:
             if watching:
                 self.count(UNOBSERVED, why)
@@ -367,6 +374,33 @@ class SdpaObserver(TorchFunctionMode):
         finally:
             self._in_other = False
         return out
+
+    def _varlen_routed(self, call: VarlenCall):
+        """A switched layer's varlen call on our kernels, over its documents (the op's outputs: ``(o, lse,
+        rng_state)``), or None: it stays on PyTorch's, reason counted."""
+        reason = unsupported(call.q.transpose(0, 1)[None], call.k.transpose(0, 1)[None],
+                             call.v.transpose(0, 1)[None], enable_gqa=True)
+        if reason is not None:
+            self.count(NOT_APPLIED, reason)
+            return None
+        kw = dict(window=call.window, scale=call.scale, stabilize=self.stabilize, beta=self.beta, eps=self.eps,
+                  return_lse=True)
+        if torch.compiler.is_compiling():  # traced: no error handling around the op
+            o, lse = flash_attention_varlen(call.q, call.k, call.v, call.cu_seq_q, call.cu_seq_k, **kw)
+        else:
+            token = ERROR_HANDLER.set(None if self.on_error is None else self._routing_failed)
+            try:
+                o, lse = flash_attention_varlen(call.q, call.k, call.v, call.cu_seq_q, call.cu_seq_k, **kw)
+            except Exception as exc:  # noqa: BLE001 - fail open: this call goes to PyTorch
+                if self.on_error is None:
+                    raise
+                self.on_error("routing", exc)
+                return None
+            finally:
+                ERROR_HANDLER.reset(token)
+        if self.counts is not None and (self.stats or self.shadow):
+            self.counts[COUNT_ROW["kernel_calls"]] += 1
+        return o, lse, torch.zeros(2, dtype=torch.uint64, device=o.device)
 
     def _statistics_failed(self, exc: BaseException) -> None:
         self.on_error("statistics", exc)

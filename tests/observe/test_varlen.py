@@ -207,3 +207,31 @@ def test_the_cpu_kernels_of_the_tests_are_right():
     want = torch.autograd.grad(o, (qq, kk, vv), do.float())
     for a, b in zip(got, want):
         torch.testing.assert_close(a.double(), b.double(), rtol=1e-4, atol=1e-5)
+
+
+def test_a_switched_head_runs_packed_calls_on_our_kernels():
+    """After watch.switch, the layer's varlen calls run on our kernels over the same documents (stabilized for the
+    switched head): counted as kernel calls, nothing "not applied", the output that of the op within BF16
+    rounding, gradients through them; the statistics and shadow pass as before."""
+    from instability_watch import InstabilityWatch, WatchConfig
+    from instability_watch.model.layer import AttentionLayer
+
+    cu = torch.tensor([0, 30, 52, 80], dtype=torch.int32)
+    x = torch.randn(80, 64, generator=seeded("packed_switch")).to(torch.bfloat16)
+    torch.manual_seed(0)
+    model = PackedAttention().to(torch.bfloat16)
+    with torch.no_grad():
+        reference = model(x, cu, 30)  # PyTorch's op (the tests' CPU kernel)
+    layer = AttentionLayer(model, 4, lambda: model.wq.weight.view(4, 16, 64), name="packed")
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=1, spectral_every=1, log_every=2,
+                                                warmup_steps=100, strict=True), layers=[layer])
+    watch.switch(0, 1)
+    out = model(x, cu, 30)
+    out.float().pow(2).mean().backward()
+    assert model.wq.weight.grad is not None and torch.isfinite(model.wq.weight.grad).all()
+    assert (out - reference).abs().max() <= 2 ** -6 * reference.abs().max()
+    watch.step(out.float().pow(2).mean())
+    (cov,) = watch.coverage()
+    assert cov.kernel_calls == 1 and cov.not_applied == {} and cov.unobserved_calls == {}
+    assert cov.observed_calls == 1 and cov.shadow_calls == 1
+    watch.detach()

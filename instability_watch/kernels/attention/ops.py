@@ -16,6 +16,7 @@ passed back to the same backend's backward.
 from __future__ import annotations
 
 import contextvars
+import math
 import os
 from typing import Optional, Tuple
 
@@ -24,7 +25,7 @@ from torch import Tensor
 
 from instability_watch.kernels.attention import reference
 from instability_watch.kernels.attention.alloc import empty_like_layout
-from instability_watch.kernels.common import dropout_mask, dropout_scale, expand_kv, mask4, mask_bias
+from instability_watch.kernels.common import documents, dropout_mask, dropout_scale, expand_kv, mask4, mask_bias
 from instability_watch.probe.bank import Probe
 
 
@@ -53,6 +54,7 @@ HIGH_PRECISION_DELTA: contextvars.ContextVar = contextvars.ContextVar(
 # Backward calls that took the control's delta (counted where the op runs, compiled or not):
 # a run meant to be the control can check that it is one.
 HIGH_PRECISION_DELTA_CALLS = 0
+_LN2 = math.log(2.0)
 
 
 def _dense_attention(q, k, v, attn_mask, keep, inv_keep: float, causal: bool, scale: float, cdt) -> Tensor:
@@ -126,15 +128,37 @@ def _triton():
     return _TRITON_MODULE
 
 
+def _documents(q: Tensor, k: Tensor, cu_q: Optional[Tensor], cu_k: Optional[Tensor], win_l: int, win_r: int,
+                backend: str):
+    """``(documents, attn_mask)`` of a packed call (``cu_q`` given): the Triton kernels' document mask, or for
+    the reference a dense boolean mask (1, 1, T_q, T_k) (the oracle may form it); ``(None, None)`` otherwise."""
+    if cu_q is None:
+        return None, None
+    t_q, t_k = q.shape[2], k.shape[2]
+    if backend == "triton":
+        return _triton().Documents(cu_q, cu_k, t_q, t_k, (win_l, win_r)), None
+    doc_q, pos_q, doc_k, pos_k = documents(cu_q, cu_k, t_q, t_k)
+    keep = doc_q[:, None] == doc_k[None, :]
+    if win_l >= 0:
+        keep &= pos_k[None, :] >= pos_q[:, None] - win_l
+    if win_r >= 0:
+        keep &= pos_k[None, :] <= pos_q[:, None] + win_r
+    return None, keep.view(1, 1, t_q, t_k)
+
+
 def _forward(
     q: Tensor, k: Tensor, v: Tensor, attn_mask: Optional[Tensor], seed: Optional[Tensor], stabilize: Optional[Tensor],
     counts: Optional[Tensor], values: Optional[Tensor],
     causal: bool, scale: float, beta: float, eps: float, dropout_p: float, backend: str,
+    cu_q: Optional[Tensor], cu_k: Optional[Tensor], win_l: int, win_r: int,
 ) -> Tuple[Tensor, Tensor]:
+    docs, doc_mask = _documents(q, k, cu_q, cu_k, win_l, win_r, backend)
+    if doc_mask is not None:
+        attn_mask = doc_mask
     if backend == "triton":
         return _triton().attention_forward_lse2(
             q, k, v, causal=causal, scale=scale, stabilize=stabilize, beta=beta, eps=eps,
-            counts=counts, values=values, attn_mask=attn_mask, dropout_p=dropout_p, seed=seed,
+            counts=counts, values=values, attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, documents=docs,
         )
     probe = None if counts is None else Probe.from_buffers(counts, values)
     o, lse = reference.attention_forward_lse(
@@ -148,7 +172,8 @@ attention_fwd = torch.library.custom_op("instability_watch::attention_fwd", _for
 
 
 @attention_fwd.register_fake
-def _(q, k, v, attn_mask, seed, stabilize, counts, values, causal, scale, beta, eps, dropout_p, backend):
+def _(q, k, v, attn_mask, seed, stabilize, counts, values, causal, scale, beta, eps, dropout_p, backend, cu_q, cu_k,
+      win_l, win_r):
     B, H, N, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse_shape = (2, B, H, N) if attn_mask is not None and attn_mask.is_floating_point() else (B, H, N)
@@ -159,15 +184,17 @@ def _backward_impl(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     attn_mask: Optional[Tensor], seed: Optional[Tensor], counts: Optional[Tensor], values: Optional[Tensor],
     causal: bool, scale: float, dropout_p: float, shadow: bool, mask_grad: bool, backend: str,
-    delta: Optional[Tensor] = None, delta_hp: bool = False,
+    delta: Optional[Tensor] = None, delta_hp: bool = False, docs=None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dmask)``; ``dmask`` is an empty tensor unless ``mask_grad``. ``delta_hp``
-    (Triton only): the kernels compute the control's delta themselves."""
+    (Triton only): the kernels compute the control's delta themselves. ``docs``: a packed call's
+    documents (Triton; the reference gets them as ``attn_mask``)."""
     shadow = shadow and counts is not None
     if backend == "triton":
         dq, dk, dv, dmask = _triton().attention_backward_lse2(
             q, k, v, o, lse, do, causal=causal, scale=scale, counts=counts, values=values, shadow=shadow,
             delta=delta, attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, mask_grad=mask_grad, delta_hp=delta_hp,
+            documents=docs,
         )
     else:
         probe = Probe.from_buffers(counts, values) if shadow else None
@@ -183,7 +210,11 @@ def _backward(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     attn_mask: Optional[Tensor], seed: Optional[Tensor], counts: Optional[Tensor], values: Optional[Tensor],
     causal: bool, scale: float, dropout_p: float, shadow: bool, mask_grad: bool, backend: str, hp_delta: bool,
+    cu_q: Optional[Tensor], cu_k: Optional[Tensor], win_l: int, win_r: int,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
+    docs, doc_mask = _documents(q, k, cu_q, cu_k, win_l, win_r, backend)
+    if doc_mask is not None:
+        attn_mask = doc_mask
     # hp_delta (the paper's control) is an argument of the op, so a compiled graph carries it
     delta, in_kernel = None, False
     if hp_delta:
@@ -195,7 +226,7 @@ def _backward(
         if not in_kernel:
             delta = delta_from_float32_o(q, k, v, do, attn_mask, seed, causal, scale, dropout_p)
     return _backward_impl(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow,
-                          mask_grad, backend, delta, in_kernel)
+                          mask_grad, backend, delta, in_kernel, docs)
 
 
 attention_bwd = torch.library.custom_op("instability_watch::attention_bwd", _backward, mutates_args=("counts", "values"))
@@ -203,7 +234,7 @@ attention_bwd = torch.library.custom_op("instability_watch::attention_bwd", _bac
 
 @attention_bwd.register_fake
 def _(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow, mask_grad, backend,
-      hp_delta):
+      hp_delta, cu_q, cu_k, win_l, win_r):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v), dmask
 
@@ -213,16 +244,20 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, seed, stabilize, counts, values, shadow, causal, scale, beta, eps,
-                dropout_p, backend, hp_delta):
+                dropout_p, backend, hp_delta, cu_q=None, cu_k=None, win_l=-1, win_r=-1):
         """o (B, H, N, D) in q's dtype, from q (B, H, N, D), k, v (B, H_kv, N_kv, D); ``attn_mask``
         broadcastable to (B, H, N, N_kv) or None, ``seed`` int64 (2,) or None, ``stabilize`` bool (H,)
         or None, ``counts``/``values`` the probe's buffers or None, ``hp_delta`` the backward's delta
-        from a float32 ``O`` (the paper's control; arguments checked by the caller)."""
+        from a float32 ``O`` (the paper's control), ``cu_q``/``cu_k`` a packed call's documents (the views
+        (1, H, T, D) of its tensors) and ``win_l``/``win_r`` their window (arguments checked by the caller).
+        Returns ``(o, lse)``, ``lse`` (B, H, N) float32 natural log, not differentiable."""
         # Eager calls skip the op dispatcher (tens of microseconds of host time per
         # call); under torch.compile the op is what gets traced.
         fwd = attention_fwd if torch.compiler.is_compiling() else _forward
-        o, lse = fwd(q, k, v, attn_mask, seed, stabilize, counts, values, causal, scale, beta, eps, dropout_p, backend)
-        ctx.save_for_backward(q, k, v, o, lse, attn_mask, seed)
+        o, lse = fwd(q, k, v, attn_mask, seed, stabilize, counts, values, causal, scale, beta, eps, dropout_p, backend,
+                     cu_q, cu_k, win_l, win_r)
+        ctx.save_for_backward(q, k, v, o, lse, attn_mask, seed, cu_q, cu_k)
+        ctx.window = (win_l, win_r)
         # The step that ran the forward is the step whose backward is shadowed.
         # The probe buffers are held as attributes, not saved tensors: other
         # forwards may add to them before this backward runs (gradient
@@ -233,26 +268,31 @@ class FlashAttention(torch.autograd.Function):
         compiling = torch.compiler.is_compiling()
         ctx.on_error = None if compiling else ERROR_HANDLER.get()
         ctx.hp_delta = bool(hp_delta)
-        return o
+        nat = lse[0] + lse[1] if lse.dim() == 4 else lse  # an additive mask's two planes: the shift and log(l)
+        nat = (nat * _LN2 if backend == "triton" else nat).float()  # Triton's are in log2 units
+        ctx.mark_non_differentiable(nat)
+        return o, nat
 
     @staticmethod
-    def backward(ctx, do):
+    def backward(ctx, do, _dlse=None):
         """Gradients of q, k, v (their shapes and dtypes) and of a float ``attn_mask`` that requires
         one, from ``do`` (B, H, N, D); on a failure with an error handler set, PyTorch's instead."""
-        q, k, v, o, lse, attn_mask, seed = ctx.saved_tensors
+        q, k, v, o, lse, attn_mask, seed, cu_q, cu_k = ctx.saved_tensors
         counts, values = ctx.probe_buffers
         mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
         bwd = attention_bwd if torch.compiler.is_compiling() else _backward
         try:
             dq, dk, dv, dmask = bwd(
                 q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
-                ctx.shadow, mask_grad, ctx.backend, ctx.hp_delta,
+                ctx.shadow, mask_grad, ctx.backend, ctx.hp_delta, cu_q, cu_k, *ctx.window,
             )
         except Exception as exc:
             if ctx.on_error is None:
                 raise
             ctx.on_error(exc)  # reported once by the watch, which turns routing off
+            if cu_q is not None:  # a packed call: its documents as a dense mask for PyTorch
+                attn_mask = _documents(q, k, cu_q, cu_k, *ctx.window, "reference")[1]
             dq, dk, dv, dmask = _pytorch_backward(q, k, v, do, attn_mask, seed, ctx.causal, ctx.scale, ctx.dropout_p,
                                                   mask_grad)
         return (dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None, None, None,
-                None, None, None)
+                None, None, None, None, None, None, None)

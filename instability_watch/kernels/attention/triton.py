@@ -37,6 +37,7 @@ from instability_watch.kernels.attention.alloc import empty_like_layout
 from instability_watch.kernels.attention.triton_bwd import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
 from instability_watch.kernels.attention.triton_fwd import attn_fwd
 from instability_watch.kernels.common import (
+    documents,
     LOG2E,
     MASK_FLOOR,
     dropout_scale,
@@ -47,7 +48,7 @@ from instability_watch.kernels.common import (
 )
 from instability_watch.kernels.configs import LaunchConfig, has_launch_config, head_dim_tile, launch_config
 from instability_watch.kernels.launch import INTERPRET, Launcher, cdiv, dot_precision
-from instability_watch.kernels.triton_common import MASK_ADD, MASK_BOOL, MASK_NONE
+from instability_watch.kernels.triton_common import MASK_ADD, MASK_BOOL, MASK_DOCS, MASK_NONE
 
 launch_fwd, launch_dq, launch_dkdv = Launcher(attn_fwd), Launcher(attn_bwd_dq), Launcher(attn_bwd_dkdv)
 
@@ -122,6 +123,48 @@ class _MaskArgs:
         return self._ranges[key]
 
 
+class Documents:
+    """A packed call's documents as the kernels read them (MASK_DOCS): the document vector, the kernels' mask
+    stride arguments ``(n_docs, win_l, win_r, 0)``, and each tile's range of keys (or, for a key tile, of query
+    rows) found on the device from ``cu_seq_q``/``cu_seq_k``: no mask is formed and no host sync made.
+
+    The calls are ``(1, H, T, D)`` views of the packed ``(T, H, D)`` tensors; a key is seen from its own
+    document within ``window`` (bottom-right aligned positions; a negative bound: none).
+    """
+
+    kind = MASK_DOCS
+
+    def __init__(self, cu_q: torch.Tensor, cu_k: torch.Tensor, t_q: int, t_k: int, window) -> None:
+        self.cu_q, self.cu_k = cu_q.long(), cu_k.long()
+        self.n = cu_q.numel() - 1
+        self.t_q, self.t_k = t_q, t_k
+        self.doc_q, pos_q, self.doc_k, pos_k = documents(cu_q, cu_k, t_q, t_k)
+        self.tensor = torch.cat([self.doc_q, pos_q, self.doc_k, pos_k])
+        self.strides = (self.n, int(window[0]), int(window[1]), 0)
+        self._ranges = {}
+
+    def _range(self, doc: torch.Tensor, size: int, block: int, cu: torch.Tensor, past: int):
+        starts = torch.arange(0, size, block, device=doc.device)
+        first, last = doc[starts], doc[torch.clamp(starts + block, max=size) - 1]
+        seen = first < past  # a tile whose first row (key) is past the documents sees nothing
+        lo = cu[first.clamp(max=self.n - 1)]
+        hi = cu[last.clamp(max=self.n - 1) + 1]
+        lo, hi = torch.where(seen, lo, 0).to(torch.int32), torch.where(seen, hi, 0).to(torch.int32)
+        return lo, hi, (0, 0, 1)  # the same for every batch entry (one) and head
+
+    def rows(self, block_m: int):
+        """``(lo, hi, strides)`` per query tile: the keys of the documents its rows belong to."""
+        if ("rows", block_m) not in self._ranges:
+            self._ranges["rows", block_m] = self._range(self.doc_q, self.t_q, block_m, self.cu_k, self.n)
+        return self._ranges["rows", block_m]
+
+    def cols(self, block_n: int):
+        """``(lo, hi, strides)`` per key tile: the query rows of the documents its keys belong to."""
+        if ("cols", block_n) not in self._ranges:
+            self._ranges["cols", block_n] = self._range(self.doc_k, self.t_k, block_n, self.cu_q, self.n)
+        return self._ranges["cols", block_n]
+
+
 def _first_last(vis: torch.Tensor, dim: int, size: int):
     """First index and past-the-last index of True along ``dim`` (both 0 where there is none), int32."""
     seen = vis.any(dim=dim)
@@ -146,7 +189,7 @@ def attention_forward_lse2(
     causal: bool, scale: float, stabilize: Optional[torch.Tensor], beta: float, eps: float,
     counts: Optional[torch.Tensor], values: Optional[torch.Tensor], config=None,
     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
-    gluon: Optional[bool] = None,
+    gluon: Optional[bool] = None, documents: Optional[Documents] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward; ``config`` (a LaunchConfig or a tuple) overrides the launch configuration.
 
@@ -163,7 +206,7 @@ def attention_forward_lse2(
     h_kv, n_kv = k.shape[1], k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     o = empty_like_layout(q)  # PyTorch's layout: the model's transpose back is free
-    mask = _MaskArgs(attn_mask, B, H, N, n_kv)
+    mask = documents if documents is not None else _MaskArgs(attn_mask, B, H, N, n_kv)
     # an additive mask: (2, B, H, N), the shift and log2(l) (see the kernel's epilogue)
     lse_shape = (2, B, H, N) if mask.kind == MASK_ADD else (B, H, N)
     lse2 = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
@@ -269,7 +312,7 @@ def attention_backward_lse2(
     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
     mask_grad: bool = False, fused: Optional[bool] = None, config_fused=None,
     split: Optional[bool] = None, config_dk=None, config_dv=None, gluon: Optional[bool] = None,
-    delta_hp: bool = False,
+    delta_hp: bool = False, documents: Optional[Documents] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the backward. Two ways, with the same results up to float32 summation order.
 
@@ -322,7 +365,7 @@ def attention_backward_lse2(
     else:
         delta = delta.to(torch.float32).contiguous()
     dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
-    mask = _MaskArgs(attn_mask, B, H, N, n_kv)
+    mask = documents if documents is not None else _MaskArgs(attn_mask, B, H, N, n_kv)
     mask_grad = mask_grad and mask.kind == MASK_ADD
     dmask = torch.zeros((B, H, N, n_kv), dtype=torch.float32, device=q.device) if mask_grad else None
     seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)

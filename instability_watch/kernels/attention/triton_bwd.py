@@ -12,6 +12,7 @@ from instability_watch.kernels.triton_common import (
     V_DABS,
     V_DSUM,
     dropout_keep,
+    document_scores,
     dropout_key,
     masked_scores,
 )
@@ -80,6 +81,7 @@ def attn_bwd_dkdv(
             r_off = off_b * stride_rb + off_h * stride_rh + tl.program_id(0) * stride_rm
             lo = tl.load(RangeLo + r_off) // BLOCK_M * BLOCK_M
             hi = tl.load(RangeHi + r_off)
+        if MASK_KIND == 1 or MASK_KIND == 2:
             m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_n[:, None] * stride_mk
         for start_m in range(lo, hi, BLOCK_M):
             offs_m = start_m + offs_m0
@@ -93,7 +95,9 @@ def attn_bwd_dkdv(
             delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
             # -- P^T for this (KV block, query block), float32, normalised by the LSE
             s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M), raw
-            if MASK_KIND != 0:  # the mask read transposed: rows of the tile are keys
+            if MASK_KIND == 3:  # a packed call's documents: the mask strides carry (n_docs, win_l, win_r, 0)
+                s_t = document_scores(s_t, Mask, offs_n, offs_m, N_Q, N_KV, stride_mh, stride_mn, True)
+            elif MASK_KIND != 0:  # the mask read transposed: rows of the tile are keys
                 ok = (offs_n[:, None] < N_KV) & m_ok[None, :]
                 if MASK_KIND == 1:
                     keep_t = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=0)
@@ -187,7 +191,7 @@ def attn_bwd_dq(
 
     k_base = K + off_b * stride_kb + off_hk * stride_kh
     v_base = V + off_b * stride_vb + off_hk * stride_vh
-    if MASK_KIND != 0:
+    if MASK_KIND == 1 or MASK_KIND == 2:
         m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_m[:, None] * stride_mn
     k0, k1, thr = dropout_key(Seed, drop_thr, DROPOUT)
     lo = 0
@@ -205,7 +209,9 @@ def attn_bwd_dq(
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
-        if MASK_KIND != 0:  # as the forward: qk_scale is log2(e) for an additive mask
+        if MASK_KIND == 3:  # a packed call's documents: the mask strides carry (n_docs, win_l, win_r, 0)
+            s = document_scores(s, Mask, offs_m, offs_n, N_Q, N_KV, stride_mh, stride_mn, False)
+        elif MASK_KIND != 0:  # as the forward: qk_scale is log2(e) for an additive mask
             s = masked_scores(s, m_base + offs_n0[None, :] * stride_mk, start_n, offs_n, m_ok, N_KV, stride_mk,
                                scale, MASK_KIND, True)
         if MASK_KIND == 2:

@@ -16,6 +16,7 @@ from instability_watch.kernels.triton_common import (
     at_least,
     dropout_keep,
     dropout_key,
+    document_scores,
     masked_scores,
     max_rows,
     stabilized_shift2,
@@ -29,7 +30,7 @@ def _fwd_inner(
     offs_m, offs_n, offs_d, row_ok, D, N_KV,
     qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
     k0, k1, drop_thr, off_bh,
-    lo, hi,
+    lo, hi, N_Q, win_l, win_r,
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     TRACK_TIES: tl.constexpr, HAS_STAB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
@@ -60,7 +61,9 @@ def _fwd_inner(
         qk = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASK_CAUSAL:
             qk = tl.where(offs_m[:, None] >= cols[None, :], qk, float("-inf"))
-        if MASK_KIND != 0:  # the call's mask (an additive one turns qk into scaled scores, in nats)
+        if MASK_KIND == 3:  # a packed call's documents (M_ptrs: the document vector)
+            qk = document_scores(qk, M_ptrs, offs_m, cols, N_Q, N_KV, win_l, win_r, False)
+        elif MASK_KIND != 0:  # the call's mask (an additive one turns qk into scaled scores, in nats)
             qk = masked_scores(qk, M_ptrs, start_n, cols, row_ok, N_KV, stride_mk, sm_scale, MASK_KIND, MASK_KV)
         if MASK_KV:
             qk = tl.where(cols[None, :] < N_KV, qk, float("-inf"))
@@ -167,7 +170,11 @@ def attn_fwd(
         sampled = False
     track = stab_h | sampled
 
-    if MASK_KIND != 0:
+    # MASK_KIND 3 (a packed call's documents): Mask is the document vector and the mask's stride arguments
+    # carry (n_docs, win_l, win_r, 0)
+    if MASK_KIND == 3:
+        m_ptrs = Mask
+    elif MASK_KIND != 0:
         m_ptrs = Mask + off_b * stride_mb + off_h * stride_mh + offs_m[:, None] * stride_mn + offs_n[None, :] * stride_mk
     else:
         m_ptrs = Mask
@@ -197,7 +204,7 @@ def attn_fwd(
             acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
             offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
             k0, k1, thr, off_bh,
-            0, n_full,
+            0, n_full, N_Q, stride_mh, stride_mn,
             MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=0, DROPOUT=DROPOUT, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
         )
@@ -206,7 +213,7 @@ def attn_fwd(
         acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
         offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
         k0, k1, thr, off_bh,
-        n_full, hi,
+        n_full, hi, N_Q, stride_mh, stride_mn,
         MASK_CAUSAL=CAUSAL, MASK_KV=(MASK_KIND == 0) or not EVEN_N, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
         TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
@@ -241,14 +248,19 @@ def attn_fwd(
         #    only read after the step, behind a host sync), without tile-wide reductions:
         #    with WARP_STATS each warp reduces its own rows (add_rows, max_rows), else
         #    masked per-row atomics.
-        n_rows = tl.minimum(N_Q - start_m * BLOCK_M, BLOCK_M).to(tl.int64)
-        live = row_ok
+        counted = row_ok
+        if MASK_KIND == 3:  # rows past the last document count nowhere
+            counted = row_ok & (tl.load(Mask + offs_m, mask=row_ok, other=stride_mb) < stride_mb)
+            n_rows = tl.sum(counted.to(tl.int64), 0)
+        else:
+            n_rows = tl.minimum(N_Q - start_m * BLOCK_M, BLOCK_M).to(tl.int64)
+        live = counted
         if MASK_KIND != 0:  # rows that see no key count as masked rows, and in nothing else
-            masked = row_ok & (r_i == float("-inf"))
+            masked = counted & (r_i == float("-inf"))
             n_masked = tl.sum(masked.to(tl.int64), 0)
             tl.atomic_add(Counts + C_MASKED * H + off_h, n_masked, sem="relaxed")
             n_rows -= n_masked
-            live = row_ok & ~masked
+            live = counted & ~masked
         tl.atomic_add(Counts + C_ROWS * H + off_h, n_rows, sem="relaxed")
         # a row sum is NaN/Inf iff some entry is (short of an overflow of the sum itself)
         row_sum = tl.sum(o, 1) + lse2

@@ -22,7 +22,7 @@ from typing import Optional, Tuple
 import torch
 from torch import Tensor
 
-from instability_watch.kernels.common import compute_dtype
+from instability_watch.kernels.common import compute_dtype, documents
 from instability_watch.kernels.stats.flex import accumulate_rows, store_rows
 from instability_watch.kernels.stats.reference import CHUNK_ELEMENTS
 from instability_watch.probe.fields import COUNT_ROW as _C
@@ -90,23 +90,6 @@ class VarlenCall:
         if self.scale is not None and not (isinstance(self.scale, (int, float)) and math.isfinite(self.scale)):
             return f"scale {self.scale!r}"
         return None
-
-
-def documents(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(doc_q, pos_q, doc_k, pos_k)``, int64 on the device: each query row's document (``n``, the number of
-    documents, past the last) and its position aligned to the document's keys (bottom-right), each key's
-    document and its position within it. No host sync."""
-    cu_q, cu_k = cu_q.long(), cu_k.long()
-    rows = torch.arange(t_q, device=cu_q.device)
-    keys = torch.arange(t_k, device=cu_q.device)
-    n = cu_q.numel() - 1
-    doc_q = torch.searchsorted(cu_q[1:], rows, right=True)
-    doc_k = torch.searchsorted(cu_k[1:], keys, right=True)
-    dq, dk = doc_q.clamp(max=n - 1), doc_k.clamp(max=n - 1)
-    len_q, len_k = cu_q[1:] - cu_q[:-1], cu_k[1:] - cu_k[:-1]
-    pos_q = rows - cu_q[dq] + (len_k[dq] - len_q[dq])
-    pos_k = keys - cu_k[dk]
-    return doc_q, pos_q, doc_k, pos_k
 
 
 def _document_scores(q: Tensor, kf: Tensor, docs, window, i0: int, i1: int, scale: float, cdt) -> Tensor:

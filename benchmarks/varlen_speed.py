@@ -1,0 +1,97 @@
+"""Our kernels over packed documents (``flash_attention_varlen``) against PyTorch's ``varlen_attn`` (flash) on the
+same packed call, forward and forward + backward, on the GPU (issue 43's bar: >= 1.0x).
+
+Documents of random lengths (seeded) fill ``--tokens`` tokens; causal; BF16; GQA as given. Each variant is
+timed with CUDA events over ``--iters`` calls after a warm-up, in ``--rounds`` interleaved rounds; the table gives
+the median per variant and the ratio varlen_attn / ours (> 1: ours faster).
+
+Run:  python benchmarks/varlen_speed.py [--tokens 16384] [--heads 16] [--kv-heads 4] [--head-dim 128]
+                                       [--rounds 5] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from _common import device_name, write_json
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--tokens", type=int, default=16384)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--min-doc", type=int, default=128)
+    ap.add_argument("--max-doc", type=int, default=4096)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("varlen_speed.py needs a CUDA GPU (varlen_attn has no CPU kernel)")
+    from torch.nn.attention.varlen import varlen_attn
+
+    from instability_watch import flash_attention_varlen
+
+    dev = "cuda"
+    g = torch.Generator().manual_seed(0)
+    lengths, n = [], 0
+    while n < args.tokens:
+        lengths.append(min(args.tokens - n, int(torch.randint(args.min_doc, args.max_doc, (1,), generator=g))))
+        n += lengths[-1]
+    cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32).to(dev)
+    max_len = max(lengths)
+    T, H, KV, D = args.tokens, args.heads, args.kv_heads, args.head_dim
+    q = torch.randn(T, H, D, generator=g).to(dev, torch.bfloat16).requires_grad_(True)
+    k, v = (torch.randn(T, KV, D, generator=g).to(dev, torch.bfloat16).requires_grad_(True) for _ in range(2))
+    do = torch.randn(T, H, D, generator=g).to(dev, torch.bfloat16)
+    stab = torch.ones(H, dtype=torch.bool, device=dev)
+    variants = {
+        "varlen_attn": lambda: varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=KV < H),
+        "ours": lambda: flash_attention_varlen(q, k, v, cu, causal=True),
+        "ours, every head stabilized": lambda: flash_attention_varlen(q, k, v, cu, causal=True, stabilize=stab),
+    }
+
+    def timed(fn, backward: bool) -> float:
+        for _ in range(3):
+            o = fn()
+            if backward:
+                o.backward(do)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.iters):
+            o = fn()
+            if backward:
+                o.backward(do)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / args.iters
+
+    results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}
+    for r in range(args.rounds):
+        names = list(variants) if r % 2 == 0 else list(reversed(variants))
+        for name in names:
+            for kind in ("fwd", "fwd+bwd"):
+                if kind == "fwd":
+                    with torch.no_grad():
+                        results[name][kind].append(timed(variants[name], False))
+                else:
+                    results[name][kind].append(timed(variants[name], True))
+    table = {name: {kind: statistics.median(ms) for kind, ms in by.items()} for name, by in results.items()}
+    if args.json:
+        write_json(args.json, {"device": device_name(dev), "torch": torch.__version__, "documents": lengths,
+                               "shape": [T, H, KV, D], "rounds": results, "median_ms": table})
+    print(f"{len(lengths)} documents, {T} tokens, H {H}/{KV}, D {D}, {device_name(dev)}")
+    print(f"{'variant':<30} {'fwd ms':>8} {'fwd+bwd ms':>11} {'ratio fwd':>10} {'ratio f+b':>10}")
+    base = table["varlen_attn"]
+    for name, t in table.items():
+        print(f"{name:<30} {t['fwd']:8.3f} {t['fwd+bwd']:11.3f} {base['fwd'] / t['fwd']:10.3f} "
+              f"{base['fwd+bwd'] / t['fwd+bwd']:10.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

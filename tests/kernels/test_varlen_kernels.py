@@ -1,0 +1,89 @@
+"""Our kernels over packed documents (flash_attention_varlen): the Triton kernels with their document mask (CPU:
+Triton's interpreter) against the same kernels with the documents as a dense boolean mask, and against the
+documents run one by one."""
+import pytest
+import torch
+
+from instability_watch import flash_attention, flash_attention_varlen
+
+from helpers import max_err, seeded
+
+pytest.importorskip("triton")
+if torch.cuda.is_available():
+    pytest.skip("the interpreter tests are for CPU-only machines", allow_module_level=True)
+
+H, H_KV, D = 4, 2, 32
+CU = [0, 37, 50, 97]
+
+
+def _inputs(key, tail=0, dtype=torch.bfloat16):
+    g = seeded("varlen_kernels", *key)
+    t = CU[-1] + tail
+    q = torch.randn(t, H, D, generator=g).to(dtype)
+    k, v = (torch.randn(CU[-1], H_KV, D, generator=g).to(dtype) for _ in range(2))
+    do = torch.randn(t, H, D, generator=g).to(dtype)
+    return q, k, v, do
+
+
+def _fwd_bwd(fn, q, k, v, do):
+    qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    o = fn(qq, kk, vv)
+    o.backward(do)
+    return o.detach(), qq.grad, kk.grad, vv.grad
+
+
+@pytest.mark.parametrize("window, stab", [((-1, 0), None), ((9, 0), None), ((5, 3), None), ((-1, 0), "half")])
+def test_documents_equal_the_documents_run_one_by_one(window, stab):
+    """Each document's output and gradients, from one packed call, are those of the document alone (its own
+    causal/window mask as a boolean mask), up to the order of float32 sums (tiles fall elsewhere)."""
+    q, k, v, do = _inputs(("one_by_one", window, stab))
+    cu = torch.tensor(CU, dtype=torch.int32)
+    stabilize = torch.tensor([False, True, False, True]) if stab else None
+    packed = _fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu, window=window, stabilize=stabilize,
+                                                             backend="triton"), q, k, v, do)
+    for d in range(len(CU) - 1):
+        sl = slice(CU[d], CU[d + 1])
+        n = CU[d + 1] - CU[d]
+        i = torch.arange(n)[:, None]
+        j = torch.arange(n)[None, :]
+        keep = (j >= i - window[0] if window[0] >= 0 else torch.ones(n, n, dtype=torch.bool)) & (j <= i + window[1])
+        as4 = (lambda t: t.permute(1, 0, 2).unsqueeze(0))
+        alone = _fwd_bwd(lambda a, b, c: flash_attention(as4(a), as4(b), as4(c), attn_mask=keep, stabilize=stabilize,
+                                                         backend="triton")[0].permute(1, 0, 2),
+                         q[sl], k[sl], v[sl], do[sl])
+        for got, want in zip(packed, alone):
+            assert max_err(got[sl], want) <= 2 ** -6 * want.abs().max()
+
+
+def test_the_document_mask_equals_the_dense_mask_bitwise_and_rows_past_the_end_are_zero():
+    q, k, v, do = _inputs(("dense",), tail=5)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    o, lse = flash_attention_varlen(q, k, v, cu, causal=True, backend="triton", return_lse=True)
+    from instability_watch.kernels.common import documents
+
+    doc_q, pos_q, doc_k, pos_k = documents(cu, cu, q.shape[0], k.shape[0])
+    mask = ((doc_q[:, None] == doc_k[None, :]) & (pos_k[None, :] <= pos_q[:, None])).view(1, 1, q.shape[0], -1)
+    as4 = (lambda t: t.permute(1, 0, 2).unsqueeze(0))
+    dense = flash_attention(as4(q), as4(k), as4(v), attn_mask=mask, backend="triton")[0].permute(1, 0, 2)
+    assert torch.equal(o, dense)
+    assert (o[CU[-1]:] == 0).all() and torch.isinf(lse[:, CU[-1]:]).all()
+    # the log-sum-exp of each row's scores, natural log
+    s = torch.einsum("nhd,mhd->hnm", q.double(), k.double().repeat_interleave(2, 1)) * D ** -0.5
+    s = s.masked_fill(~mask[0], float("-inf"))[:, :CU[-1]]
+    torch.testing.assert_close(lse[:, :CU[-1]].double(), s.logsumexp(-1), rtol=1e-5, atol=1e-4)
+    # the reference backend (a dense mask: it is the oracle) agrees
+    ref = flash_attention_varlen(q, k, v, cu, causal=True, backend="reference")
+    assert max_err(ref[:CU[-1]], o[:CU[-1]]) <= 2 ** -7 * o.abs().max()
+
+
+def test_bad_arguments_are_named():
+    q = torch.zeros(10, 2, 8)
+    cu = torch.tensor([0, 10], dtype=torch.int32)
+    with pytest.raises(ValueError, match="q must be a 3-D tensor"):
+        flash_attention_varlen(q[None], q, q, cu)
+    with pytest.raises(ValueError, match="cu_seq_q must be an int32/int64 vector"):
+        flash_attention_varlen(q, q, q, cu.float())
+    with pytest.raises(ValueError, match="same number of documents"):
+        flash_attention_varlen(q, q, q, cu, torch.tensor([0, 5, 10], dtype=torch.int32))
+    with pytest.raises(ValueError, match="window must be"):
+        flash_attention_varlen(q, q, q, cu, window=(1,))
