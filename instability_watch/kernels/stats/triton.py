@@ -50,6 +50,7 @@ from instability_watch.kernels.triton_common import (
     V_DABS,
     V_DSUM,
     V_MAXS,
+    document_scores,
     dropout_keep,
     dropout_key,
 )
@@ -74,7 +75,7 @@ def _load_block(blk, start_n, stride_n, cols, offs_d, N_KV, D, MASK_KV: tl.const
 @triton.jit
 def _scores(
     q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale,
-    stride_kn, stride_mn, doc_r, pos_r, KeyDocs, win_l, win_r,
+    stride_kn, stride_mn, Docs, N_Q, win_l, win_r,
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr, SCALED: tl.constexpr,
     EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -92,16 +93,9 @@ def _scores(
     if SCALED:
         s = s * scale
     # -- documents (a packed call, MASK_KIND 3): a key is seen from its own document only, within the
-    #    window (bottom-right aligned positions; win_l / win_r < 0: unbounded); KeyDocs points at the
-    #    keys' documents, followed by their positions
+    #    window (bottom-right aligned positions; win_l / win_r < 0: unbounded); Docs is the document vector
     if MASK_KIND == 3:
-        c_ok = cols < N_KV
-        doc_c = tl.load(KeyDocs + cols, mask=c_ok, other=-1)
-        pos_c = tl.load(KeyDocs + N_KV + cols, mask=c_ok, other=0)
-        keep = doc_r[:, None] == doc_c[None, :]
-        keep = keep & ((win_l < 0) | (pos_c[None, :] >= pos_r[:, None] - win_l))
-        keep = keep & ((win_r < 0) | (pos_c[None, :] <= pos_r[:, None] + win_r))
-        s = tl.where(keep, s, float("-inf"))
+        s = document_scores(s, Docs, offs_m, cols, N_Q, N_KV, win_l, win_r, False)
     # -- the call's mask: a bool mask selects, an additive one is added (NaN in it is not
     #    "masked": it makes the score NaN, as in the reference)
     elif MASK_KIND != 0:
@@ -130,7 +124,7 @@ def _scores(
 def _stats_inner(
     top1, top2, poison,
     q, K_blk, M_blk, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
-    lo, hi, doc_r, pos_r, KeyDocs, win_l, win_r,
+    lo, hi, Docs, N_Q, win_l, win_r,
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr, SCALED: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
@@ -139,7 +133,7 @@ def _stats_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         s = _scores(q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
-                    doc_r, pos_r, KeyDocs, win_l, win_r, MASK_CAUSAL, MASK_KV, MASK_KIND, SCALED, EVEN_D, DOT_PRECISION)
+                    Docs, N_Q, win_l, win_r, MASK_CAUSAL, MASK_KV, MASK_KIND, SCALED, EVEN_D, DOT_PRECISION)
         # -- NaN flag: a visible NaN makes the row's sum NaN. So does +inf beside a -inf
         #    (masked) entry, harmlessly: such a row's t1 is +inf, non-finite anyway, and
         #    not masked either way.
@@ -158,7 +152,7 @@ def _shadow_inner(
     m_i, l_i, a_i,
     q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
     stride_kn, stride_vn, stride_mn,
-    lo, hi, k0, k1, drop_thr, off_bh, doc_r, pos_r, KeyDocs, win_l, win_r,
+    lo, hi, k0, k1, drop_thr, off_bh, Docs, N_Q, win_l, win_r,
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
@@ -169,7 +163,7 @@ def _shadow_inner(
     for start_n in range(lo, hi, BLOCK_N):
         start_n = tl.multiple_of(start_n, BLOCK_N)
         s = _scores(q, K_blk, M_blk, start_n, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
-                    doc_r, pos_r, KeyDocs, win_l, win_r, MASK_CAUSAL, MASK_KV, MASK_KIND, True, EVEN_D, DOT_PRECISION)
+                    Docs, N_Q, win_l, win_r, MASK_CAUSAL, MASK_KV, MASK_KIND, True, EVEN_D, DOT_PRECISION)
         # -- the V block
         cols = start_n + offs_n
         v = _load_block(V_blk, start_n, stride_vn, cols, offs_dv, N_KV, DV, MASK_KV, EVEN_DV)
@@ -235,20 +229,16 @@ def _attn_stats(
         # Mask: int64 [doc_q (N_Q), pos_q (N_Q), doc_k (N_KV), pos_k (N_KV), cu_k (n_docs + 1)]; rows past
         # the last document (doc n_docs) count nowhere; the tile's keys: its documents' only
         doc_r = tl.load(Mask + offs_m, mask=row_ok, other=n_docs)
-        pos_r = tl.load(Mask + N_Q + offs_m, mask=row_ok, other=0)
         row_ok = row_ok & (doc_r < n_docs)
         d_first = tl.minimum(tl.min(doc_r, 0), n_docs - 1)
         d_last = tl.max(tl.where(row_ok, doc_r, -1), 0)
         Cu = Mask + 2 * N_Q + 2 * N_KV
         kv_lo = tl.load(Cu + d_first) // BLOCK_N * BLOCK_N
         kv_hi = tl.where(d_last >= 0, tl.load(Cu + tl.maximum(d_last, 0) + 1), kv_lo)
-        KeyDocs = Mask + 2 * N_Q
     else:
-        doc_r = offs_m  # unused
-        pos_r = offs_m
         kv_lo = 0
         kv_hi = 0
-        KeyDocs = Mask
+    Docs = Mask
     q_mask = row_ok[:, None] & (offs_d[None, :] < D)
     q = tl.load(Q + off_b * stride_qb + off_h64 * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], mask=q_mask, other=0.0)
     K_blk = K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :]
@@ -281,13 +271,13 @@ def _attn_stats(
         k0, k1, thr = dropout_key(Seed, drop_thr, DROPOUT)
         m_i, l_i, a_i = _shadow_inner(
             m_i, l_i, a_i, q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
-            stride_kn, stride_vn, stride_mn, kv_lo, n_full, k0, k1, thr, off_bh, doc_r, pos_r, KeyDocs, win_l, win_r,
+            stride_kn, stride_vn, stride_mn, kv_lo, n_full, k0, k1, thr, off_bh, Docs, N_Q, win_l, win_r,
             MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, DOT_PRECISION=DOT_PRECISION,
         )
         m_i, l_i, a_i = _shadow_inner(
             m_i, l_i, a_i, q, do, K_blk, V_blk, M_blk, offs_m, offs_n, offs_d, offs_dv, row_ok, N_KV, D, DV, scale,
-            stride_kn, stride_vn, stride_mn, n_full, hi, k0, k1, thr, off_bh, doc_r, pos_r, KeyDocs, win_l, win_r,
+            stride_kn, stride_vn, stride_mn, n_full, hi, k0, k1, thr, off_bh, Docs, N_Q, win_l, win_r,
             MASK_CAUSAL=CAUSAL, MASK_KV=True, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, EVEN_DV=EVEN_DV, DOT_PRECISION=DOT_PRECISION,
         )
@@ -314,13 +304,13 @@ def _attn_stats(
         poison = offs_m < 0  # all False
         top1, top2, poison = _stats_inner(
             top1, top2, poison, q, K_blk, M_blk, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
-            kv_lo, n_full, doc_r, pos_r, KeyDocs, win_l, win_r,
+            kv_lo, n_full, Docs, N_Q, win_l, win_r,
             MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=MASK_KIND, SCALED=SCALED,
             BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
         )
         top1, top2, poison = _stats_inner(
             top1, top2, poison, q, K_blk, M_blk, offs_m, offs_n, offs_d, row_ok, N_KV, D, scale, stride_kn, stride_mn,
-            n_full, hi, doc_r, pos_r, KeyDocs, win_l, win_r,
+            n_full, hi, Docs, N_Q, win_l, win_r,
             MASK_CAUSAL=CAUSAL, MASK_KV=True, MASK_KIND=MASK_KIND, SCALED=SCALED,
             BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
         )
