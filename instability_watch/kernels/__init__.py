@@ -396,7 +396,7 @@ def flash_attention_varlen(
     shadow = probe is not None and probe.shadow
     o4, lse4 = FlashAttention.apply(
         q4, k4, v4, None, None, stabilize, counts, values, shadow, False, scale, float(beta), float(eps), 0.0,
-        backend, False, cu_seq_q, cu_seq_k, win_l, win_r,
+        backend, False, cu_seq_q, cu_seq_k, win_l, win_r, bool(return_lse),
     )
     o = o4[0].permute(1, 0, 2)
     return (o, lse4[0]) if return_lse else o

@@ -244,13 +244,14 @@ class FlashAttention(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, q, k, v, attn_mask, seed, stabilize, counts, values, shadow, causal, scale, beta, eps,
-                dropout_p, backend, hp_delta, cu_q=None, cu_k=None, win_l=-1, win_r=-1):
+                dropout_p, backend, hp_delta, cu_q=None, cu_k=None, win_l=-1, win_r=-1, need_lse=False):
         """o (B, H, N, D) in q's dtype, from q (B, H, N, D), k, v (B, H_kv, N_kv, D); ``attn_mask``
         broadcastable to (B, H, N, N_kv) or None, ``seed`` int64 (2,) or None, ``stabilize`` bool (H,)
         or None, ``counts``/``values`` the probe's buffers or None, ``hp_delta`` the backward's delta
         from a float32 ``O`` (the paper's control), ``cu_q``/``cu_k`` a packed call's documents (the views
         (1, H, T, D) of its tensors) and ``win_l``/``win_r`` their window (arguments checked by the caller).
-        Returns ``(o, lse)``, ``lse`` (B, H, N) float32 natural log, not differentiable."""
+        Returns ``(o, lse)``, ``lse`` (B, H, N) float32 natural log, not differentiable, with ``need_lse``
+        (else None: no extra work)."""
         # Eager calls skip the op dispatcher (tens of microseconds of host time per
         # call); under torch.compile the op is what gets traced.
         fwd = attention_fwd if torch.compiler.is_compiling() else _forward
@@ -268,6 +269,8 @@ class FlashAttention(torch.autograd.Function):
         compiling = torch.compiler.is_compiling()
         ctx.on_error = None if compiling else ERROR_HANDLER.get()
         ctx.hp_delta = bool(hp_delta)
+        if not need_lse:
+            return o, None
         nat = lse[0] + lse[1] if lse.dim() == 4 else lse  # an additive mask's two planes: the shift and log(l)
         nat = (nat * _LN2 if backend == "triton" else nat).float()  # Triton's are in log2 units
         ctx.mark_non_differentiable(nat)
@@ -295,4 +298,4 @@ class FlashAttention(torch.autograd.Function):
             dq, dk, dv, dmask = _pytorch_backward(q, k, v, do, attn_mask, seed, ctx.causal, ctx.scale, ctx.dropout_p,
                                                   mask_grad)
         return (dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None, None, None,
-                None, None, None, None, None, None, None)
+                None, None, None, None, None, None, None, None)
