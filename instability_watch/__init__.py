@@ -3,7 +3,8 @@
 Public API (grows with each milestone):
 
 * :func:`flash_attention` -- FA2-precision attention with a per-head stabilized
-  variant (paper Alg. 3) and per-head diagnostics written into a :class:`Probe`.
+  variant (paper Alg. 3) and per-head diagnostics written into a :class:`Probe`;
+  :func:`flash_attention_varlen` the same over packed documents (``cu_seqlens``).
 * :class:`Probe` -- the per-layer device-side statistic buffers.
 * :class:`InstabilityWatch`, :class:`WatchConfig` -- the engine that attaches to
   a model, tracks every head and raises :class:`Alert` records.
