@@ -29,7 +29,7 @@ import torch
 from torch import Tensor
 
 from instability_watch.kernels.common import compute_dtype
-from instability_watch.kernels.stats.reference import CHUNK_ELEMENTS, accumulate_rows, store_rows
+from instability_watch.kernels.stats.reference import CHUNK_ELEMENTS, accumulate_rows, row_top_two, store_rows
 from instability_watch.probe.fields import COUNT_ROW as _C
 from instability_watch.probe.fields import VALUE_ROW as _V
 
@@ -138,12 +138,7 @@ def _dense(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tensor, 
         s = score_fn(s, b_idx, h_idx, q_idx, kv_idx, *s_buf).to(cdt)
         keep = mask_fn(b_idx, h_idx, q_idx, kv_idx, *m_buf).to(torch.bool)
         s = torch.where(keep, s, float("-inf"))
-        nan = torch.isnan(s).any(dim=-1)
-        s = s.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-        if n_kv >= 2:
-            t1, t2 = s.topk(2, dim=-1).values.unbind(-1)
-        else:
-            t1, t2 = s[..., 0], torch.full_like(s[..., 0], float("-inf"))
+        t1, t2, nan = row_top_two(s)
         top = accumulate_rows(t1, t2 >= t1 - eps, nan, None if o is None else o[:, :, i0:i1], acc, top)
     store_rows(acc, top, counts, values)
 

@@ -85,14 +85,21 @@ def _stats_reference(q, k, attn_mask, o, counts, values, *, causal, scale, eps) 
     for i0 in range(0, N, step):
         i1 = min(N, i0 + step)
         s, _ = _scores(q[:, :, i0:i1].to(cdt), kf, _rows_mask(m4, i0, i1), i0, causal=causal, scale=scale)
-        nan = torch.isnan(s).any(dim=-1)  # (B, H, n)
-        s = s.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-        if n_kv >= 2:
-            t1, t2 = s.topk(2, dim=-1).values.unbind(-1)
-        else:
-            t1, t2 = s[..., 0], torch.full_like(s[..., 0], float("-inf"))
+        t1, t2, nan = row_top_two(s)
         top = accumulate_rows(t1, t2 >= t1 - eps, nan, None if o is None else o[:, :, i0:i1], acc, top)
     store_rows(acc, top, counts, values)
+
+
+def row_top_two(s: Tensor):
+    """``(t1, t2, nan)`` per row of scores ``s`` (..., N_kv): the largest and second largest score (repeats
+    counted; NaN read as -inf; ``t2`` -inf with one key) and whether the row holds a NaN."""
+    nan = torch.isnan(s).any(dim=-1)
+    s = s.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
+    if s.shape[-1] >= 2:
+        t1, t2 = s.topk(2, dim=-1).values.unbind(-1)
+    else:
+        t1, t2 = s[..., 0], torch.full_like(s[..., 0], float("-inf"))
+    return t1, t2, nan
 
 
 def accumulate_rows(t1: Tensor, multi: Tensor, nan: Tensor, o_rows: Optional[Tensor], acc: Tensor, top: Tensor,

@@ -23,8 +23,7 @@ import torch
 from torch import Tensor
 
 from instability_watch.kernels.common import compute_dtype, documents
-from instability_watch.kernels.stats.flex import accumulate_rows, store_rows
-from instability_watch.kernels.stats.reference import CHUNK_ELEMENTS
+from instability_watch.kernels.stats.reference import CHUNK_ELEMENTS, accumulate_rows, row_top_two, store_rows
 from instability_watch.probe.fields import COUNT_ROW as _C
 from instability_watch.probe.fields import VALUE_ROW as _V
 
@@ -223,12 +222,7 @@ def _varlen_stats(call: VarlenCall, o: Optional[Tensor], counts: Tensor, values:
         i1 = min(t_q, i0 + step)
         n = i1 - i0
         s = _document_scores(q, kf, docs, call.window, i0, i1, scale, cdt)
-        nan = torch.isnan(s).any(dim=-1)
-        s = s.nan_to_num(nan=float("-inf"), posinf=float("inf"), neginf=float("-inf"))
-        if t_k >= 2:
-            t1, t2 = s.topk(2, dim=-1).values.unbind(-1)
-        else:
-            t1, t2 = s[..., 0], torch.full_like(s[..., 0], float("-inf"))
+        t1, t2, nan = row_top_two(s)
         o_rows = None if o is None else o[i0:i1].permute(1, 0, 2).unsqueeze(0)
         valid = (doc_q[i0:i1] < n_docs).view(1, 1, n)
         top = accumulate_rows(t1.unsqueeze(0), (t2 >= t1 - eps).unsqueeze(0), nan.unsqueeze(0), o_rows, acc, top,
