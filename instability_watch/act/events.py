@@ -31,7 +31,7 @@ class Event:
         """The event in words (the run directory's ``message`` column)."""
         if self.kind == "switch_not_applied":
             return (f"{self.layer_name} head {self.head}: switch not applied to calls with {self.reason}; "
-                    "they stay on PyTorch's SDPA")
+                    "they stay on PyTorch's attention")
         if self.kind == "qk_clip_on":
             return (f"{self.layer_name} head {self.head}: QK-clip acts on this head from the next probe step "
                     f"({self.reason})")

@@ -244,7 +244,8 @@ def flash_attention(
     generator: Optional[torch.Generator] = None,
     seed: Optional[torch.Tensor] = None,
     high_precision_delta: Optional[bool] = None,
-) -> torch.Tensor:
+    return_lse: bool = False,
+):
     """Attention with FA2's BF16 precision model, per-head stabilization and diagnostics.
 
     Args:
@@ -292,10 +293,14 @@ def flash_attention(
             attention); ``None`` (default) reads the
             :func:`~instability_watch.experimental.high_precision_delta` context in
             eager calls and is ``False`` under ``torch.compile`` (pass ``True`` there).
+        return_lse: also return the log-sum-exp of each row's scaled scores, (B, H, N) float32
+            (float64 for float64 inputs; natural log; +inf for a row that sees no key), differentiable too: its gradient
+            enters the backward's ``delta`` (``dS = P * (dP - delta + dlse)``).
 
     Returns:
-        The attention output, (B, H, N, D), in ``q``'s dtype. Differentiable
-        with respect to ``q, k, v`` (FA2's backward; unchanged by stabilization).
+        The attention output, (B, H, N, D), in ``q``'s dtype (and the log-sum-exp with
+        ``return_lse``). Differentiable with respect to ``q, k, v`` (FA2's backward; unchanged
+        by stabilization).
 
     Raises:
         TypeError, ValueError: for arguments outside the above, naming the
@@ -320,10 +325,13 @@ def flash_attention(
         seed = dropout_seed(generator, q.device)
     if high_precision_delta is None:
         high_precision_delta = False if torch.compiler.is_compiling() else HIGH_PRECISION_DELTA.get()
-    return FlashAttention.apply(
+    if not isinstance(return_lse, bool):
+        raise TypeError(f"return_lse must be True or False, got {return_lse!r}")
+    o, lse = FlashAttention.apply(
         q, k, v, attn_mask, seed, stabilize, counts, values, shadow, causal, scale, float(beta), float(eps),
-        float(dropout_p), backend, bool(high_precision_delta),
-    )[0]
+        float(dropout_p), backend, bool(high_precision_delta), None, None, -1, -1, return_lse,
+    )
+    return (o, lse) if return_lse else o
 
 
 def flash_attention_varlen(
@@ -356,7 +364,7 @@ def flash_attention_varlen(
             ``right`` after it (``-1``: unbounded); ``causal`` is ``right = 0``.
         scale, stabilize, probe, beta, eps, backend: as :func:`flash_attention`.
         return_lse: also return the log-sum-exp of each row's scores, (H, T_q) float32 (natural log; +inf
-            for a row that sees no key), as ``varlen_attn``'s auxiliary output.
+            for a row that sees no key), as ``varlen_attn``'s auxiliary output; differentiable.
 
     The kernels read the documents from ``cu_seq_q``/``cu_seq_k`` on the device (no mask is formed, no host
     sync): each tile of rows visits only the keys of its documents.

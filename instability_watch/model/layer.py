@@ -34,7 +34,7 @@ timm                       ``Attention`` (ViT, DeiT, EVA, Swin, ...): a fused ``
                            ``nn.Linear`` with ``num_heads``, rows ``(3, H, D)``
 torchtitan                 ``GQAttention``: ``qkv_linear.wqkv`` grouped per key/value
                            head like GPT-NeoX's, or ``qkv_linear.wq``; its inner
-                           attention (FlexAttention, varlen) is observed, not switched
+                           attention (SDPA, FlexAttention, varlen) is observed and switched
 ``nn.MultiheadAttention``  ``in_proj_weight[:E]`` (or ``q_proj_weight``); its
                            attention cannot be observed (see ``observe.py``)
 =========================  ==========================================================

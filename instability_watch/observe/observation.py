@@ -247,7 +247,7 @@ class Observation:
             return
         seen.append(reason)
         what = {UNOBSERVED: "cannot be observed", SHADOW_SKIPPED: "get no shadow pass",
-                NOT_APPLIED: "stay on PyTorch's SDPA although a head is switched"}[kind]
+                NOT_APPLIED: "stay on PyTorch's attention although a head is switched"}[kind]
         log_rank_zero(logging.WARNING, "instability_watch: layer %s: calls %s: %s", site.name, what, reason)
         if self.on_note is not None:
             self.on_note(site, kind, reason)

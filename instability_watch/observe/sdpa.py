@@ -42,7 +42,8 @@ from torch.overrides import TorchFunctionMode
 from instability_watch.kernels import dropout_seed, flash_attention, flash_attention_varlen, unsupported
 from instability_watch.kernels.attention.ops import ERROR_HANDLER
 from instability_watch.kernels.stats import attention_shadow, attention_stats
-from instability_watch.kernels.stats.flex import FLEX_OP, FlexCall, flex_shadow, flex_shadow_forward, flex_stats
+from instability_watch.kernels.stats.flex import (FLEX_OP, FlexCall, flex_shadow, flex_shadow_forward, flex_stats,
+                                                  keep_mask, op_outputs, switch_refusal)
 from instability_watch.kernels.stats.varlen import VARLEN_OP, VarlenCall, varlen_shadow, varlen_stats
 from instability_watch.observe.coverage import KIND_ROW, NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED
 from instability_watch.probe.fields import COUNT_ROW
@@ -339,12 +340,12 @@ class SdpaObserver(TorchFunctionMode):
             why = _follow_device(self.key, call.q.device)
         out = None
         if self.route:
-            if parser is not VarlenCall:
-                self.count(NOT_APPLIED, f"{name} calls stay on {name} (switching them is not supported)")
-            elif why is not None:
+            if why is not None:
                 self.count(NOT_APPLIED, why)
-            else:
+            elif parser is VarlenCall:
                 out = self._varlen_routed(call)
+            else:
+                out = self._flex_routed(call)
         if out is None:
             out = func(*args, **kwargs)  # the user's call, exactly as without the watch
         if why is not None:
@@ -374,6 +375,39 @@ class SdpaObserver(TorchFunctionMode):
         finally:
             self._in_other = False
         return out
+
+    def _flex_routed(self, call: FlexCall):
+        """A switched layer's FlexAttention call on our kernels, its mask evaluated from its ``mask_mod``
+        (the op's outputs ``(out, lse, max_scores)``), or None: it stays on FlexAttention, reason counted."""
+        reason = switch_refusal(call)
+        if reason is None:
+            reason = unsupported(call.q, call.k, call.v, scale=call.scale, enable_gqa=True)
+        if reason is not None:
+            self.count(NOT_APPLIED, reason)
+            return None
+        def run():
+            with no_autocast(call.q.device.type):
+                keep = keep_mask(call)
+                return flash_attention(call.q, call.k, call.v, attn_mask=keep, scale=float(call.scale),
+                                       stabilize=self.stabilize, beta=self.beta, eps=self.eps,
+                                       high_precision_delta=self.high_precision_delta, return_lse=True)
+
+        if torch.compiler.is_compiling():  # traced: no error handling around the op
+            o, lse = run()
+        else:
+            token = ERROR_HANDLER.set(None if self.on_error is None else self._routing_failed)
+            try:
+                o, lse = run()
+            except Exception as exc:  # noqa: BLE001 - fail open: this call goes to FlexAttention
+                if self.on_error is None:
+                    raise
+                self.on_error("routing", exc)
+                return None
+            finally:
+                ERROR_HANDLER.reset(token)
+        if self.counts is not None and (self.stats or self.shadow):
+            self.counts[COUNT_ROW["kernel_calls"]] += 1
+        return op_outputs(call, o, lse)
 
     def _varlen_routed(self, call: VarlenCall):
         """A switched layer's varlen call on our kernels, over its documents (the op's outputs: ``(o, lse,

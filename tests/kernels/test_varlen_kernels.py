@@ -87,3 +87,48 @@ def test_bad_arguments_are_named():
         flash_attention_varlen(q, q, q, cu, torch.tensor([0, 5, 10], dtype=torch.int32))
     with pytest.raises(ValueError, match="window must be"):
         flash_attention_varlen(q, q, q, cu, window=(1,))
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_the_log_sum_exp_gradient_enters_the_backward(packed):
+    """A loss of the output and of the returned log-sum-exp (as attention sinks use it): the Triton kernels'
+    gradients equal autograd through float32 PyTorch attention within BF16 rounding, the lse's share
+    included (without it they would differ by far more); dense causal calls and packed documents."""
+    q, k, v, do = _inputs(("lse_grad", packed))
+    cu = torch.tensor(CU, dtype=torch.int32)
+    w = torch.randn(H, CU[-1], generator=seeded("lse_grad_w", packed)) * 4
+    as4 = (lambda t: t.permute(1, 0, 2).unsqueeze(0))
+    t = CU[-1]
+    if packed:
+        doc = torch.repeat_interleave(torch.arange(len(CU) - 1), torch.tensor(CU).diff())
+        keep = (doc[:, None] == doc[None, :]) & torch.ones(t, t, dtype=torch.bool).tril()
+    else:
+        keep = torch.ones(t, t, dtype=torch.bool).tril()
+
+    def ours(a, b, c):
+        if packed:
+            return flash_attention_varlen(a, b, c, cu, causal=True, backend="triton", return_lse=True)
+        o, lse = flash_attention(as4(a), as4(b), as4(c), causal=True, backend="triton", return_lse=True)
+        return o[0].permute(1, 0, 2), lse[0]
+
+    def exact(a, b, c):
+        s = (as4(a).float() @ as4(b).float().repeat_interleave(H // H_KV, 1).transpose(-1, -2)) / D ** 0.5
+        s = s.masked_fill(~keep, float("-inf"))
+        o = torch.softmax(s, dim=-1) @ as4(c).float().repeat_interleave(H // H_KV, 1)
+        return o[0].permute(1, 0, 2), torch.logsumexp(s, dim=-1)[0]
+
+    grads = {}
+    for name, fn in (("ours", ours), ("exact", exact)):
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        o, lse = fn(*leaves)
+        ((o.float() * do.float()).sum() + (lse * w).sum()).backward()
+        grads[name] = [x.grad.float() for x in leaves]
+        if name == "ours":
+            torch.testing.assert_close(lse, exact(q, k, v)[1], rtol=0, atol=1e-2)
+    for got, want in zip(grads["ours"], grads["exact"]):
+        assert max_err(got, want) <= 2 ** -6 * want.abs().max()
+    # the lse's share is large: leaving it out would fail the same bound
+    leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+    o, _ = exact(*leaves)
+    (o * do.float()).sum().backward()
+    assert max_err(leaves[0].grad, grads["exact"][0]) > 2 ** -4 * grads["exact"][0].abs().max()

@@ -131,3 +131,49 @@ def test_our_kernels_over_documents_match_varlen_attn():
                 torch.float64)
     for a, b, e in zip(ours, theirs, exact):
         assert (a - e).abs().max() <= 2 * (b - e).abs().max() + 1e-3
+
+
+@pytest.mark.parametrize("kind", ["causal", "sliding", "document"])
+def test_switched_compiled_flex_calls_run_on_our_kernels_within_twice_flex_error(kind):
+    """A switched head's compiled FlexAttention calls (causal, sliding window, documents) on our kernels:
+    outputs and gradients within twice FlexAttention's own BF16 error against float64 (our reference kernels
+    in float64 with the same mask), and counted as kernel calls with nothing "not applied"."""
+    from instability_watch import flash_attention
+
+    N, H, D = sum(DOCS), 8, 64
+    doc = _doc_ids(DOCS)
+    masks = {"causal": lambda b, h, qi, kv: qi >= kv,
+             "sliding": lambda b, h, qi, kv: (qi >= kv) & (qi - kv < 256),
+             "document": lambda b, h, qi, kv: (doc[qi] == doc[kv]) & (qi >= kv)}
+    block = fa.create_block_mask(masks[kind], None, None, N, N, device=DEV)
+    keep = fa.create_mask(masks[kind], None, None, N, N, device=DEV)
+    g = seeded("flex_switch_gpu", kind)
+    q = torch.randn(2, H, N, D, generator=g).to(DEV, torch.bfloat16)
+    k, v = (torch.randn(2, 2, N, D, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
+    do = torch.randn(2, H, N, D, generator=g).to(DEV, torch.bfloat16)
+    flex = torch.compile(fa.flex_attention)
+
+    class Layer(nn.Module):
+        def forward(self, a, b, c):
+            return flex(a, b, c, block_mask=block, enable_gqa=True)
+
+    def run(fn, dtype):
+        qq, kk, vv = (t.detach().to(dtype).requires_grad_(True) for t in (q, k, v))
+        o = fn(qq, kk, vv)
+        o.backward(do.to(dtype))
+        return [t.float() for t in (o, qq.grad, kk.grad, vv.grad)]
+
+    layer = Layer()
+    theirs = run(layer, torch.bfloat16)
+    watch = InstabilityWatch(layer, WatchConfig(probe_every=1, shadow_every=0, spectral_every=0, log_every=1,
+                                                warmup_steps=100, strict=True),
+                             layers=[AttentionLayer(layer, H, lambda: torch.zeros(H, D, D, device=DEV), name="f")])
+    watch.switch(0, 3)
+    ours = run(layer, torch.bfloat16)
+    watch.step(ours[0].sum())
+    (cov,) = watch.coverage()
+    assert cov.kernel_calls == 1 and cov.not_applied == {}
+    watch.detach()
+    exact = run(lambda a, b, c: flash_attention(a, b, c, attn_mask=keep, backend="reference"), torch.float64)
+    for a, b, e in zip(ours, theirs, exact):
+        assert (a - e).abs().max() <= 2 * (b - e).abs().max() + 1e-3

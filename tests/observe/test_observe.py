@@ -176,7 +176,7 @@ def test_switch_not_applied_is_reported_with_its_reason(caplog):
     cov = watch.coverage()
     assert cov[0].not_applied == {reason: 2} and cov[0].kernel_calls == 0 and cov[1].not_applied == {}
     assert watch.last_metrics[-1]["stabilized"][0].tolist() == [0, 0, 0, 0]  # not applied: not stabilized
-    assert sum("stay on PyTorch's SDPA although a head is switched" in r.getMessage() for r in caplog.records) == 1
+    assert sum("stay on PyTorch's attention although a head is switched" in r.getMessage() for r in caplog.records) == 1
     assert out is not None
     watch.detach()
 

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.filterwarnings("ignore")
 DOCS = (50, 40, 38)
 
 
-def _probe_step(backend, state=None):
+def _probe_step(backend, state=None, switch=None):
     from instability_watch import InstabilityWatch, WatchConfig
 
     torch.manual_seed(0)
@@ -30,6 +30,8 @@ def _probe_step(backend, state=None):
     watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, spectral_every=1, log_every=1,
                                                 warmup_steps=100, strict=True),
                              listeners=[lambda r: metrics.extend(r.metrics)])
+    if switch is not None:
+        watch.switch(*switch)
     tokens = torch.randint(0, 2048, (2, sum(DOCS)), generator=torch.Generator().manual_seed(1))
     positions = torch.cat([torch.arange(n) for n in DOCS]).repeat(2, 1)
     model.train()
@@ -40,6 +42,8 @@ def _probe_step(backend, state=None):
     coverage = watch.coverage()
     heads = watch.head_counts
     watch.detach()
+    if switch is not None:
+        return out, coverage
     return model, metrics[0], coverage, heads
 
 
@@ -56,3 +60,17 @@ def test_torchtitan_flex_and_varlen_are_watched_document_by_document():
     for name in ("rows", "multi_max_rows", "masked_rows", "max_score"):
         np.testing.assert_array_equal(np.asarray(flex[name])[0], np.asarray(varlen[name])[0], err_msg=name)
     assert np.asarray(flex["multi_max_rows"])[0].sum() > 0
+
+
+def test_torchtitan_switched_layer_runs_flex_and_varlen_calls_on_our_kernels():
+    """A head switched in layer 2: that layer's calls run on our kernels through either backend (flex: its mask
+    from torchtitan's document mask_mod; varlen: its cu_seqlens), nothing "not applied", and the two models,
+    with the same weights, give the same output within BF16 rounding."""
+    model, *_ = _probe_step("flex")
+    outs = {}
+    for backend in ("flex", "varlen"):
+        outs[backend], cov = _probe_step(backend, model.state_dict(), switch=(2, 5))
+        assert [c.kernel_calls for c in cov] == [0, 0, 1, 0, 0, 0], backend
+        assert all(c.not_applied == {} and c.unobserved_calls == {} for c in cov), backend
+    scale = outs["varlen"].float().abs().max()
+    assert (outs["flex"].float() - outs["varlen"].float()).abs().max() <= 2 ** -5 * scale

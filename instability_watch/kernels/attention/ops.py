@@ -57,9 +57,11 @@ HIGH_PRECISION_DELTA_CALLS = 0
 _LN2 = math.log(2.0)
 
 
-def _dense_attention(q, k, v, attn_mask, keep, inv_keep: float, causal: bool, scale: float, cdt) -> Tensor:
+def _dense_attention(q, k, v, attn_mask, keep, inv_keep: float, causal: bool, scale: float, cdt,
+                     return_lse: bool = False):
     """``(softmax(S) * Z) V`` with PyTorch ops in ``cdt`` (differentiable), ``Z`` the scaled dropout keep
-    mask (``keep=None``: none); a row whose every key is masked gives 0, as SDPA."""
+    mask (``keep=None``: none); a row whose every key is masked gives 0, as SDPA. ``return_lse``: also the
+    rows' log-sum-exp of ``S`` (differentiable; 0 for a row without keys)."""
     B, H, N, _ = q.shape
     group = H // k.shape[1]
     qf = q.to(cdt)
@@ -71,9 +73,13 @@ def _dense_attention(q, k, v, attn_mask, keep, inv_keep: float, causal: bool, sc
     if attn_mask is not None:
         s = s + mask_bias(mask4(attn_mask, B, H, N, k.shape[2]), cdt)
     p = torch.softmax(s, dim=-1)
-    p = torch.where(torch.isneginf(s).all(dim=-1, keepdim=True), 0.0, p)
+    dead = torch.isneginf(s).all(dim=-1, keepdim=True)
+    p = torch.where(dead, 0.0, p)
     if keep is not None:
         p = torch.where(keep, p * inv_keep, 0.0)
+    if return_lse:
+        lse = torch.logsumexp(torch.where(dead, 0.0, s), dim=-1)
+        return p @ vf, torch.where(dead[..., 0], 0.0, lse)
     return p @ vf
 
 
@@ -94,12 +100,14 @@ def delta_from_float32_o(q, k, v, do, attn_mask, seed, causal: bool, scale: floa
         return (do.to(cdt) * o_hp).sum(dim=-1)
 
 
-def _pytorch_backward(q, k, v, do, attn_mask, seed, causal: bool, scale: float, dropout_p: float, mask_grad: bool):
+def _pytorch_backward(q, k, v, do, attn_mask, seed, causal: bool, scale: float, dropout_p: float, mask_grad: bool,
+                      dlse: Optional[Tensor] = None):
     """Gradients from PyTorch, recomputed from the saved inputs (the fail-open path): SDPA's own
-    backward without a mask or dropout, else the same attention (mask, dropout mask) in float32."""
+    backward without a mask or dropout, else the same attention (mask, dropout mask) in float32.
+    ``dlse``: the gradient of the rows' log-sum-exp too (natural log, (B, H, N))."""
     with torch.enable_grad(), torch.autocast(q.device.type, enabled=False):
         qq, kk, vv = (t.detach().requires_grad_(True) for t in (q, k, v))
-        if attn_mask is None and not dropout_p:
+        if attn_mask is None and not dropout_p and dlse is None:
             o = torch.nn.functional.scaled_dot_product_attention(
                 qq, kk, vv, is_causal=causal, scale=scale, enable_gqa=qq.shape[1] != kk.shape[1]
             )
@@ -108,10 +116,13 @@ def _pytorch_backward(q, k, v, do, attn_mask, seed, causal: bool, scale: float, 
         keep = dropout_mask(seed, B, H, N, k.shape[2], dropout_p, device=q.device) if dropout_p else None
         cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
         mm = attn_mask.detach().requires_grad_(True) if mask_grad else attn_mask
-        o = _dense_attention(qq, kk, vv, mm, keep, dropout_scale(dropout_p) if dropout_p else 1.0,
-                             causal, scale, cdt)
+        o, lse = _dense_attention(qq, kk, vv, mm, keep, dropout_scale(dropout_p) if dropout_p else 1.0,
+                                  causal, scale, cdt, return_lse=True)
         inputs = (qq, kk, vv, mm) if mask_grad else (qq, kk, vv)
-        grads = torch.autograd.grad(o, inputs, do.to(cdt))
+        if dlse is None:
+            grads = torch.autograd.grad(o, inputs, do.to(cdt))
+        else:
+            grads = torch.autograd.grad((o, lse), inputs, (do.to(cdt), dlse.reshape(lse.shape).to(cdt)))
         grads = [g.to(t.dtype) for g, t in zip(grads, inputs)]
         return (*grads[:3], grads[3] if mask_grad else None)
 
@@ -210,7 +221,7 @@ def _backward(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     attn_mask: Optional[Tensor], seed: Optional[Tensor], counts: Optional[Tensor], values: Optional[Tensor],
     causal: bool, scale: float, dropout_p: float, shadow: bool, mask_grad: bool, backend: str, hp_delta: bool,
-    cu_q: Optional[Tensor], cu_k: Optional[Tensor], win_l: int, win_r: int,
+    cu_q: Optional[Tensor], cu_k: Optional[Tensor], win_l: int, win_r: int, dlse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     docs, doc_mask = _documents(q, k, cu_q, cu_k, win_l, win_r, backend)
     if doc_mask is not None:
@@ -222,9 +233,16 @@ def _backward(
         HIGH_PRECISION_DELTA_CALLS += 1
         # Triton: a pre-pass of the dQ kernel (about a forward's work); elsewhere, or with
         # INSTABILITY_WATCH_HP_DELTA=pytorch, O recomputed by PyTorch in float32 (an attention forward in float32)
-        in_kernel = backend == "triton" and os.environ.get("INSTABILITY_WATCH_HP_DELTA", "kernel") != "pytorch"
+        in_kernel = (backend == "triton" and dlse is None
+                     and os.environ.get("INSTABILITY_WATCH_HP_DELTA", "kernel") != "pytorch")
         if not in_kernel:
             delta = delta_from_float32_o(q, k, v, do, attn_mask, seed, causal, scale, dropout_p)
+    if dlse is not None:
+        # the log-sum-exp's gradient: d lse_i / d S_ij = P_ij, so dS = P * (dP - (delta - dlse))
+        if delta is None:
+            cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
+            delta = (do.to(cdt) * o.to(cdt)).sum(dim=-1)
+        delta = delta - dlse.reshape(delta.shape).to(delta.dtype)
     return _backward_impl(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow,
                           mask_grad, backend, delta, in_kernel, docs)
 
@@ -234,7 +252,7 @@ attention_bwd = torch.library.custom_op("instability_watch::attention_bwd", _bac
 
 @attention_bwd.register_fake
 def _(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow, mask_grad, backend,
-      hp_delta, cu_q, cu_k, win_l, win_r):
+      hp_delta, cu_q, cu_k, win_l, win_r, dlse=None):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v), dmask
 
@@ -250,8 +268,9 @@ class FlashAttention(torch.autograd.Function):
         or None, ``counts``/``values`` the probe's buffers or None, ``hp_delta`` the backward's delta
         from a float32 ``O`` (the paper's control), ``cu_q``/``cu_k`` a packed call's documents (the views
         (1, H, T, D) of its tensors) and ``win_l``/``win_r`` their window (arguments checked by the caller).
-        Returns ``(o, lse)``, ``lse`` (B, H, N) float32 natural log, not differentiable, with ``need_lse``
-        (else None: no extra work)."""
+        Returns ``(o, lse)``, ``lse`` (B, H, N) float32 (float64 for float64 inputs) natural log, with
+        ``need_lse`` (else None: no extra work); its gradient, where one reaches it, enters the backward's
+        ``delta``."""
         # Eager calls skip the op dispatcher (tens of microseconds of host time per
         # call); under torch.compile the op is what gets traced.
         fwd = attention_fwd if torch.compiler.is_compiling() else _forward
@@ -269,25 +288,32 @@ class FlashAttention(torch.autograd.Function):
         compiling = torch.compiler.is_compiling()
         ctx.on_error = None if compiling else ERROR_HANDLER.get()
         ctx.hp_delta = bool(hp_delta)
+        ctx.set_materialize_grads(False)  # an output nobody differentiates reaches the backward as None
         if not need_lse:
             return o, None
         nat = lse[0] + lse[1] if lse.dim() == 4 else lse  # an additive mask's two planes: the shift and log(l)
-        nat = (nat * _LN2 if backend == "triton" else nat).float()  # Triton's are in log2 units
-        ctx.mark_non_differentiable(nat)
+        nat = (nat * _LN2 if backend == "triton" else nat)  # Triton's are in log2 units
+        nat = nat.to(torch.float64 if q.dtype == torch.float64 else torch.float32)
         return o, nat
 
     @staticmethod
-    def backward(ctx, do, _dlse=None):
+    def backward(ctx, do, dlse=None):
         """Gradients of q, k, v (their shapes and dtypes) and of a float ``attn_mask`` that requires
-        one, from ``do`` (B, H, N, D); on a failure with an error handler set, PyTorch's instead."""
+        one, from ``do`` (B, H, N, D) and the log-sum-exp's ``dlse`` (None: none); on a failure with an
+        error handler set, PyTorch's instead."""
         q, k, v, o, lse, attn_mask, seed, cu_q, cu_k = ctx.saved_tensors
+        if do is None:
+            do = torch.zeros_like(o)
+        if dlse is not None:  # rows without a key (lse +inf) take no gradient
+            seen = torch.isfinite(lse[0] + lse[1] if lse.dim() == 4 else lse)
+            dlse = torch.where(seen, dlse, 0.0)
         counts, values = ctx.probe_buffers
         mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
         bwd = attention_bwd if torch.compiler.is_compiling() else _backward
         try:
             dq, dk, dv, dmask = bwd(
                 q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
-                ctx.shadow, mask_grad, ctx.backend, ctx.hp_delta, cu_q, cu_k, *ctx.window,
+                ctx.shadow, mask_grad, ctx.backend, ctx.hp_delta, cu_q, cu_k, *ctx.window, dlse,
             )
         except Exception as exc:
             if ctx.on_error is None:
@@ -296,6 +322,6 @@ class FlashAttention(torch.autograd.Function):
             if cu_q is not None:  # a packed call: its documents as a dense mask for PyTorch
                 attn_mask = _documents(q, k, cu_q, cu_k, *ctx.window, "reference")[1]
             dq, dk, dv, dmask = _pytorch_backward(q, k, v, do, attn_mask, seed, ctx.causal, ctx.scale, ctx.dropout_p,
-                                                  mask_grad)
+                                                  mask_grad, dlse)
         return (dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None, None, None,
                 None, None, None, None, None, None, None, None)

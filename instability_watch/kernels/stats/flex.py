@@ -204,3 +204,64 @@ def flex_stats(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tens
         through_op = call.q.is_cuda and OP_RETURNS_MAX
     with torch.autocast(call.q.device.type, enabled=False):
         (_through_the_op if through_op else _dense)(call, o, counts, values, float(eps))
+
+
+# ----------------------------------------------------------------------------- switching a call onto our kernels
+# A switched layer's FlexAttention call runs on :func:`~instability_watch.kernels.flash_attention` when its scores
+# are the plain scaled ``q.k`` (its ``score_mod`` returns the score it is given) and the mask is whatever its
+# ``mask_mod`` says: causal, sliding-window, document (packed) masks and their combinations, taken as a boolean
+# mask evaluated from the ``mask_mod`` on the call's device (no host sync, so compiled calls stay in one graph).
+
+
+def returns_score(score_mod: Callable) -> bool:
+    """Whether ``score_mod`` gives back the very score it is given (FlexAttention's default, or a function such
+    as Hugging Face's whose every modification is switched off): called once on a scalar with index 0; a
+    function whose result is a new tensor (soft-capping, a bias, ALiBi) is not. Traceable by Dynamo, which
+    guards on what the function read (a closure's ``softcap is not None``)."""
+    score = torch.zeros(())
+    try:
+        return score_mod(score, 0, 0, 0, 0) is score
+    except Exception:  # noqa: BLE001 - a score_mod that needs tensor indices is not the identity
+        return False
+
+
+def _name(fn: Callable) -> str:
+    return getattr(fn, "__name__", type(fn).__name__)
+
+
+def switch_refusal(call: FlexCall) -> Optional[str]:
+    """Why this FlexAttention call cannot run on our kernels (``None`` if it can)."""
+    if not returns_score(call.score_mod):
+        return (f"FlexAttention score_mod {_name(call.score_mod)!r} changes the scores (our kernels take the plain "
+                f"scaled q.k): calls with it stay on FlexAttention")
+    if (call.kernel_options or {}).get("OUTPUT_MAX", False):
+        return "FlexAttention calls that ask for max_scores stay on FlexAttention"
+    if not isinstance(call.scale, (int, float)) or isinstance(call.scale, bool):
+        return f"FlexAttention scale {call.scale!r} is not a number"
+    return None
+
+
+def keep_mask(call: FlexCall) -> Tensor:
+    """The call's mask as a boolean ``(B_m, H_m, N, N_kv)`` (True: seen), from its ``mask_mod`` over the block
+    mask's own batch and head extent (1 where the block mask was made for every batch entry or head)."""
+    q, k = call.q, call.k
+    blocks = next(t for t in call.block_mask if isinstance(t, Tensor))  # kv_num_blocks (B_m, H_m, blocks)
+    b_m, h_m = int(blocks.shape[0]), int(blocks.shape[1])
+    _, m_buf = call.buffers()
+    dev = q.device
+    fn = _bhqkv(call.mask_mod, False, len(m_buf))
+    idx = (torch.arange(n, device=dev) for n in (b_m, h_m, q.shape[2], k.shape[2]))
+    return fn(*idx, *m_buf).to(torch.bool)
+
+
+def op_outputs(call: FlexCall, o: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(out, lse, max_scores)`` as the ``flex_attention`` op returns them, from our output and natural-log
+    ``lse`` (+inf for a row without keys): the op's log-sum-exp is in log2 units (natural with the FLASH
+    backend) and ``-inf`` for such a row; no row maximum (the call did not ask for one)."""
+    opts = call.kernel_options or {}
+    if opts.get("OUTPUT_LOGSUMEXP", True):
+        unit = 1.0 if opts.get("BACKEND") == "FLASH" else 1.0 / _LN2
+        lse = torch.where(torch.isinf(lse), float("-inf"), lse * unit)
+    else:
+        lse = lse.new_empty(0)
+    return o, lse, lse.new_empty(0)
