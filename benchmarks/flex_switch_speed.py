@@ -1,0 +1,123 @@
+"""A switched head's FlexAttention calls on our kernels against the same calls on compiled FlexAttention, on the GPU
+(issue 43: switched flex calls at the speed of the call they replace).
+
+One layer calls ``torch.compile(flex_attention)`` with a causal, sliding-window or packed-document block mask
+(BF16, GQA as given). "flex" is the call unwatched; "switched" is the same layer with a watch attached and one head
+switched, so the call runs as the watch runs it: the mask evaluated from ``mask_mod``, then our kernels (every
+other head standard). Each variant is timed with CUDA events over ``--iters`` calls after a warm-up, forward and
+forward + backward, in ``--rounds`` interleaved rounds (alternating order); the table gives medians and the ratio
+flex / switched (> 1: ours faster).
+
+Run:  python benchmarks/flex_switch_speed.py [--seq 4096] [--batch 4] [--heads 16] [--kv-heads 4]
+                                            [--head-dim 128] [--window 1024] [--rounds 5] [--json out.json]
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+
+from _common import device_name, write_json
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--seq", type=int, default=4096)
+    ap.add_argument("--batch", type=int, default=4)
+    ap.add_argument("--heads", type=int, default=16)
+    ap.add_argument("--kv-heads", type=int, default=4)
+    ap.add_argument("--head-dim", type=int, default=128)
+    ap.add_argument("--window", type=int, default=1024)
+    ap.add_argument("--rounds", type=int, default=5)
+    ap.add_argument("--iters", type=int, default=20)
+    ap.add_argument("--masks", default="causal,sliding,document")
+    ap.add_argument("--json")
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("flex_switch_speed.py needs a CUDA GPU (FlexAttention trains on CUDA only)")
+    from torch.nn.attention import flex_attention as fa
+
+    from instability_watch import InstabilityWatch, WatchConfig
+    from instability_watch.model.layer import AttentionLayer
+
+    dev = "cuda"
+    B, N, H, KV, D = args.batch, args.seq, args.heads, args.kv_heads, args.head_dim
+    g = torch.Generator().manual_seed(0)
+    lengths, n = [], 0
+    while n < N:
+        lengths.append(min(N - n, int(torch.randint(128, N // 2, (1,), generator=g))))
+        n += lengths[-1]
+    doc = torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths)).to(dev)
+    w = args.window
+    mask_mods = {
+        "causal": lambda b, h, qi, kv: qi >= kv,
+        "sliding": lambda b, h, qi, kv: (qi >= kv) & (qi - kv < w),
+        "document": lambda b, h, qi, kv: (doc[qi] == doc[kv]) & (qi >= kv),
+    }
+    q = torch.randn(B, H, N, D, generator=g).to(dev, torch.bfloat16).requires_grad_(True)
+    k, v = (torch.randn(B, KV, N, D, generator=g).to(dev, torch.bfloat16).requires_grad_(True) for _ in range(2))
+    do = torch.randn(B, H, N, D, generator=g).to(dev, torch.bfloat16)
+    flex = torch.compile(fa.flex_attention)
+
+    class Layer(torch.nn.Module):
+        def forward(self, a, b, c, block):
+            return flex(a, b, c, block_mask=block, enable_gqa=KV < H)
+
+    plain, switched = Layer(), Layer()
+    watch = InstabilityWatch(switched, WatchConfig(probe_every=10 ** 9, shadow_every=0, spectral_every=0,
+                                                   warmup_steps=10 ** 9),
+                             layers=[AttentionLayer(switched, H, lambda: torch.zeros(H, D, D, device=dev),
+                                                    name="flex")])
+    watch.switch(0, 0)
+    with torch.no_grad():  # step 1, the first probe step, done before timing: the timed calls are plain steps
+        block = fa.create_block_mask(mask_mods["causal"], None, None, N, N, device=dev)
+        watch.step(switched(q, k, v, block).float().mean())
+
+    def timed(fn, backward: bool) -> float:
+        for _ in range(3):
+            o = fn()
+            if backward:
+                o.backward(do)
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(args.iters):
+            o = fn()
+            if backward:
+                o.backward(do)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / args.iters
+
+    table, raw = {}, {}
+    for mask in args.masks.split(","):
+        block = fa.create_block_mask(mask_mods[mask], None, None, N, N, device=dev)
+        variants = {"flex": lambda: plain(q, k, v, block), "switched": lambda: switched(q, k, v, block)}
+        results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}
+        for r in range(args.rounds):
+            for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
+                with torch.no_grad():
+                    results[name]["fwd"].append(timed(variants[name], False))
+                results[name]["fwd+bwd"].append(timed(variants[name], True))
+        raw[mask] = results
+        table[mask] = {name: {kind: statistics.median(ms) for kind, ms in by.items()} for name, by in results.items()}
+    (cov,) = watch.coverage()
+    watch.detach()
+    if args.json:
+        write_json(args.json, {"device": device_name(dev), "torch": torch.__version__, "documents": lengths,
+                               "shape": [B, H, KV, N, D], "window": w, "rounds": raw, "median_ms": table,
+                               "not_applied": cov.not_applied})
+    print(f"B {B}, N {N}, H {H}/{KV}, D {D}, window {w}, {len(lengths)} documents, {device_name(dev)}")
+    if cov.not_applied:
+        print(f"NOT APPLIED (the switched rows below are FlexAttention's): {cov.not_applied}")
+    print(f"{'mask':<10} {'variant':<10} {'fwd ms':>8} {'fwd+bwd ms':>11} {'flex/ours fwd':>14} {'flex/ours f+b':>14}")
+    for mask, by in table.items():
+        base = by["flex"]
+        for name, t in by.items():
+            print(f"{mask:<10} {name:<10} {t['fwd']:8.3f} {t['fwd+bwd']:11.3f} {base['fwd'] / t['fwd']:14.3f} "
+                  f"{base['fwd+bwd'] / t['fwd+bwd']:14.3f}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
