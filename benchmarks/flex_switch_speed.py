@@ -61,6 +61,10 @@ def main() -> int:
     flex = torch.compile(fa.flex_attention)
 
     class Layer(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.anchor = torch.nn.Parameter(torch.zeros(1, device=dev))  # where the watch finds the model's device
+
         def forward(self, a, b, c, block):
             return flex(a, b, c, block_mask=block, enable_gqa=KV < H)
 

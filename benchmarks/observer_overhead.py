@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import copy
+import inspect
 import os
 import statistics
 import time
@@ -166,7 +167,12 @@ class _VarlenAttention(torch.nn.Module):
         q = self.q_proj(x).view(T, self.num_heads, self.hd)
         k = self.k_proj(x).view(T, self.kv, self.hd)
         v = self.v_proj(x).view(T, self.kv, self.hd)
-        o = varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=self.kv < self.num_heads)
+        if "enable_gqa" in inspect.signature(varlen_attn).parameters:  # torch >= 2.12
+            o = varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=self.kv < self.num_heads)
+        else:  # torch 2.11: no GQA, keys and values repeated per query head
+            g = self.num_heads // self.kv
+            o = varlen_attn(q, k.repeat_interleave(g, 1), v.repeat_interleave(g, 1), cu, cu, max_len, max_len,
+                            window_size=(-1, 0))
         return self.o_proj(o.reshape(T, -1))
 
 

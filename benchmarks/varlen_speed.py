@@ -49,8 +49,19 @@ def main() -> int:
     k, v = (torch.randn(T, KV, D, generator=g).to(dev, torch.bfloat16).requires_grad_(True) for _ in range(2))
     do = torch.randn(T, H, D, generator=g).to(dev, torch.bfloat16)
     stab = torch.ones(H, dtype=torch.bool, device=dev)
+    import inspect
+
+    if "enable_gqa" in inspect.signature(varlen_attn).parameters:  # torch >= 2.12
+
+        def theirs():
+            return varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=KV < H)
+    else:  # torch 2.11: no GQA (keys and values repeated per query head, as a caller must)
+
+        def theirs():
+            return varlen_attn(q, k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1), cu, cu, max_len,
+                               max_len, window_size=(-1, 0))
     variants = {
-        "varlen_attn": lambda: varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=KV < H),
+        "varlen_attn": theirs,
         "ours": lambda: flash_attention_varlen(q, k, v, cu, causal=True),
         "ours, every head stabilized": lambda: flash_attention_varlen(q, k, v, cu, causal=True, stabilize=stab),
     }

@@ -26,7 +26,7 @@ from instability_watch.kernels.common import DEFAULT_BETA, DEFAULT_EPS
 from instability_watch.model.layer import AttentionLayer, without_sdpa
 from instability_watch.model.sharding import each_in_its_unit
 from instability_watch.observe.coverage import NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED, LayerCoverage, layer_coverage
-from instability_watch.observe.sdpa import SdpaObserver, param_device
+from instability_watch.observe.sdpa import SdpaObserver, entered, param_device
 from instability_watch.probe.bank import ProbeBank
 from instability_watch.probe.spectral import gram
 from instability_watch.ranks import log_rank_zero
@@ -85,12 +85,18 @@ def _observed_forward(self: nn.Module, *args, **kwargs):
     if not self.training and not observer.route:
         return _forward(self, own, args, kwargs)  # evaluation: not a training step, nothing to observe
     if torch.compiler.is_compiling():
+        entered(observer.key)
         with observer:
             return _forward(self, own, args, kwargs)
     before = observer.sdpa_calls
-    with observer:
-        out = _forward(self, own, args, kwargs)
-    if observer.sdpa_calls == before and not observer.traced_calls and observer.stats and self.training:
+    previous = entered(observer.key)
+    try:
+        with observer:
+            out = _forward(self, own, args, kwargs)
+    finally:
+        entered(previous)
+    if (observer.sdpa_calls == before and not observer.observation.compiled_calls and observer.stats
+            and self.training):
         observer.count(UNOBSERVED, "no attention call the watch can see (F.scaled_dot_product_attention, "
                                     "FlexAttention, varlen_attn) in the layer's forward (attention computed "
                                     "another way, e.g. attn_implementation='eager')")
@@ -129,6 +135,10 @@ class Observation:
         self.beta, self.eps = float(beta), float(eps)
         self.on_error: Optional[Callable[[str, BaseException], None]] = None
         self.on_note: Optional[Callable[[Site, str, str], None]] = None
+        # reasons met by compiled calls that several layers share (see note), and whether any attention call
+        # of this watch was compiled inside an eager layer forward (such a layer's calls cannot be counted there)
+        self.shared_reasons: Dict[str, List[str]] = {}
+        self.compiled_calls = False
         self._stats = self._shadow = False
         self._collect = True
         self._routing = True
@@ -240,16 +250,21 @@ class Observation:
                               else site.stabilize.to(device))
         self._sync()
 
-    def note(self, site: Site, kind: str, reason: str) -> None:
-        """``site`` met ``reason`` (of ``kind``): recorded and logged the first time, then handed to ``on_note``."""
-        seen = site.reasons.setdefault(kind, [])
+    def note(self, site: Optional[Site], kind: str, reason: str) -> None:
+        """``site`` met ``reason`` (of ``kind``): recorded and logged the first time, then handed to ``on_note``.
+
+        ``site`` None: a call compiled once and shared by several layers (a compiled attention function inside
+        eager layer forwards, as Hugging Face compiles its FlexAttention call) met it; the reason is recorded for
+        the watch and read by every layer whose count has no reason of its own."""
+        seen = (site.reasons if site is not None else self.shared_reasons).setdefault(kind, [])
         if reason in seen:
             return
         seen.append(reason)
         what = {UNOBSERVED: "cannot be observed", SHADOW_SKIPPED: "get no shadow pass",
                 NOT_APPLIED: "stay on PyTorch's attention although a head is switched"}[kind]
-        log_rank_zero(logging.WARNING, "instability_watch: layer %s: calls %s: %s", site.name, what, reason)
-        if self.on_note is not None:
+        where = f"layer {site.name}" if site is not None else "compiled attention calls"
+        log_rank_zero(logging.WARNING, "instability_watch: %s: calls %s: %s", where, what, reason)
+        if self.on_note is not None and site is not None:
             self.on_note(site, kind, reason)
 
     # -- switching ---------------------------------------------------------------------
@@ -328,7 +343,13 @@ class Observation:
 
     def coverage(self, calls: Sequence[Dict[str, int]]) -> List[LayerCoverage]:
         """One :class:`LayerCoverage` per layer from ``calls`` (per layer: call row name -> total read back)."""
-        return [layer_coverage(site.name, site.reasons, c) for site, c in zip(self.sites, calls)]
+        def reasons(site: Site) -> Dict[str, List[str]]:
+            merged = {kind: list(rs) for kind, rs in site.reasons.items()}
+            for kind, rs in self.shared_reasons.items():
+                merged.setdefault(kind, []).extend(r for r in rs if r not in merged[kind])
+            return merged
+
+        return [layer_coverage(site.name, reasons(site), c) for site, c in zip(self.sites, calls)]
 
 
 def observe(model: nn.Module, layers: Sequence[AttentionLayer], *, beta: float = DEFAULT_BETA,

@@ -198,6 +198,14 @@ class VarlenShadowTap(torch.autograd.Function):
 
 _OBSERVERS: "weakref.WeakValueDictionary[int, SdpaObserver]" = weakref.WeakValueDictionary()
 _observer_keys = itertools.count()
+# one key per Observation (every layer of one watch): what the trace-time helpers take, so the code an attention
+# call traces reads nothing of its layer's own and one compiled graph serves every layer (a compiled attention
+# function called from eager layer forwards, as Hugging Face compiles FlexAttention, would otherwise be compiled
+# once per layer and run eagerly past Dynamo's recompile limit)
+_GROUPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
+_group_keys = itertools.count()
+# the observer whose layer's forward is running (set by the layer's wrapper, eagerly or at trace time)
+_CURRENT: list = [None]
 
 
 class SdpaObserver(TorchFunctionMode):
@@ -215,6 +223,10 @@ class SdpaObserver(TorchFunctionMode):
         super().__init__()
         self.key = next(_observer_keys)
         _OBSERVERS[self.key] = self
+        if getattr(observation, "group_key", None) is None:
+            observation.group_key = next(_group_keys)
+            _GROUPS[observation.group_key] = observation
+        self.group = observation.group_key
         self.site = site  # bookkeeping at trace time / eager only
         self.observation = observation
         self.num_heads = site.num_heads
@@ -228,7 +240,6 @@ class SdpaObserver(TorchFunctionMode):
         self.high_precision_delta = False  # the paper's control on this layer's routed calls (research)
         self.on_error: Optional[Callable[[str, BaseException], None]] = None
         self.sdpa_calls = 0  # eager only: attention calls seen (SDPA, FlexAttention), to find a forward without any
-        self.traced_calls = False  # an attention call of this layer was compiled into a graph (seen at trace time)
         self._in_other = False  # inside a FlexAttention or varlen call's statistics (their own calls pass through)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
@@ -248,7 +259,10 @@ class SdpaObserver(TorchFunctionMode):
     # -- bookkeeping: the reason noted once; on probe steps, a device add for the count
     def count(self, kind: str, reason: str) -> None:
         """A call met ``reason`` (of ``kind``): noted once; on probe steps its count row is incremented."""
-        _note(self.key, kind, reason)
+        if torch.compiler.is_compiling():
+            _note(self.group, kind, reason)
+        else:
+            self.observation.note(self.site, kind, reason)
         if self.counts is not None and (self.stats or self.shadow):
             self.counts[COUNT_ROW[KIND_ROW[kind]]] += 1
 
@@ -267,7 +281,7 @@ class SdpaObserver(TorchFunctionMode):
         if why is None:
             # before any buffer is read: under torch.compile this runs at trace time (the buffers
             # the graph then reads are the ones on the call's device)
-            why = _follow_device(self.key, call.q.device)
+            why = _follow_device(self.group, call.q.device)
         if why is not None:
             if self.route:
                 self.count(NOT_APPLIED, why)
@@ -323,7 +337,7 @@ class SdpaObserver(TorchFunctionMode):
         """An attention call other than SDPA's: the call itself untouched, then its statistics and its shadow
         tap; what cannot be done (switching it, a call the statistics cannot read) is counted with its reason."""
         if torch.compiler.is_compiling():  # e.g. Hugging Face compiles its flex calls inside an eager forward
-            _traced_call(self.key)
+            _traced_call(self.group)
         else:
             self.sdpa_calls += 1
             if parser is FlexCall and _replayed(args, kwargs):
@@ -337,7 +351,7 @@ class SdpaObserver(TorchFunctionMode):
             return func(*args, **kwargs)  # PyTorch reports the bad call
         why = call.unobservable(self.num_heads)
         if why is None:
-            why = _follow_device(self.key, call.q.device)
+            why = _follow_device(self.group, call.q.device)
         out = None
         if self.route:
             if why is not None:
@@ -379,16 +393,21 @@ class SdpaObserver(TorchFunctionMode):
     def _flex_routed(self, call: FlexCall):
         """A switched layer's FlexAttention call on our kernels, its mask evaluated from its ``mask_mod``
         (the op's outputs ``(out, lse, max_scores)``), or None: it stays on FlexAttention, reason counted."""
+        # what the call computes in: FlexAttention's autocast rule (the autocast dtype for all three), else q's
+        device = call.q.device.type
+        dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else call.q.dtype
+        q, k, v = (t.to(dtype) if t.is_floating_point() else t for t in (call.q, call.k, call.v))
         reason = switch_refusal(call)
         if reason is None:
-            reason = unsupported(call.q, call.k, call.v, scale=call.scale, enable_gqa=True)
+            reason = unsupported(q, k, v, scale=call.scale, enable_gqa=True)
         if reason is not None:
             self.count(NOT_APPLIED, reason)
             return None
+
         def run():
-            with no_autocast(call.q.device.type):
+            with no_autocast(device):
                 keep = keep_mask(call)
-                return flash_attention(call.q, call.k, call.v, attn_mask=keep, scale=float(call.scale),
+                return flash_attention(q, k, v, attn_mask=keep, scale=float(call.scale),
                                        stabilize=self.stabilize, beta=self.beta, eps=self.eps,
                                        high_precision_delta=self.high_precision_delta, return_lse=True)
 
@@ -489,32 +508,47 @@ def _replayed(args, kwargs) -> bool:
 
 
 @torch._dynamo.assume_constant_result
-def _traced_call(key: int) -> int:
-    """An attention call of the observer ``key`` is being compiled (runs at trace time, once a graph)."""
-    observer = _OBSERVERS.get(key)
-    if observer is not None:
-        observer.traced_calls = True
+def entered(key: Optional[int]) -> Optional[int]:
+    """The observer ``key``'s layer forward begins (None: it ended); returns the key it replaces. Called by the
+    layer's wrapper, eagerly, or at trace time where the wrapper is compiled."""
+    previous = _CURRENT[0]
+    _CURRENT[0] = key
+    return previous
+
+
+def _current_site(observation):
+    """The site of the layer whose forward is running, if it belongs to ``observation``."""
+    observer = _OBSERVERS.get(_CURRENT[0]) if _CURRENT[0] is not None else None
+    return observer.site if observer is not None and observer.observation is observation else None
+
+
+@torch._dynamo.assume_constant_result
+def _traced_call(group: int) -> int:
+    """An attention call of the watch ``group`` is being compiled (runs at trace time, once a graph)."""
+    observation = _GROUPS.get(group)
+    if observation is not None:
+        observation.compiled_calls = True
     return 0
 
 
 @torch._dynamo.assume_constant_result
-def _note(key: int, kind: str, reason: str) -> int:
-    """Record ``reason`` for the observer ``key`` (once; logged once). Runs eagerly, at trace time when compiled."""
-    observer = _OBSERVERS.get(key)
-    if observer is not None:
-        observer.observation.note(observer.site, kind, reason)
+def _note(group: int, kind: str, reason: str) -> int:
+    """Record ``reason`` (once; logged once) at trace time: for the layer being traced where its wrapper said
+    which, else for the watch (a graph every layer shares)."""
+    observation = _GROUPS.get(group)
+    if observation is not None:
+        observation.note(_current_site(observation), kind, reason)
     return 0
 
 
 @torch._dynamo.assume_constant_result
-def _follow_device(key: int, device: torch.device) -> Optional[str]:
+def _follow_device(group: int, device: torch.device) -> Optional[str]:
     """Bring the watch to ``device`` if the model was moved there; else why this call cannot be watched.
 
     Eager code: called directly by eager calls, and run by Dynamo at trace time
     (``assume_constant_result``) for compiled ones.
     """
-    observer = _OBSERVERS[key]
-    observation = observer.observation
+    observation = _GROUPS[group]
     if observation.bank.device == device:
         return None
     if param_device(observation.model) != device:

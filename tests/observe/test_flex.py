@@ -274,3 +274,35 @@ def test_flex_calls_are_observed_once_eager_or_compiled_fullgraph():
         assert torch.equal(torch.as_tensor(results["eager"][name]), torch.as_tensor(results["compiled"][name])), name
     torch.testing.assert_close(torch.as_tensor(results["eager"]["max_score"]),
                                torch.as_tensor(results["compiled"]["max_score"]), rtol=1e-5, atol=1e-6)
+
+
+def test_hf_compiled_flex_is_compiled_once_for_every_layer():
+    """Hugging Face compiles its FlexAttention call and calls it from eager layer forwards. The watch's code in
+    that call reads nothing of its layer's own, so the layers share one graph per kind of step: with 12 layers
+    (more than Dynamo's recompile limit of 8) nothing falls back to eager FlexAttention, every layer is observed
+    on every probe step, and the outputs are the unwatched model's."""
+    from torch._dynamo.utils import counters
+
+    from instability_watch import InstabilityWatch, WatchConfig
+
+    t = pytest.importorskip("transformers")
+    cfg = t.LlamaConfig(num_hidden_layers=12, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                        intermediate_size=128, vocab_size=64, max_position_embeddings=256,
+                        attn_implementation="flex_attention")
+    torch.manual_seed(0)
+    model = t.LlamaForCausalLM(cfg)
+    ids = torch.randint(1, 64, (2, 96), generator=seeded("hf_flex_once"))
+    model.train()
+    with torch.no_grad(), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = model(input_ids=ids).logits
+        before = counters["stats"]["unique_graphs"]
+        watch = InstabilityWatch(model, WatchConfig(probe_every=2, shadow_every=0, spectral_every=0, log_every=2,
+                                                    warmup_steps=100, strict=True))
+        for _ in range(6):
+            got = model(input_ids=ids).logits
+            watch.step(got.float().pow(2).mean())
+    assert counters["stats"]["unique_graphs"] - before <= 3  # probe, plain (and the first call's)
+    assert torch.equal(got, want)
+    assert [c.observed_calls for c in watch.coverage()] == [3] * 12
+    watch.detach()

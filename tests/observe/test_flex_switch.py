@@ -229,3 +229,31 @@ def test_hf_llama_on_flex_attention_switches_like_sdpa():
         outs[impl] = logits
         watch.detach()
     torch.testing.assert_close(outs["flex_attention"], outs["sdpa"], rtol=0, atol=2e-2)
+
+
+def test_hf_llama_on_flex_under_autocast_switches():
+    """Under BF16 autocast a float32 model's RoPE hands FlexAttention float32 q, k and a BF16 v; FlexAttention's
+    autocast rule computes in BF16, and so does the switched call (nothing "not applied", BF16 out, close to the
+    unswitched output)."""
+    t = pytest.importorskip("transformers")
+    cfg = t.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                        intermediate_size=128, vocab_size=64, max_position_embeddings=256, bos_token_id=0,
+                        eos_token_id=0, attn_implementation="flex_attention")
+    torch.manual_seed(0)
+    model = t.LlamaForCausalLM(cfg)
+    ids = torch.randint(1, 64, (2, 96), generator=seeded("hf_flex_autocast"))
+    model.train()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16), warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        want = model(input_ids=ids).logits
+        watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, spectral_every=0, log_every=1,
+                                                    warmup_steps=100, strict=True))
+        watch.switch(0, 1)
+        got = model(input_ids=ids).logits
+    watch.step(got.float().pow(2).mean())
+    cov = watch.coverage()
+    assert [c.kernel_calls for c in cov] == [1, 0]
+    assert all(c.not_applied == {} for c in cov)
+    assert not torch.equal(got, want)
+    torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=5e-2)
+    watch.detach()

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Issue 43's GPU checks in one device call: the entry-point GPU tests, then the speed of our kernels over packed
+# documents against varlen_attn, switched flex calls against compiled FlexAttention, and (time allowing) the watch's
+# cost on packed models. Each part has its own time limit; logs and JSON go to $OUT; a short table comes last.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+out=${OUT:-/tmp/gpu_entry_points}
+mkdir -p "$out"
+nvidia-smi --query-gpu=name --format=csv,noheader | head -1
+python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
+run() {  # name, seconds, command...
+    local name=$1 secs=$2; shift 2
+    local t0=$SECONDS
+    timeout "$secs" "$@" > "$out/$name.log" 2>&1
+    echo "$name rc $? ($((SECONDS - t0)) s)" | tee -a "$out/status.txt"
+}
+run tests 170 python -m pytest -q -x -p no:cacheprovider tests/observe/test_entry_points_gpu.py -rs
+run varlen_speed 60 python benchmarks/varlen_speed.py --rounds 3 --json "$out/varlen_speed.json"
+run flex_switch_speed 120 python benchmarks/flex_switch_speed.py --rounds 3 --json "$out/flex_switch_speed.json"
+run overhead ${IW_OVERHEAD_S:-150} python benchmarks/observer_overhead.py --models ${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen} --rounds 2 \
+    --json "$out/overhead.json"
+echo "=== tests"; tail -n 15 "$out/tests.log"
+echo "=== varlen_speed"; tail -n 5 "$out/varlen_speed.log"
+echo "=== flex_switch_speed"; tail -n 9 "$out/flex_switch_speed.log"
+echo "=== overhead"; tail -n 12 "$out/overhead.log"
+echo "=== status"; cat "$out/status.txt"
