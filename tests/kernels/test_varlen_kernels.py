@@ -132,3 +132,26 @@ def test_the_log_sum_exp_gradient_enters_the_backward(packed):
     o, _ = exact(*leaves)
     (o * do.float()).sum().backward()
     assert max_err(leaves[0].grad, grads["exact"][0]) > 2 ** -4 * grads["exact"][0].abs().max()
+
+
+@pytest.mark.parametrize("window", [(-1, -1), (-1, 0), (9, 0), (5, 3), (0, 7)])
+@pytest.mark.parametrize("same_lengths", [True, False])
+def test_each_tile_visits_exactly_the_keys_its_rows_may_see(window, same_lengths):
+    """The per-tile ranges the kernels loop over (query tiles: keys; key tiles: rows) are exactly the span of
+    what the document mask keeps for the tile's rows (keys): nothing kept is outside (the kernels would miss it),
+    and nothing before the first or after the last kept key is visited (a causal tile stops at its own rows)."""
+    from instability_watch.kernels.attention.ops import _documents
+    from instability_watch.kernels.attention.triton import Documents
+
+    cu_q = torch.tensor([0, 37, 50, 97, 160])
+    cu_k = cu_q if same_lengths else torch.tensor([0, 30, 52, 110, 171])
+    t_q, t_k = int(cu_q[-1]) + 6, int(cu_k[-1]) + 3  # rows and keys past the documents
+    docs = Documents(cu_q, cu_k, t_q, t_k, window)
+    keep = _documents(torch.empty(1, 1, t_q, 1), torch.empty(1, 1, t_k, 1), cu_q, cu_k, *window, "reference")[1][0, 0]
+    for block in (16, 32, 64):
+        for ranges, mask in ((docs.rows(block), keep), (docs.cols(block), keep.T)):
+            lo, hi, _ = ranges
+            for i, start in enumerate(range(0, mask.shape[0], block)):
+                seen = mask[start:start + block].any(dim=0).nonzero().flatten()
+                want = (int(seen.min()), int(seen.max()) + 1) if seen.numel() else (0, 0)
+                assert (int(lo[i]), int(hi[i])) == want, (block, i, window)

@@ -138,31 +138,57 @@ class Documents:
         self.cu_q, self.cu_k = cu_q.long(), cu_k.long()
         self.n = cu_q.numel() - 1
         self.t_q, self.t_k = t_q, t_k
-        self.doc_q, pos_q, self.doc_k, pos_k = documents(cu_q, cu_k, t_q, t_k)
-        self.tensor = torch.cat([self.doc_q, pos_q, self.doc_k, pos_k])
-        self.strides = (self.n, int(window[0]), int(window[1]), 0)
+        self.doc_q, self.pos_q, self.doc_k, self.pos_k = documents(cu_q, cu_k, t_q, t_k)
+        self.tensor = torch.cat([self.doc_q, self.pos_q, self.doc_k, self.pos_k])
+        self.win_l, self.win_r = int(window[0]), int(window[1])
+        self.strides = (self.n, self.win_l, self.win_r, 0)
         self._ranges = {}
 
-    def _range(self, doc: torch.Tensor, size: int, block: int, cu: torch.Tensor, past: int):
-        starts = torch.arange(0, size, block, device=doc.device)
-        first, last = doc[starts], doc[torch.clamp(starts + block, max=size) - 1]
-        seen = first < past  # a tile whose first row (key) is past the documents sees nothing
-        lo = cu[first.clamp(max=self.n - 1)]
-        hi = cu[last.clamp(max=self.n - 1) + 1]
+    def _seen(self, doc: torch.Tensor, past: int):
+        """For each row (key): its document clamped to a real one, and whether it is in one."""
+        return doc.clamp(max=self.n - 1), doc < past
+
+    @staticmethod
+    def _per_tile(lo: torch.Tensor, hi: torch.Tensor, inside: torch.Tensor, size: int, block: int):
+        """The union of the rows' (keys') ranges over each tile: ``(lo, hi, strides)`` int32, ``(0, 0)`` for a
+        tile none of whose rows sees anything."""
+        big = torch.iinfo(torch.int64).max
+        lo = torch.where(inside, lo, big)
+        hi = torch.where(inside, hi, 0)
+        pad = -size % block
+        if pad:
+            lo = torch.cat([lo, lo.new_full((pad,), big)])
+            hi = torch.cat([hi, hi.new_zeros(pad)])
+        lo, hi = lo.view(-1, block).amin(dim=1), hi.view(-1, block).amax(dim=1)
+        seen = hi > lo
         lo, hi = torch.where(seen, lo, 0).to(torch.int32), torch.where(seen, hi, 0).to(torch.int32)
         return lo, hi, (0, 0, 1)  # the same for every batch entry (one) and head
 
     def rows(self, block_m: int):
-        """``(lo, hi, strides)`` per query tile: the keys of the documents its rows belong to."""
-        if ("rows", block_m) not in self._ranges:
-            self._ranges["rows", block_m] = self._range(self.doc_q, self.t_q, block_m, self.cu_k, self.n)
-        return self._ranges["rows", block_m]
+        """``(lo, hi, strides)`` per query tile: the keys its rows may see, within their documents and their
+        window (a causal call's rows no key after their own position: ``win_r = 0``)."""
+        key = ("rows", block_m)
+        if key not in self._ranges:
+            d, inside = self._seen(self.doc_q, self.n)
+            start, end = self.cu_k[d], self.cu_k[d + 1]
+            at = start + self.pos_q  # the row's own key position (bottom-right aligned)
+            lo = (at - self.win_l).clamp(min=start) if self.win_l >= 0 else start
+            hi = torch.minimum(at + self.win_r + 1, end) if self.win_r >= 0 else end
+            self._ranges[key] = self._per_tile(lo, hi, inside, self.t_q, block_m)
+        return self._ranges[key]
 
     def cols(self, block_n: int):
-        """``(lo, hi, strides)`` per key tile: the query rows of the documents its keys belong to."""
-        if ("cols", block_n) not in self._ranges:
-            self._ranges["cols", block_n] = self._range(self.doc_k, self.t_k, block_n, self.cu_q, self.n)
-        return self._ranges["cols", block_n]
+        """``(lo, hi, strides)`` per key tile: the query rows that may see its keys (the transpose of rows)."""
+        key = ("cols", block_n)
+        if key not in self._ranges:
+            d, inside = self._seen(self.doc_k, self.n)
+            start, end = self.cu_q[d], self.cu_q[d + 1]
+            shift = (self.cu_k[d + 1] - self.cu_k[d]) - (end - start)  # len_k - len_q: row r sits at r - start + shift
+            at = start + self.pos_k - shift  # the row whose own key position is this key
+            lo = (at - self.win_r).clamp(min=start) if self.win_r >= 0 else start
+            hi = torch.minimum(at + self.win_l + 1, end) if self.win_l >= 0 else end
+            self._ranges[key] = self._per_tile(lo, hi, inside, self.t_k, block_n)
+        return self._ranges[key]
 
 
 def _first_last(vis: torch.Tensor, dim: int, size: int):
