@@ -367,7 +367,8 @@ def flash_attention_varlen(
             for a row that sees no key), as ``varlen_attn``'s auxiliary output; differentiable.
 
     The kernels read the documents from ``cu_seq_q``/``cu_seq_k`` on the device (no mask is formed, no host
-    sync): each tile of rows visits only the keys of its documents.
+    sync): each tile of rows visits only the keys its rows may see (their documents, cut by the causal or window
+    bound).
 
     Returns:
         The output (T_q, H, D) in ``q``'s dtype (and the log-sum-exp with ``return_lse``), differentiable
