@@ -58,15 +58,22 @@ def main() -> int:
     q = torch.randn(B, H, N, D, generator=g).to(dev, torch.bfloat16).requires_grad_(True)
     k, v = (torch.randn(B, KV, N, D, generator=g).to(dev, torch.bfloat16).requires_grad_(True) for _ in range(2))
     do = torch.randn(B, H, N, D, generator=g).to(dev, torch.bfloat16)
-    flex = torch.compile(fa.flex_attention)
 
     class Layer(torch.nn.Module):
+        """flex_attention compiled afresh for each mask (after ``torch._dynamo.reset()``): the graphs of both
+        layers and three masks together would pass Dynamo's recompile limit (8), and FlexAttention would then run
+        its unfused eager path (as the first run's document rows did)."""
+
         def __init__(self):
             super().__init__()
             self.anchor = torch.nn.Parameter(torch.zeros(1, device=dev))  # where the watch finds the model's device
+            self.recompile()
+
+        def recompile(self):
+            self.flex = torch.compile(fa.flex_attention)
 
         def forward(self, a, b, c, block):
-            return flex(a, b, c, block_mask=block, enable_gqa=KV < H)
+            return self.flex(a, b, c, block_mask=block, enable_gqa=KV < H)
 
     plain, switched = Layer(), Layer()
     watch = InstabilityWatch(switched, WatchConfig(probe_every=10 ** 9, shadow_every=0, spectral_every=0,
@@ -96,6 +103,9 @@ def main() -> int:
     table, raw = {}, {}
     for mask in args.masks.split(","):
         block = fa.create_block_mask(mask_mods[mask], None, None, N, N, device=dev)
+        torch._dynamo.reset()
+        plain.recompile()
+        switched.recompile()
         variants = {"flex": lambda: plain(q, k, v, block), "switched": lambda: switched(q, k, v, block)}
         results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}
         for r in range(args.rounds):
