@@ -227,14 +227,21 @@ def _attn_stats(
     row_ok = offs_m < N_Q
     if MASK_KIND == 3:
         # Mask: int64 [doc_q (N_Q), pos_q (N_Q), doc_k (N_KV), pos_k (N_KV), cu_k (n_docs + 1)]; rows past
-        # the last document (doc n_docs) count nowhere; the tile's keys: its documents' only
+        # the last document (doc n_docs) count nowhere; the tile's keys: the span its rows may see (their
+        # documents, cut by the window: a row's own key position is its document's start + pos_q)
         doc_r = tl.load(Mask + offs_m, mask=row_ok, other=n_docs)
         row_ok = row_ok & (doc_r < n_docs)
-        d_first = tl.minimum(tl.min(doc_r, 0), n_docs - 1)
-        d_last = tl.max(tl.where(row_ok, doc_r, -1), 0)
         Cu = Mask + 2 * N_Q + 2 * N_KV
-        kv_lo = tl.load(Cu + d_first) // BLOCK_N * BLOCK_N
-        kv_hi = tl.where(d_last >= 0, tl.load(Cu + tl.maximum(d_last, 0) + 1), kv_lo)
+        d_r = tl.minimum(doc_r, n_docs - 1)
+        start_r = tl.load(Cu + d_r, mask=row_ok, other=0)
+        end_r = tl.load(Cu + d_r + 1, mask=row_ok, other=0)
+        at_r = start_r + tl.load(Mask + N_Q + offs_m, mask=row_ok, other=0)
+        lo_r = tl.where(win_l >= 0, tl.maximum(start_r, at_r - win_l), start_r)
+        hi_r = tl.where(win_r >= 0, tl.minimum(end_r, at_r + win_r + 1), end_r)
+        kv_lo = tl.min(tl.where(row_ok, lo_r, N_KV), 0)
+        kv_hi = tl.max(tl.where(row_ok, hi_r, 0), 0)
+        kv_hi = tl.maximum(kv_hi, kv_lo)
+        kv_lo = kv_lo // BLOCK_N * BLOCK_N
     else:
         kv_lo = 0
         kv_hi = 0
