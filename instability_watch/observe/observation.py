@@ -139,6 +139,7 @@ class Observation:
         # of this watch was compiled inside an eager layer forward (such a layer's calls cannot be counted there)
         self.shared_reasons: Dict[str, List[str]] = {}
         self.compiled_calls = False
+        self.group_key: Optional[int] = None  # this watch's key for the observers' trace-time helpers (sdpa.py)
         self._stats = self._shadow = False
         self._collect = True
         self._routing = True

@@ -223,7 +223,7 @@ class SdpaObserver(TorchFunctionMode):
         super().__init__()
         self.key = next(_observer_keys)
         _OBSERVERS[self.key] = self
-        if getattr(observation, "group_key", None) is None:
+        if observation.group_key is None:
             observation.group_key = next(_group_keys)
             _GROUPS[observation.group_key] = observation
         self.group = observation.group_key
