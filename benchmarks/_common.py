@@ -46,6 +46,25 @@ def bench(fn, warmup: float = 25, rep: float = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def cuda_ms(fn, iters: int, grad: Optional[torch.Tensor] = None) -> float:
+    """Milliseconds per call of ``fn`` on the GPU (CUDA events over ``iters`` calls after 3 warm-up calls); with
+    ``grad``, each call's output is back-propagated with it (forward and backward timed together)."""
+    def once():
+        o = fn()
+        if grad is not None:
+            o.backward(grad)
+
+    for _ in range(3):
+        once()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(iters):
+        once()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters
+
+
 def sync(device: Union[str, torch.device]) -> None:
     """Wait for the device's queued work (a no-op on CPU), so host clocks measure finished work."""
     if torch.device(device).type == "cuda":

@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from _common import device_name, write_json
+from _common import cuda_ms, device_name, write_json
 
 
 def main() -> int:
@@ -85,21 +85,6 @@ def main() -> int:
         block = fa.create_block_mask(mask_mods["causal"], None, None, N, N, device=dev)
         watch.step(switched(q, k, v, block).float().mean())
 
-    def timed(fn, backward: bool) -> float:
-        for _ in range(3):
-            o = fn()
-            if backward:
-                o.backward(do)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.iters):
-            o = fn()
-            if backward:
-                o.backward(do)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / args.iters
-
     table, raw = {}, {}
     for mask in args.masks.split(","):
         block = fa.create_block_mask(mask_mods[mask], None, None, N, N, device=dev)
@@ -111,8 +96,8 @@ def main() -> int:
         for r in range(args.rounds):
             for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
                 with torch.no_grad():
-                    results[name]["fwd"].append(timed(variants[name], False))
-                results[name]["fwd+bwd"].append(timed(variants[name], True))
+                    results[name]["fwd"].append(cuda_ms(variants[name], args.iters))
+                results[name]["fwd+bwd"].append(cuda_ms(variants[name], args.iters, do))
         raw[mask] = results
         table[mask] = {name: {kind: statistics.median(ms) for kind, ms in by.items()} for name, by in results.items()}
     (cov,) = watch.coverage()

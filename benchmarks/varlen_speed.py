@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from _common import device_name, write_json
+from _common import cuda_ms, device_name, write_json
 
 
 def main() -> int:
@@ -66,21 +66,6 @@ def main() -> int:
         "ours, every head stabilized": lambda: flash_attention_varlen(q, k, v, cu, causal=True, stabilize=stab),
     }
 
-    def timed(fn, backward: bool) -> float:
-        for _ in range(3):
-            o = fn()
-            if backward:
-                o.backward(do)
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        for _ in range(args.iters):
-            o = fn()
-            if backward:
-                o.backward(do)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / args.iters
-
     results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}
     for r in range(args.rounds):
         names = list(variants) if r % 2 == 0 else list(reversed(variants))
@@ -88,9 +73,9 @@ def main() -> int:
             for kind in ("fwd", "fwd+bwd"):
                 if kind == "fwd":
                     with torch.no_grad():
-                        results[name][kind].append(timed(variants[name], False))
+                        results[name][kind].append(cuda_ms(variants[name], args.iters))
                 else:
-                    results[name][kind].append(timed(variants[name], True))
+                    results[name][kind].append(cuda_ms(variants[name], args.iters, do))
     table = {name: {kind: statistics.median(ms) for kind, ms in by.items()} for name, by in results.items()}
     if args.json:
         write_json(args.json, {"device": device_name(dev), "torch": torch.__version__, "documents": lengths,

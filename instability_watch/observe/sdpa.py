@@ -411,22 +411,8 @@ class SdpaObserver(TorchFunctionMode):
                                        stabilize=self.stabilize, beta=self.beta, eps=self.eps,
                                        high_precision_delta=self.high_precision_delta, return_lse=True)
 
-        if torch.compiler.is_compiling():  # traced: no error handling around the op
-            o, lse = run()
-        else:
-            token = ERROR_HANDLER.set(None if self.on_error is None else self._routing_failed)
-            try:
-                o, lse = run()
-            except Exception as exc:  # noqa: BLE001 - fail open: this call goes to FlexAttention
-                if self.on_error is None:
-                    raise
-                self.on_error("routing", exc)
-                return None
-            finally:
-                ERROR_HANDLER.reset(token)
-        if self.counts is not None and (self.stats or self.shadow):
-            self.counts[COUNT_ROW["kernel_calls"]] += 1
-        return op_outputs(call, o, lse)
+        out = self._on_our_kernels(run)
+        return None if out is None else op_outputs(call, *out)
 
     def _varlen_routed(self, call: VarlenCall):
         """A switched layer's varlen call on our kernels, over its documents (the op's outputs: ``(o, lse,
@@ -438,13 +424,24 @@ class SdpaObserver(TorchFunctionMode):
             return None
         kw = dict(window=call.window, scale=call.scale, stabilize=self.stabilize, beta=self.beta, eps=self.eps,
                   return_lse=True)
+        out = self._on_our_kernels(
+            lambda: flash_attention_varlen(call.q, call.k, call.v, call.cu_seq_q, call.cu_seq_k, **kw))
+        if out is None:
+            return None
+        o, lse = out
+        return o, lse, torch.zeros(2, dtype=torch.uint64, device=o.device)
+
+    def _on_our_kernels(self, run: Callable):
+        """``run()``, a switched layer's call on our kernels: traced as it is under torch.compile; eagerly
+        with the watch's error handler set (a failure, in this forward or in its backward, is reported once and
+        the call goes back to PyTorch's: None here); a kernel call counted on probe steps."""
         if torch.compiler.is_compiling():  # traced: no error handling around the op
-            o, lse = flash_attention_varlen(call.q, call.k, call.v, call.cu_seq_q, call.cu_seq_k, **kw)
+            out = run()
         else:
             token = ERROR_HANDLER.set(None if self.on_error is None else self._routing_failed)
             try:
-                o, lse = flash_attention_varlen(call.q, call.k, call.v, call.cu_seq_q, call.cu_seq_k, **kw)
-            except Exception as exc:  # noqa: BLE001 - fail open: this call goes to PyTorch
+                out = run()
+            except Exception as exc:  # noqa: BLE001 - fail open: this call goes to PyTorch's
                 if self.on_error is None:
                     raise
                 self.on_error("routing", exc)
@@ -453,7 +450,7 @@ class SdpaObserver(TorchFunctionMode):
                 ERROR_HANDLER.reset(token)
         if self.counts is not None and (self.stats or self.shadow):
             self.counts[COUNT_ROW["kernel_calls"]] += 1
-        return o, lse, torch.zeros(2, dtype=torch.uint64, device=o.device)
+        return out
 
     def _statistics_failed(self, exc: BaseException) -> None:
         self.on_error("statistics", exc)
@@ -472,23 +469,8 @@ class SdpaObserver(TorchFunctionMode):
         # dropout: the seed drawn here, from the device's default generator as the SDPA call it replaces
         # would draw, so the shadow pass can regenerate the same keep mask
         seed = dropout_seed(None, q.device) if call.dropout_p else None
-        if torch.compiler.is_compiling():  # traced: no error handling around the op
-            o = self._kernel(call, q, k, v, mask, seed)
-        else:
-            # where a failure in this call's backward is reported (it then falls back to PyTorch's)
-            token = ERROR_HANDLER.set(None if self.on_error is None else self._routing_failed)
-            try:
-                o = self._kernel(call, q, k, v, mask, seed)
-            except Exception as exc:  # noqa: BLE001 - fail open: this call goes to PyTorch
-                if self.on_error is None:
-                    raise
-                self.on_error("routing", exc)
-                return None, None
-            finally:
-                ERROR_HANDLER.reset(token)
-        if self.counts is not None and (self.stats or self.shadow):
-            self.counts[COUNT_ROW["kernel_calls"]] += 1
-        return o, seed
+        o = self._on_our_kernels(lambda: self._kernel(call, q, k, v, mask, seed))
+        return (None, None) if o is None else (o, seed)
 
     def _kernel(self, call: SdpaCall, q, k, v, mask, seed) -> torch.Tensor:
         # dropout's seed comes from the device's default generator, as for the SDPA call it replaces
