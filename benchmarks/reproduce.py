@@ -115,6 +115,7 @@ class RunConfig:
     shadow_every: int = 2
     spectral_every: int = 10
     qk_clip_tau: float = 100.0
+    eps: float = 1e-3  # the tie threshold of the stabilized shift and of the multi-max count (WatchConfig.eps)
 
     def __post_init__(self) -> None:
         if self.arm not in ARMS:
@@ -126,7 +127,7 @@ class RunConfig:
 
 
 # Fields added after runs were saved: a saved config without them had these values.
-_OLD_DEFAULTS = {"corpus": "stdlib", "compile": False}
+_OLD_DEFAULTS = {"corpus": "stdlib", "compile": False, "eps": 1e-3}
 
 # The paper's run (ucker/why-low-precision-training-fails, train.py, as issue 27 gives it): nanoGPT's GPT-2
 # small with no bias and no dropout, 512 x 1024 = 524,288 tokens per step, AdamW (0.9, 0.95) without weight
@@ -162,9 +163,9 @@ def batch_at(data: torch.Tensor, cfg: RunConfig, step: int, rank: int = 0, world
     return chunk[:, :-1], chunk[:, 1:]
 
 
-def use_kernel_directly(model: GPT, stabilize: bool, control: bool = False) -> None:
+def use_kernel_directly(model: GPT, stabilize: bool, control: bool = False, eps: float = 1e-3) -> None:
     """Unwatched runs: every attention layer calls ``flash_attention`` itself (no watch, no routing);
-    ``control``: with the backward's delta from a float32 O."""
+    ``control``: with the backward's delta from a float32 O; ``eps``: the stabilized shift's tie threshold."""
     for block in model.h:
         attn = block.attn
         dev = attn.c_attn.weight.device
@@ -174,7 +175,7 @@ def use_kernel_directly(model: GPT, stabilize: bool, control: bool = False) -> N
             B, T, C = x.shape
             q, k, v = (t.view(B, T, attn.n_head, C // attn.n_head).transpose(1, 2)
                        for t in attn.c_attn(x).split(attn.n_embd, dim=2))
-            y = flash_attention(q, k, v, causal=True, stabilize=flags, high_precision_delta=control)
+            y = flash_attention(q, k, v, causal=True, stabilize=flags, high_precision_delta=control, eps=eps)
             return attn.c_proj(y.transpose(1, 2).contiguous().view(B, T, C))
 
         attn.forward = forward
@@ -282,12 +283,12 @@ def train(args) -> int:
     watch = writer = None
     if cfg.watch == "off":
         if cfg.arm != "standard":
-            use_kernel_directly(model, stabilize=cfg.arm == "stabilized", control=cfg.arm == "control")
+            use_kernel_directly(model, stabilize=cfg.arm == "stabilized", control=cfg.arm == "control", eps=cfg.eps)
     else:
         wcfg = WatchConfig(log_every=cfg.log_every, probe_every=cfg.probe_every, shadow_every=cfg.shadow_every,
                            spectral_every=cfg.spectral_every, warmup_steps=cfg.watch_warmup,
                            auto_switch=cfg.watch == "switch", qk_clip=QK_CLIP.get(cfg.watch),
-                           qk_clip_tau=cfg.qk_clip_tau)
+                           qk_clip_tau=cfg.qk_clip_tau, eps=cfg.eps)
         writer = RunWriter(out / "run", overwrite=not resume) if lead else None
         watch = InstabilityWatch(model, wcfg, listeners=[writer] if writer else [])
         if cfg.arm in ("control", "kernel"):  # our standard kernel everywhere, observed like any other call
