@@ -15,7 +15,7 @@ run() {  # name, seconds, command...
     timeout "$secs" "$@" > "$out/$name.log" 2>&1
     echo "$name rc $? ($((SECONDS - t0)) s)" | tee -a "$out/status.txt"
 }
-run tests 170 python -m pytest -q -x -p no:cacheprovider tests/observe/test_entry_points_gpu.py -rs
+run tests 230 python -m pytest -q -p no:cacheprovider tests/observe/test_entry_points_gpu.py tests/observe/test_switch_acts.py tests/callbacks/test_hf_trainer_gpu.py -rs
 run varlen_speed 60 python benchmarks/varlen_speed.py --rounds 3 --json "$out/varlen_speed.json"
 run flex_switch_speed 120 python benchmarks/flex_switch_speed.py --rounds 3 --json "$out/flex_switch_speed.json"
 run overhead ${IW_OVERHEAD_S:-150} python benchmarks/observer_overhead.py --models ${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen} --rounds 2 \
