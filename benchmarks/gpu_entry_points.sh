@@ -16,11 +16,11 @@ run() {  # name, seconds, command...
     timeout "$secs" "$@" > "$out/$name.log" 2>&1
     echo "$name rc $? ($((SECONDS - t0)) s)" | tee -a "$out/status.txt"
 }
-run tests 230 python -m pytest -q -p no:cacheprovider tests/observe/test_entry_points_gpu.py tests/observe/test_switch_acts.py tests/callbacks/test_hf_trainer_gpu.py -rs
+run tests 200 python -m pytest -q -p no:cacheprovider tests/observe/test_entry_points_gpu.py tests/observe/test_switch_acts.py tests/callbacks/test_hf_trainer_gpu.py -rs
 run tie_window 90 python benchmarks/tie_window.py --device cuda --json "$out/tie_window.json"
 run varlen_speed 60 python benchmarks/varlen_speed.py --rounds 3 --json "$out/varlen_speed.json"
-run flex_switch_speed 120 python benchmarks/flex_switch_speed.py --rounds 3 --json "$out/flex_switch_speed.json"
-run overhead ${IW_OVERHEAD_S:-150} python benchmarks/observer_overhead.py --models ${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen} --rounds 2 \
+run flex_switch_speed 110 python benchmarks/flex_switch_speed.py --rounds 3 --json "$out/flex_switch_speed.json"
+run overhead ${IW_OVERHEAD_S:-120} python benchmarks/observer_overhead.py --models ${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen} --rounds 2 \
     --json "$out/overhead.json"
 echo "=== tests"; tail -n 15 "$out/tests.log"
 echo "=== tie_window"; tail -n 13 "$out/tie_window.log"
