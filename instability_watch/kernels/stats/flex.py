@@ -29,7 +29,8 @@ import torch
 from torch import Tensor
 
 from instability_watch.kernels.common import compute_dtype
-from instability_watch.kernels.stats.reference import CHUNK_ELEMENTS, accumulate_rows, row_top_two, store_rows
+from instability_watch.kernels.stats.reference import (CHUNK_ELEMENTS, accumulate_rows, heads_problem, row_top_two,
+                                                       store_rows)
 from instability_watch.probe.fields import COUNT_ROW as _C
 from instability_watch.probe.fields import VALUE_ROW as _V
 
@@ -90,14 +91,11 @@ class FlexCall:
             return "inputs are not tensors"
         if q.dim() != 4 or k.dim() != 4:
             return f"inputs not 4-D (B, H, N, D): q {tuple(q.shape)}"
-        if q.shape[1] != num_heads:
-            return f"{q.shape[1]} query heads in the call, the layer has {num_heads}"
-        if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
-            return f"key/value heads {k.shape[1]} do not divide query heads {q.shape[1]}"
+        why = heads_problem(q, k, num_heads)
+        if why is not None:
+            return why
         if k.shape[0] not in (1, q.shape[0]):
             return f"key batch {k.shape[0]} against query batch {q.shape[0]}"
-        if not q.is_floating_point() or q.device.type not in ("cuda", "cpu"):
-            return f"{q.dtype} on {q.device.type}"
         if not callable(self.score_mod) or not callable(self.mask_mod):
             return "score_mod or mask_mod is not callable"
         return None

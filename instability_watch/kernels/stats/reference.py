@@ -90,6 +90,18 @@ def _stats_reference(q, k, attn_mask, o, counts, values, *, causal, scale, eps) 
     store_rows(acc, top, counts, values)
 
 
+def heads_problem(q: Tensor, k: Tensor, num_heads: int) -> Optional[str]:
+    """What in a call's heads or dtype the statistics cannot read (``None``: nothing), the head dim being dim 1
+    of ``q`` and ``k`` (FlexAttention's (B, H, N, D) and varlen's (T, H, D) alike)."""
+    if q.shape[1] != num_heads:
+        return f"{q.shape[1]} query heads in the call, the layer has {num_heads}"
+    if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
+        return f"key/value heads {k.shape[1]} do not divide query heads {q.shape[1]}"
+    if not q.is_floating_point() or q.device.type not in ("cuda", "cpu"):
+        return f"{q.dtype} on {q.device.type}"
+    return None
+
+
 def row_top_two(s: Tensor):
     """``(t1, t2, nan)`` per row of scores ``s`` (..., N_kv): the largest and second largest score (repeats
     counted; NaN read as -inf; ``t2`` -inf with one key) and whether the row holds a NaN."""

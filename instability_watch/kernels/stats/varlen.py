@@ -23,7 +23,8 @@ import torch
 from torch import Tensor
 
 from instability_watch.kernels.common import compute_dtype, documents
-from instability_watch.kernels.stats.reference import CHUNK_ELEMENTS, accumulate_rows, row_top_two, store_rows
+from instability_watch.kernels.stats.reference import (CHUNK_ELEMENTS, accumulate_rows, heads_problem, row_top_two,
+                                                       store_rows)
 from instability_watch.probe.fields import COUNT_ROW as _C
 from instability_watch.probe.fields import VALUE_ROW as _V
 
@@ -77,12 +78,9 @@ class VarlenCall:
             return "keys from a paged cache (seqused_k or block_table)"
         if q.dim() != 3 or k.dim() != 3:
             return f"inputs not 3-D (T, H, D): q {tuple(q.shape)}"
-        if q.shape[1] != num_heads:
-            return f"{q.shape[1]} query heads in the call, the layer has {num_heads}"
-        if k.shape[1] < 1 or q.shape[1] % k.shape[1]:
-            return f"key/value heads {k.shape[1]} do not divide query heads {q.shape[1]}"
-        if not q.is_floating_point() or q.device.type not in ("cuda", "cpu"):
-            return f"{q.dtype} on {q.device.type}"
+        why = heads_problem(q, k, num_heads)
+        if why is not None:
+            return why
         cu_k = self.cu_seq_k if self.cu_seq_k is not None else self.cu_seq_q
         if self.cu_seq_q.dim() != 1 or cu_k.shape != self.cu_seq_q.shape:
             return "cu_seq_q and cu_seq_k are not two vectors of the same length"
