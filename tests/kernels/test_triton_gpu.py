@@ -174,7 +174,8 @@ def test_fast_launch_matches_tritons_launch(offset, monkeypatch):
     names = ("launch_fwd", "launch_dq", "launch_dkdv", "launch_delta")
     hits = {name: len(getattr(ta, name).cache) for name in names}
     assert all(n >= 1 for n in hits.values()), hits
-    assert {key[0][3] for key in ta.launch_dkdv.cache} == {False, True}  # FUSED_DQ: both ways took the fast path
+    # the constexprs in launch order: CAUSAL, MASK_KIND, WHOLE_TILES, DROPOUT, FUSED_DQ, ...
+    assert {key[0][4] for key in ta.launch_dkdv.cache} == {False, True}  # FUSED_DQ: both ways took the fast path
 
 
 def test_launch_hooks_see_every_launch():

@@ -290,6 +290,59 @@ def test_masked_calls_match_the_reference_and_sdpa(kind, heads):
         assert outs["triton probe"].masked_rows.tolist() == [1] * H
 
 
+def _whole_tile_masks(N):
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    causal = j <= i
+    doc = torch.repeat_interleave(torch.tensor([0, 1, 2]), torch.tensor([36, 17, N - 53]))
+    holed = torch.ones(N, N, dtype=torch.bool)
+    holed[:, 32:48] = False  # whole tiles, a masked key tile, whole tiles again (only the first run is read whole)
+    return {
+        "causal": causal,
+        "sliding": causal & (i - j < 36),
+        "documents": causal & (doc[:, None] == doc[None, :]),
+        "holed": holed,
+        "padding": (torch.arange(N) < N - 9).view(1, 1, 1, N).expand(2, 1, 1, N),  # one row for all
+    }
+
+
+@pytest.mark.parametrize("kind, dropout", [("causal", 0.0), ("sliding", 0.0), ("documents", 0.2), ("holed", 0.0),
+                                           ("padding", 0.2)])
+def test_whole_tiles_of_a_boolean_mask_are_read_as_no_mask(kind, dropout, monkeypatch):
+    """The tiles every row of a tile sees whole run the unmasked loop (no mask read); outputs, gradients and the
+    probe's counts are bit for bit those of the kernels reading the mask everywhere, and a causal mask's those
+    of ``causal=True``. Dropout calls take the fused backward (its dK/dV kernel loops over query tiles)."""
+    import instability_watch.kernels.attention.triton as ta
+
+    H, h_kv, N = 2, 1, 70
+    q, k, v, do = _inputs(("whole tiles", kind), 2, H, h_kv, N, 16, dtype=torch.float32)
+    mask = _whole_tile_masks(N)[kind]
+    stabilize = torch.tensor([False, True])
+
+    def run(whole, **kw):
+        monkeypatch.setattr(ta, "_whole_tiles", lambda kind_, causal: whole and kind_ in (ta.MASK_BOOL,) and not causal)
+        probe = Probe(H)
+        probe.shadow = not dropout  # (the shadow statistics take the two-kernel backward)
+        g = torch.Generator().manual_seed(5)
+        out = run_fwd_bwd(lambda a, b, c: flash_attention(a, b, c, stabilize=stabilize, probe=probe, dropout_p=dropout,
+                                                          generator=g, backend="triton", **kw), q, k, v, do,
+                          torch.float32)
+        return out, probe
+
+    (read, read_probe), (whole, whole_probe) = run(False, attn_mask=mask), run(True, attn_mask=mask)
+    for name, a, b in zip(["o", "dq", "dk", "dv"], read, whole):
+        assert torch.equal(a, b), name
+    for name in ("rows", "masked_rows", "multi_max_rows", "shadow_rows"):
+        assert getattr(read_probe, name).tolist() == getattr(whole_probe, name).tolist(), name
+    if kind == "causal":
+        native, _ = run(True, causal=True)
+        for name, a, b in zip(["o", "dq", "dk", "dv"], native, whole):
+            assert torch.equal(a, b), name
+    # the mask does have whole tiles at the interpreter's tiles (16), in both directions
+    margs = ta._MaskArgs(mask, 2, H, N, N)
+    for ranges, _ in (margs.rows(16, 16), margs.cols(16, 16)):
+        assert (ranges[..., 3] > ranges[..., 2]).any()
+
+
 def test_additive_mask_gets_its_gradient():
     H = 2
     q, k, v, do = _inputs(("bias grad",), 2, H, 1, 21, 16, dtype=torch.float32, n_kv=29)

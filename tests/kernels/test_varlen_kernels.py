@@ -139,7 +139,8 @@ def test_the_log_sum_exp_gradient_enters_the_backward(packed):
 def test_each_tile_visits_exactly_the_keys_its_rows_may_see(window, same_lengths):
     """The per-tile ranges the kernels loop over (query tiles: keys; key tiles: rows) are exactly the span of
     what the document mask keeps for the tile's rows (keys): nothing kept is outside (the kernels would miss it),
-    and nothing before the first or after the last kept key is visited (a causal tile stops at its own rows)."""
+    and nothing before the first or after the last kept key is visited (a causal tile stops at its own rows).
+    Within it, the tiles the kernels read without the mask are exactly those every row of the tile sees whole."""
     from instability_watch.kernels.attention.ops import _documents
     from instability_watch.kernels.attention.triton import Documents
 
@@ -148,10 +149,17 @@ def test_each_tile_visits_exactly_the_keys_its_rows_may_see(window, same_lengths
     t_q, t_k = int(cu_q[-1]) + 6, int(cu_k[-1]) + 3  # rows and keys past the documents
     docs = Documents(cu_q, cu_k, t_q, t_k, window)
     keep = _documents(torch.empty(1, 1, t_q, 1), torch.empty(1, 1, t_k, 1), cu_q, cu_k, *window, "reference")[1][0, 0]
-    for block in (16, 32, 64):
-        for ranges, mask in ((docs.rows(block), keep), (docs.cols(block), keep.T)):
-            lo, hi, _ = ranges
+    n_whole = 0
+    for block, other in ((16, 16), (32, 16), (64, 32), (16, 64)):
+        for (ranges, _), mask in ((docs.rows(block, other), keep), (docs.cols(block, other), keep.T)):
             for i, start in enumerate(range(0, mask.shape[0], block)):
-                seen = mask[start:start + block].any(dim=0).nonzero().flatten()
+                tile = mask[start:start + block]
+                seen = tile.any(dim=0).nonzero().flatten()
                 want = (int(seen.min()), int(seen.max()) + 1) if seen.numel() else (0, 0)
-                assert (int(lo[i]), int(hi[i])) == want, (block, i, window)
+                lo, hi, w0, w1 = (int(x) for x in ranges[i])
+                assert (lo, hi) == want, (block, i, window)
+                whole = [j for j in range(0, mask.shape[1] - other + 1, other) if tile[:, j:j + other].all()]
+                assert list(range(w0, w1, other)) == whole, (block, other, i, window)
+                n_whole += len(whole)
+    if window[0] < 0:  # (a window under 16 keys leaves no tile whole)
+        assert n_whole > 0

@@ -60,7 +60,7 @@ TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track t
 
 
 class _MaskArgs:
-    """The call's mask as the kernels read it: kind, pointer and strides, and the key range pre-passes."""
+    """The call's mask as the kernels read it: kind, pointer and strides, and each tile's ranges (pre-passes)."""
 
     def __init__(self, attn_mask: Optional[torch.Tensor], B: int, H: int, N: int, n_kv: int):
         self.kind = MASK_NONE
@@ -85,47 +85,77 @@ class _MaskArgs:
         m = m.expand(*m.shape[:3], n_kv)
         self._vis = m if m.dtype == torch.bool else ~(m <= MASK_FLOOR)  # NaN: seen (it makes the row NaN)
 
-    def rows(self, block_m: int):
-        """``(lo, hi, strides)``: per (batch, head, query block), the first and past-the-last key any row may see."""
-        key = ("rows", block_m)
+    def _tiles(self, block_m: int, block_n: int):
+        """``(seen, full)`` per (batch, head, query tile, key tile) over the mask's own extent: some entry of
+        the tile is kept; every entry is (padding rows count as kept, padding keys as not: a full tile is all
+        real keys). A tile is full only for a boolean mask (an additive one adds its values everywhere)."""
+        key = ("tiles", block_m, block_n)
         if key not in self._ranges:
-            B, H, N, n_kv = self._shape
-            vis = self._vis
-            if vis.shape[2] > 1:
-                n_blocks = cdiv(N, block_m)
-                if n_blocks * block_m != N:
-                    pad = vis.new_zeros((*vis.shape[:2], n_blocks * block_m - N, n_kv))
-                    vis = torch.cat([vis, pad], dim=2)
-                vis = vis.reshape(*vis.shape[:2], n_blocks, block_m, n_kv).any(dim=3)
-            else:
-                n_blocks = cdiv(N, block_m)
-            lo, hi = _first_last(vis, dim=-1, size=n_kv)
-            self._ranges[key] = _expanded(lo, hi, (B, H, n_blocks))
+            self._ranges[key] = self._tiles_uncached(block_m, block_n)
         return self._ranges[key]
 
-    def cols(self, block_n: int):
-        """``(lo, hi, strides)``: per (batch, head, key block), the first and past-the-last query row that may see it."""
-        key = ("cols", block_n)
+    def _tiles_uncached(self, block_m: int, block_n: int):
+        N, n_kv = self._shape[2:]
+        vis = self._vis
+        rows = vis.shape[2]
+        m_tiles = cdiv(rows, block_m) if rows > 1 else 1
+        n_tiles = cdiv(n_kv, block_n)
+        if n_tiles * block_n != n_kv:
+            vis = torch.cat([vis, vis.new_zeros((*vis.shape[:3], n_tiles * block_n - n_kv))], dim=3)
+        if rows > 1:
+            pad = m_tiles * block_m - rows
+            padded = lambda fill: torch.cat([vis, vis.new_full((*vis.shape[:2], pad, vis.shape[3]), fill)], dim=2) \
+                if pad else vis
+            seen = padded(False).reshape(*vis.shape[:2], m_tiles, block_m, n_tiles, block_n).any(dim=5).any(dim=3)
+            full = padded(True).reshape(*vis.shape[:2], m_tiles, block_m, n_tiles, block_n).all(dim=5).all(dim=3)
+        else:  # every row sees the same keys
+            tiles = vis.reshape(*vis.shape[:3], n_tiles, block_n)
+            seen, full = tiles.any(dim=4), tiles.all(dim=4)
+        if self.kind != MASK_BOOL:
+            full = torch.zeros_like(full)
+        return seen, full
+
+    def rows(self, block_m: int, block_n: int):
+        """``(ranges, strides)``: per (batch, head, query tile), int32 ``(lo, hi, full_lo, full_hi)``: the first
+        and past-the-last key any row may see, and the first run of key tiles every row sees whole (no mask
+        read there; ``(0, 0)`` if none)."""
+        key = ("rows", block_m, block_n)
         if key not in self._ranges:
             B, H, N, n_kv = self._shape
-            vis = self._vis
-            n_blocks = cdiv(n_kv, block_n)
-            if n_blocks * block_n != n_kv:
-                vis = torch.cat([vis, vis.new_zeros((*vis.shape[:3], n_blocks * block_n - n_kv))], dim=3)
-            vis = vis.reshape(*vis.shape[:3], n_blocks, block_n).any(dim=4)  # (Bm, Hm, Nm, blocks)
-            if vis.shape[2] > 1:
-                lo, hi = _first_last(vis, dim=2, size=N)
-            else:  # every row sees the same keys
-                seen = vis[:, :, 0]
+            seen, full = self._tiles(block_m, block_n)
+            lo, hi = _first_last(seen, dim=3, size=seen.shape[3])
+            f0, f1 = _first_run(full, dim=3)
+            ranges = torch.stack([lo * block_n, (hi * block_n).clamp(max=n_kv), f0 * block_n, f1 * block_n], dim=-1)
+            self._ranges[key] = _expanded(ranges.to(torch.int32), (B, H, cdiv(N, block_m)))
+        return self._ranges[key]
+
+    def cols(self, block_n: int, block_m: int):
+        """``(ranges, strides)``: per (batch, head, key tile), int32 ``(lo, hi, full_lo, full_hi)`` over query
+        rows: the first and past-the-last row that may see a key of the tile, and the first run of query tiles
+        that see all of it."""
+        key = ("cols", block_n, block_m)
+        if key not in self._ranges:
+            B, H, N, n_kv = self._shape
+            seen, full = self._tiles(block_m, block_n)
+            seen, full = seen.transpose(2, 3), full.transpose(2, 3)  # (Bm, Hm, key tiles, query tiles)
+            if self._vis.shape[2] > 1:
+                lo, hi = _first_last(seen, dim=3, size=seen.shape[3])
+                lo, hi = lo * block_m, (hi * block_m).clamp(max=N)
+                f0, f1 = _first_run(full, dim=3)
+                f0, f1 = f0 * block_m, f1 * block_m
+            else:  # every row sees the same keys: all rows or none
+                seen, full = seen[..., 0], full[..., 0]
                 lo = torch.zeros_like(seen, dtype=torch.int32)
                 hi = torch.where(seen, N, 0).to(torch.int32)
-            self._ranges[key] = _expanded(lo, hi, (B, H, n_blocks))
+                f0, f1 = lo, torch.where(full, cdiv(N, block_m) * block_m, 0).to(torch.int32)
+            ranges = torch.stack([lo, hi, f0, f1], dim=-1)
+            self._ranges[key] = _expanded(ranges.to(torch.int32), (B, H, cdiv(n_kv, block_n)))
         return self._ranges[key]
 
 
 class Documents:
     """A packed call's documents as the kernels read them (MASK_DOCS): the document vector, the kernels' mask
-    stride arguments ``(n_docs, win_l, win_r, 0)``, and each tile's range of keys (or, for a key tile, of query
+    stride arguments ``(n_docs, win_l, win_r, 0)``, and each tile's ranges (of keys, or for a key tile of query
     rows) found on the device from ``cu_seq_q``/``cu_seq_k``: no mask is formed and no host sync made.
 
     The calls are ``(1, H, T, D)`` views of the packed ``(T, H, D)`` tensors; a key is seen from its own
@@ -149,37 +179,45 @@ class Documents:
         return doc.clamp(max=self.n - 1), doc < past
 
     @staticmethod
-    def _per_tile(lo: torch.Tensor, hi: torch.Tensor, inside: torch.Tensor, size: int, block: int):
-        """The union of the rows' (keys') ranges over each tile: ``(lo, hi, strides)`` int32, ``(0, 0)`` for a
-        tile none of whose rows sees anything."""
-        big = torch.iinfo(torch.int64).max
-        lo = torch.where(inside, lo, big)
-        hi = torch.where(inside, hi, 0)
+    def _per_tile(lo: torch.Tensor, hi: torch.Tensor, inside: torch.Tensor, size: int, block: int, other: int):
+        """Each tile's ranges from its rows' (keys') ranges ``[lo, hi)``: ``(ranges, strides)``, int32
+        ``(lo, hi, full_lo, full_hi)``: the union of the rows' ranges (``(0, 0)`` for a tile none of whose rows
+        sees anything), and their intersection in whole tiles of ``other`` (``(0, 0)`` if empty; a row in no
+        document sees nothing, so its tile has none; the padding past ``size`` counts as seeing everything)."""
+        big = 1 << 40  # past any length (and no overflow in the rounding below)
         pad = -size % block
+        u_lo, u_hi = torch.where(inside, lo, big), torch.where(inside, hi, 0)
+        i_lo, i_hi = u_lo, u_hi
         if pad:
-            lo = torch.cat([lo, lo.new_full((pad,), big)])
-            hi = torch.cat([hi, hi.new_zeros(pad)])
-        lo, hi = lo.view(-1, block).amin(dim=1), hi.view(-1, block).amax(dim=1)
-        seen = hi > lo
-        lo, hi = torch.where(seen, lo, 0).to(torch.int32), torch.where(seen, hi, 0).to(torch.int32)
-        return lo, hi, (0, 0, 1)  # the same for every batch entry (one) and head
+            u_lo, u_hi = torch.cat([u_lo, u_lo.new_full((pad,), big)]), torch.cat([u_hi, u_hi.new_zeros(pad)])
+            i_lo, i_hi = torch.cat([i_lo, i_lo.new_zeros(pad)]), torch.cat([i_hi, i_hi.new_full((pad,), big)])
+        u_lo, u_hi = u_lo.view(-1, block).amin(dim=1), u_hi.view(-1, block).amax(dim=1)
+        seen = u_hi > u_lo
+        f0 = (i_lo.view(-1, block).amax(dim=1) + other - 1) // other * other
+        f1 = i_hi.view(-1, block).amin(dim=1) // other * other
+        whole = f1 > f0
+        ranges = torch.stack([torch.where(seen, u_lo, 0), torch.where(seen, u_hi, 0),
+                              torch.where(whole, f0, 0), torch.where(whole, f1, 0)], dim=-1).to(torch.int32)
+        return ranges, (0, 0, 4)  # the same for every batch entry (one) and head
 
-    def rows(self, block_m: int):
-        """``(lo, hi, strides)`` per query tile: the keys its rows may see, within their documents and their
-        window (a causal call's rows no key after their own position: ``win_r = 0``)."""
-        key = ("rows", block_m)
+    def rows(self, block_m: int, block_n: int):
+        """``(ranges, strides)`` per query tile: the keys its rows may see, within their documents and their
+        window (a causal call's rows no key after their own position: ``win_r = 0``), and the key tiles all its
+        rows see whole."""
+        key = ("rows", block_m, block_n)
         if key not in self._ranges:
             d, inside = self._seen(self.doc_q, self.n)
             start, end = self.cu_k[d], self.cu_k[d + 1]
             at = start + self.pos_q  # the row's own key position (bottom-right aligned)
             lo = (at - self.win_l).clamp(min=start) if self.win_l >= 0 else start
             hi = torch.minimum(at + self.win_r + 1, end) if self.win_r >= 0 else end
-            self._ranges[key] = self._per_tile(lo, hi, inside, self.t_q, block_m)
+            self._ranges[key] = self._per_tile(lo, hi, inside, self.t_q, block_m, block_n)
         return self._ranges[key]
 
-    def cols(self, block_n: int):
-        """``(lo, hi, strides)`` per key tile: the query rows that may see its keys (the transpose of rows)."""
-        key = ("cols", block_n)
+    def cols(self, block_n: int, block_m: int):
+        """``(ranges, strides)`` per key tile: the query rows that may see its keys (the transpose of rows), and
+        the query tiles that see all of it."""
+        key = ("cols", block_n, block_m)
         if key not in self._ranges:
             d, inside = self._seen(self.doc_k, self.n)
             start, end = self.cu_q[d], self.cu_q[d + 1]
@@ -187,7 +225,7 @@ class Documents:
             at = start + self.pos_k - shift  # the row whose own key position is this key
             lo = (at - self.win_r).clamp(min=start) if self.win_r >= 0 else start
             hi = torch.minimum(at + self.win_l + 1, end) if self.win_l >= 0 else end
-            self._ranges[key] = self._per_tile(lo, hi, inside, self.t_k, block_n)
+            self._ranges[key] = self._per_tile(lo, hi, inside, self.t_k, block_n, block_m)
         return self._ranges[key]
 
 
@@ -199,9 +237,28 @@ def _first_last(vis: torch.Tensor, dim: int, size: int):
     return torch.where(seen, first, 0).to(torch.int32), torch.where(seen, last, 0).to(torch.int32)
 
 
-def _expanded(lo: torch.Tensor, hi: torch.Tensor, shape):
-    lo, hi = lo.expand(shape), hi.expand(shape)
-    return lo, hi, lo.stride()
+def _first_run(flags: torch.Tensor, dim: int):
+    """Start and end (past the last) of the first run of True along ``dim`` (both 0 where there is none), int32."""
+    flags = flags.movedim(dim, -1)
+    size = flags.shape[-1]
+    any_ = flags.any(dim=-1)
+    first = flags.to(torch.uint8).argmax(dim=-1)
+    idx = torch.arange(size, device=flags.device)
+    after = ~flags & (idx > first.unsqueeze(-1))
+    end = torch.where(after.any(dim=-1), after.to(torch.uint8).argmax(dim=-1), size)
+    return torch.where(any_, first, 0).to(torch.int32), torch.where(any_, end, 0).to(torch.int32)
+
+
+def _expanded(ranges: torch.Tensor, shape):
+    """Ranges (..., 4) expanded to ``shape`` + (4,) (broadcast dims of stride 0); the strides of ``shape``'s dims."""
+    ranges = ranges.expand(*shape, 4)
+    return ranges, ranges.stride()[:3]
+
+
+def _whole_tiles(kind: int, causal: bool) -> bool:
+    """Whether the kernels take the mask's whole tiles (every entry kept) without reading it: a boolean mask or
+    documents; not with ``causal`` as well (the whole tiles' loop applies no mask at all)."""
+    return kind in (MASK_BOOL, MASK_DOCS) and not causal
 
 
 def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor]):
@@ -259,20 +316,20 @@ def attention_forward_lse2(
     tiles = B * cdiv(N, block_m)
     tie_stride = max(1, min(TIE_SAMPLE_MAX, tiles // 4))
     has_probe = counts is not None
-    lo, hi, r_strides = mask.rows(block_m) if mask.kind else (None, None, (0, 0, 0))
+    ranges, r_strides = mask.rows(block_m, block_n) if mask.kind else (None, (0, 0, 0))
     seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)
     # an additive mask is added to the scaled scores, which the loop then takes in log2 units
     raw_scale = 1.0 / LOG2E if mask.kind == MASK_ADD else scale
     launch_fwd(
         (cdiv(N, block_m), B * H),
-        (q, k, v, o, lse2, stab, counts, values, mask.tensor, lo, hi, seed),
+        (q, k, v, o, lse2, stab, counts, values, mask.tensor, ranges, seed),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *mask.strides, *r_strides,
          H, H // h_kv, N, n_kv, D, B * H * N,
          1.0 if mask.kind == MASK_ADD else scale * LOG2E, scale, raw_scale, eps / raw_scale, beta, max_shift_for(q.dtype), tie_stride,
          drop_thr, drop_scale),
         dict(
             CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe,
-            MASK_KIND=mask.kind, DROPOUT=seed is not None,
+            MASK_KIND=mask.kind, WHOLE_TILES=_whole_tiles(mask.kind, causal), DROPOUT=seed is not None,
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
             # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
             EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
@@ -397,14 +454,15 @@ def attention_backward_lse2(
     seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)
     if delta_hp:  # the control's delta, before anything reads it (same stream)
         cfg = launch_config("dq", head_dim, q.dtype)
-        lo, hi, r_strides = mask.rows(cfg.block_m) if mask.kind else (None, None, (0, 0, 0))
+        ranges, r_strides = mask.rows(cfg.block_m, cfg.block_n) if mask.kind else (None, (0, 0, 0))
         launch_dq(
             (cdiv(N, cfg.block_m), B * H),
-            (q, k, v, o, do, lse2, delta, dq, None, None, mask.tensor, lo, hi, seed, None),
+            (q, k, v, o, do, lse2, delta, dq, None, None, mask.tensor, ranges, seed, None),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
              *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale_of(mask.kind, scale), scale,
              drop_thr, drop_scale),
-            dict(CAUSAL=causal, SHADOW=False, DELTA_FROM_O=False, MASK_KIND=mask.kind, DROPOUT=seed is not None,
+            dict(CAUSAL=causal, SHADOW=False, DELTA_FROM_O=False, MASK_KIND=mask.kind,
+                 WHOLE_TILES=_whole_tiles(mask.kind, causal), DROPOUT=seed is not None,
                  MASK_GRAD=False, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  DOT_PRECISION=precision, DELTA_HP_ONLY=True, **cfg.options()),
         )
@@ -421,13 +479,14 @@ def attention_backward_lse2(
     def dkdv(cfg: LaunchConfig, dq_acc: Optional[torch.Tensor], part: int = 0) -> None:
         """The dK/dV kernel; with ``dq_acc`` (B, H, N, D) float32, the fused backward's (dQ added there);
         ``part`` 1 or 2: dK or dV alone."""
-        lo, hi, r_strides = mask.cols(cfg.block_n) if mask.kind else (None, None, (0, 0, 0))
+        ranges, r_strides = mask.cols(cfg.block_n, cfg.block_m) if mask.kind else (None, (0, 0, 0))
         launch_dkdv(
             (cdiv(n_kv, cfg.block_n), B * h_kv),
-            (q, k, v, do, lse2, delta, dk, dv, dq_acc, mask.tensor, lo, hi, seed),
+            (q, k, v, do, lse2, delta, dk, dv, dq_acc, mask.tensor, ranges, seed),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
              *mask.strides, *r_strides, H, h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
-            dict(CAUSAL=causal, MASK_KIND=mask.kind, DROPOUT=seed is not None, FUSED_DQ=dq_acc is not None,
+            dict(CAUSAL=causal, MASK_KIND=mask.kind, WHOLE_TILES=_whole_tiles(mask.kind, causal),
+                 DROPOUT=seed is not None, FUSED_DQ=dq_acc is not None,
                  HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
                  PART=part, **cfg.options()),
         )
@@ -456,13 +515,14 @@ def attention_backward_lse2(
     if why_dq is not None:  # the Triton kernel (also the shadow statistics, a mask's gradient)
         cfg = launch_config("dq", head_dim, q.dtype, override=config_dq)
         block_m, block_n = cfg.block_m, cfg.block_n
-        lo, hi, r_strides = mask.rows(block_m) if mask.kind else (None, None, (0, 0, 0))
+        ranges, r_strides = mask.rows(block_m, block_n) if mask.kind else (None, (0, 0, 0))
         launch_dq(
             (cdiv(N, block_m), B * H),
-            (q, k, v, o, do, lse2, delta, dq, counts, values, mask.tensor, lo, hi, seed, dmask),
+            (q, k, v, o, do, lse2, delta, dq, counts, values, mask.tensor, ranges, seed, dmask),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
              *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
-            dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, MASK_KIND=mask.kind, DROPOUT=seed is not None,
+            dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, MASK_KIND=mask.kind,
+                 WHOLE_TILES=_whole_tiles(mask.kind, causal), DROPOUT=seed is not None,
                  MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
                  BLOCK_N=block_n, DOT_PRECISION=precision, **cfg.options()),
         )

@@ -36,14 +36,81 @@ def _tile_offsets(start, BLOCK: tl.constexpr, BLOCK_OTHER: tl.constexpr, HEAD_DI
 
 
 @triton.jit
+def _dkdv_inner(
+    dk, dv, k, v, q_base, do_base, m_base, Docs, LSE2, Delta, DQacc,
+    stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
+    offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr, drop_scale,
+    lo, hi,
+    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PART: tl.constexpr,
+):
+    """dK/dV's loop over the query blocks ``[lo, hi)`` of one query head: ``(dk, dv)`` accumulated (and with
+    ``FUSED_DQ`` their dQ shares added). (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents'
+    window bounds.)"""
+    for start_m in range(lo, hi, BLOCK_M):
+        offs_m = start_m + offs_m0
+        m_ok = offs_m < N_Q
+        q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+        # Padded rows get lse = +inf, hence P = 0.
+        lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+        if MASK_KIND == 2:
+            logl = tl.load(LSE2 + lse_plane + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+        delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
+        # -- P^T for this (KV block, query block), float32, normalised by the LSE
+        s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M), raw
+        if MASK_KIND == 3:  # a packed call's documents: the mask strides carry (n_docs, win_l, win_r, 0)
+            s_t = document_scores(s_t, Docs, offs_n, offs_m, N_Q, N_KV, stride_mh, stride_mn, True)
+        elif MASK_KIND != 0:  # the mask read transposed: rows of the tile are keys
+            ok = (offs_n[:, None] < N_KV) & m_ok[None, :]
+            if MASK_KIND == 1:
+                keep_t = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=0)
+                s_t = tl.where(keep_t != 0, s_t, float("-inf"))
+            else:
+                bias = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=float("-inf")).to(tl.float32)
+                bias = tl.where(bias <= FLOOR, float("-inf"), bias)
+                s_t = (s_t * scale + bias) * 1.4426950408889634
+        if MASK_KIND == 2:
+            p_t = tl.math.exp2((s_t - lse2[None, :]) - logl[None, :])
+        else:
+            p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse2[None, :]))  # one FMA per score, as the forward
+        if CAUSAL:
+            p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
+        # (PART 0 keeps the one-pass kernel's order of operations: dP's product first)
+        if PART != 2:
+            dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
+        if DROPOUT:
+            # -- Z^T, from the (query, key) orientation of the forward's random numbers
+            keep_d = tl.trans(dropout_keep(k0, k1, thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N))
+        if PART != 1:
+            if DROPOUT:  # -- dV += bf16(P * Z)^T dO (1/(1-p) at the end)
+                dv = tl.dot(tl.where(keep_d, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+            else:  # -- dV += bf16(P)^T dO
+                dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
+        if PART != 2:
+            # -- dP^T = (V dO^T) * Z^T; dS^T = P^T * (dP^T - delta), dK += bf16(dS)^T Q
+            if DROPOUT:
+                dp_t = tl.where(keep_d, dp_t * drop_scale, 0.0)
+            ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
+            dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
+            if FUSED_DQ:  # dQ += bf16(dS) K, this block's share, by atomics
+                dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale
+                tl.atomic_add(DQacc + off_bh * N_Q * D + offs_m[:, None] * D + offs_d[None, :], dq,
+                              mask=m_ok[:, None] & d_ok, sem="relaxed")
+    return dk, dv
+
+
+@triton.jit
 def attn_bwd_dkdv(
-    Q, K, V, DO, LSE2, Delta, DK, DV, DQacc, Mask, RangeLo, RangeHi, Seed,
+    Q, K, V, DO, LSE2, Delta, DK, DV, DQacc, Mask, Ranges, Seed,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     stride_mb, stride_mh, stride_mn, stride_mk, stride_rb, stride_rh, stride_rm,
     H, H_KV, N_Q, N_KV, D, lse_plane,
     qk_scale, scale, drop_thr, drop_scale,
-    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, FUSED_DQ: tl.constexpr,
+    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr,
+    FUSED_DQ: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PART: tl.constexpr,
 ):
@@ -79,60 +146,34 @@ def attn_bwd_dkdv(
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         if MASK_KIND != 0:  # the query rows that may see any key of this block (a pre-pass), per query head
             r_off = off_b * stride_rb + off_h * stride_rh + tl.program_id(0) * stride_rm
-            lo = tl.load(RangeLo + r_off) // BLOCK_M * BLOCK_M
-            hi = tl.load(RangeHi + r_off)
+            lo = tl.load(Ranges + r_off) // BLOCK_M * BLOCK_M
+            hi = tl.load(Ranges + r_off + 1)
         if MASK_KIND == 1 or MASK_KIND == 2:
             m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_n[:, None] * stride_mk
-        for start_m in range(lo, hi, BLOCK_M):
-            offs_m = start_m + offs_m0
-            m_ok = offs_m < N_Q
-            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
-            do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
-            # Padded rows get lse = +inf, hence P = 0.
-            lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
-            if MASK_KIND == 2:
-                logl = tl.load(LSE2 + lse_plane + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
-            delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
-            # -- P^T for this (KV block, query block), float32, normalised by the LSE
-            s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M), raw
-            if MASK_KIND == 3:  # a packed call's documents: the mask strides carry (n_docs, win_l, win_r, 0)
-                s_t = document_scores(s_t, Mask, offs_n, offs_m, N_Q, N_KV, stride_mh, stride_mn, True)
-            elif MASK_KIND != 0:  # the mask read transposed: rows of the tile are keys
-                ok = (offs_n[:, None] < N_KV) & m_ok[None, :]
-                if MASK_KIND == 1:
-                    keep_t = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=0)
-                    s_t = tl.where(keep_t != 0, s_t, float("-inf"))
-                else:
-                    bias = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=float("-inf")).to(tl.float32)
-                    bias = tl.where(bias <= FLOOR, float("-inf"), bias)
-                    s_t = (s_t * scale + bias) * 1.4426950408889634
-            if MASK_KIND == 2:
-                p_t = tl.math.exp2((s_t - lse2[None, :]) - logl[None, :])
-            else:
-                p_t = tl.math.exp2(tl.fma(s_t, qk_scale, -lse2[None, :]))  # one FMA per score, as the forward
-            if CAUSAL:
-                p_t = tl.where(offs_m[None, :] >= offs_n[:, None], p_t, 0.0)
-            # (PART 0 keeps the one-pass kernel's order of operations: dP's product first)
-            if PART != 2:
-                dp_t = tl.dot(v, tl.trans(do), input_precision=DOT_PRECISION)
-            if DROPOUT:
-                # -- Z^T, from the (query, key) orientation of the forward's random numbers
-                keep_d = tl.trans(dropout_keep(k0, k1, thr, off_bh, offs_m, start_n, BLOCK_M, BLOCK_N))
-            if PART != 1:
-                if DROPOUT:  # -- dV += bf16(P * Z)^T dO (1/(1-p) at the end)
-                    dv = tl.dot(tl.where(keep_d, p_t, 0.0).to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-                else:  # -- dV += bf16(P)^T dO
-                    dv = tl.dot(p_t.to(do.dtype), do, dv, input_precision=DOT_PRECISION)
-            if PART != 2:
-                # -- dP^T = (V dO^T) * Z^T; dS^T = P^T * (dP^T - delta), dK += bf16(dS)^T Q
-                if DROPOUT:
-                    dp_t = tl.where(keep_d, dp_t * drop_scale, 0.0)
-                ds_t = (p_t * (dp_t - delta[None, :])).to(q.dtype)
-                dk = tl.dot(ds_t, q, dk, input_precision=DOT_PRECISION)
-                if FUSED_DQ:  # dQ += bf16(dS) K, this block's share, by atomics
-                    dq = tl.dot(tl.trans(ds_t), k, input_precision=DOT_PRECISION) * scale
-                    tl.atomic_add(DQacc + off_bh * N_Q * D + offs_m[:, None] * D + offs_d[None, :], dq,
-                                  mask=m_ok[:, None] & d_ok, sem="relaxed")
+        else:
+            m_base = Mask  # not read
+        if WHOLE_TILES:  # the mask's query blocks before those that see all of this block, then those (no mask)
+            w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
+            w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
+                stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
+                offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
+                drop_scale, lo, w0, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
+                stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
+                offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
+                drop_scale, w0, w1, CAUSAL=False, MASK_KIND=0, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
+            lo = w1  # then the mask's query blocks after them
+        dk, dv = _dkdv_inner(
+            dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
+            stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
+            offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
+            drop_scale, lo, hi, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
 
     if PART != 2:
         dk = dk * scale
@@ -145,64 +186,17 @@ def attn_bwd_dkdv(
 
 
 @triton.jit
-def attn_bwd_dq(
-    Q, K, V, O, DO, LSE2, Delta, DQ, Counts, Values, Mask, RangeLo, RangeHi, Seed, DMask,
-    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
-    stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
-    stride_mb, stride_mh, stride_mn, stride_mk, stride_rb, stride_rh, stride_rm,
-    H, GROUP, N_Q, N_KV, D, lse_plane,
-    qk_scale, scale, drop_thr, drop_scale,
-    CAUSAL: tl.constexpr, SHADOW: tl.constexpr, DELTA_FROM_O: tl.constexpr,
-    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAD_DIM: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DELTA_HP_ONLY: tl.constexpr = False,
+def _dq_inner(
+    dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Docs, DMask,
+    stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
+    offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
+    lo, hi,
+    CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, SHADOW: tl.constexpr, DELTA_HP_ONLY: tl.constexpr,
+    DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    DOT_PRECISION: tl.constexpr,
 ):
-    """One query block: delta = rowsum(dO * O) (stored for the dK/dV kernel, launched after this
-    one), dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta.
-
-    With ``DELTA_FROM_O`` off, delta is read from ``Delta`` instead (a caller-supplied delta).
-    With ``DELTA_HP_ONLY`` (the paper's control, a pre-pass), only delta_hp = rowsum(P * dP) =
-    rowsum(dO * O_hp) is computed, P unrounded in float32, and stored into ``Delta``: no dQ.
-    """
-    start_m, off_bh, off_b, off_h = _program_ids(H, BLOCK_M)
-    off_hk = off_h // GROUP
-    offs_m, offs_n0, offs_d = _tile_offsets(start_m, BLOCK_M, BLOCK_N, HEAD_DIM)
-    m_ok = offs_m < N_Q
-    d_ok = offs_d[None, :] < D
-    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
-    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
-    lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
-    if MASK_KIND == 2:
-        logl = tl.load(LSE2 + lse_plane + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
-    if DELTA_FROM_O:
-        # delta from the stored low-precision O, as FA2's preprocessing; the dK/dV kernel
-        # reads it from here (same stream, launched next), so it needs no launch of its own.
-        # Read back after a barrier rather than used directly: the load takes the layout the
-        # loop wants, where a direct use had the compiler convert the broadcast 2-D
-        # delta[:, None] instead, a tile of registers live through the loop.
-        o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
-        tl.store(Delta + off_bh * N_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=m_ok)
-        tl.debug_barrier()
-    if DELTA_HP_ONLY:
-        delta = tl.zeros([BLOCK_M], dtype=tl.float32)
-    else:
-        delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
-    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
-    delta_hp = tl.zeros([BLOCK_M], dtype=tl.float32)
-
-    k_base = K + off_b * stride_kb + off_hk * stride_kh
-    v_base = V + off_b * stride_vb + off_hk * stride_vh
-    if MASK_KIND == 1 or MASK_KIND == 2:
-        m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_m[:, None] * stride_mn
-    k0, k1, thr = dropout_key(Seed, drop_thr, DROPOUT)
-    lo = 0
-    if MASK_KIND != 0:  # the keys any row of this tile may see (a pre-pass)
-        r_off = off_b * stride_rb + off_h * stride_rh + (start_m // BLOCK_M) * stride_rm
-        lo = tl.load(RangeLo + r_off) // BLOCK_N * BLOCK_N
-        hi = tl.load(RangeHi + r_off)
-    elif CAUSAL:
-        hi = tl.minimum(start_m + BLOCK_M, N_KV)
-    else:
-        hi = N_KV
+    """dQ's loop over the KV blocks ``[lo, hi)`` of one query block: ``(dq, delta_hp)`` accumulated.
+    (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents' window bounds.)"""
     for start_n in range(lo, hi, BLOCK_N):
         offs_n = start_n + offs_n0
         kv_mask = (offs_n[:, None] < N_KV) & d_ok
@@ -210,10 +204,10 @@ def attn_bwd_dq(
         v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASK_KIND == 3:  # a packed call's documents: the mask strides carry (n_docs, win_l, win_r, 0)
-            s = document_scores(s, Mask, offs_m, offs_n, N_Q, N_KV, stride_mh, stride_mn, False)
+            s = document_scores(s, Docs, offs_m, offs_n, N_Q, N_KV, stride_mh, stride_mn, False)
         elif MASK_KIND != 0:  # as the forward: qk_scale is log2(e) for an additive mask
             s = masked_scores(s, m_base + offs_n0[None, :] * stride_mk, start_n, offs_n, m_ok, N_KV, stride_mk,
-                               scale, MASK_KIND, True)
+                              scale, MASK_KIND, True)
         if MASK_KIND == 2:
             p = tl.math.exp2((s - lse2[:, None]) - logl[:, None])
         else:
@@ -234,6 +228,94 @@ def attn_bwd_dq(
                 tl.store(DMask + off_bh * N_Q * N_KV + offs_m[:, None] * N_KV + offs_n[None, :], ds,
                          mask=m_ok[:, None] & (offs_n[None, :] < N_KV))
             dq = tl.dot(ds.to(k.dtype), k, dq, input_precision=DOT_PRECISION)
+    return dq, delta_hp
+
+
+@triton.jit
+def attn_bwd_dq(
+    Q, K, V, O, DO, LSE2, Delta, DQ, Counts, Values, Mask, Ranges, Seed, DMask,
+    stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
+    stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
+    stride_mb, stride_mh, stride_mn, stride_mk, stride_rb, stride_rh, stride_rm,
+    H, GROUP, N_Q, N_KV, D, lse_plane,
+    qk_scale, scale, drop_thr, drop_scale,
+    CAUSAL: tl.constexpr, SHADOW: tl.constexpr, DELTA_FROM_O: tl.constexpr,
+    MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DELTA_HP_ONLY: tl.constexpr = False,
+):
+    """One query block: delta = rowsum(dO * O) (stored for the dK/dV kernel, launched after this
+    one), dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta.
+
+    With ``DELTA_FROM_O`` off, delta is read from ``Delta`` instead (a caller-supplied delta).
+    With ``DELTA_HP_ONLY`` (the paper's control, a pre-pass), only delta_hp = rowsum(P * dP) =
+    rowsum(dO * O_hp) is computed, P unrounded in float32, and stored into ``Delta``: no dQ.
+    """
+    start_m, off_bh, off_b, off_h = _program_ids(H, BLOCK_M)
+    off_hk = off_h // GROUP
+    offs_m, offs_n0, offs_d = _tile_offsets(start_m, BLOCK_M, BLOCK_N, HEAD_DIM)
+    m_ok = offs_m < N_Q
+    d_ok = offs_d[None, :] < D
+    q = tl.load(Q + off_b * stride_qb + off_h * stride_qh + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+    do = tl.load(DO + off_b * stride_dob + off_h * stride_doh + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+    lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+    if MASK_KIND == 2:
+        logl = tl.load(LSE2 + lse_plane + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+    else:
+        logl = lse2  # not read
+    if DELTA_FROM_O:
+        # delta from the stored low-precision O, as FA2's preprocessing; the dK/dV kernel
+        # reads it from here (same stream, launched next), so it needs no launch of its own.
+        # Read back after a barrier rather than used directly: the load takes the layout the
+        # loop wants, where a direct use had the compiler convert the broadcast 2-D
+        # delta[:, None] instead, a tile of registers live through the loop.
+        o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+        tl.store(Delta + off_bh * N_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=m_ok)
+        tl.debug_barrier()
+    if DELTA_HP_ONLY:
+        delta = tl.zeros([BLOCK_M], dtype=tl.float32)
+    else:
+        delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    delta_hp = tl.zeros([BLOCK_M], dtype=tl.float32)
+
+    k_base = K + off_b * stride_kb + off_hk * stride_kh
+    v_base = V + off_b * stride_vb + off_hk * stride_vh
+    if MASK_KIND == 1 or MASK_KIND == 2:
+        m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_m[:, None] * stride_mn
+    else:
+        m_base = Mask  # not read
+    k0, k1, thr = dropout_key(Seed, drop_thr, DROPOUT)
+    lo = 0
+    if MASK_KIND != 0:  # the keys any row of this tile may see (a pre-pass)
+        r_off = off_b * stride_rb + off_h * stride_rh + (start_m // BLOCK_M) * stride_rm
+        lo = tl.load(Ranges + r_off) // BLOCK_N * BLOCK_N
+        hi = tl.load(Ranges + r_off + 1)
+    elif CAUSAL:
+        hi = tl.minimum(start_m + BLOCK_M, N_KV)
+    else:
+        hi = N_KV
+    if WHOLE_TILES:  # the mask's blocks before those every row sees whole, then those (read as no mask)
+        w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
+        w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
+        dq, delta_hp = _dq_inner(
+            dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
+            stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
+            offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
+            lo, w0, CAUSAL=False, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
+            MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+        dq, delta_hp = _dq_inner(
+            dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
+            stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
+            offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
+            w0, w1, CAUSAL=False, MASK_KIND=0, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
+            MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+        lo = w1  # then the mask's blocks after them
+    dq, delta_hp = _dq_inner(
+        dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
+        stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
+        offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
+        lo, hi, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
+        MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
 
     if DELTA_HP_ONLY:
         tl.store(Delta + off_bh * N_Q + offs_m, delta_hp, mask=m_ok)

@@ -114,7 +114,7 @@ def _fwd_inner(
 
 @triton.jit
 def attn_fwd(
-    Q, K, V, O, LSE2, Stab, Counts, Values, Mask, RangeLo, RangeHi, Seed,
+    Q, K, V, O, LSE2, Stab, Counts, Values, Mask, Ranges, Seed,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -124,7 +124,7 @@ def attn_fwd(
     H, GROUP, N_Q, N_KV, D, lse_plane,
     qk_scale, sm_scale, stat_scale, eps_raw, beta, max_shift2, tie_stride, drop_thr, drop_scale,
     CAUSAL: tl.constexpr, HAS_STAB: tl.constexpr, HAS_PROBE: tl.constexpr,
-    MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
+    MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ASM: tl.constexpr, WARP_STATS: tl.constexpr,
@@ -182,11 +182,15 @@ def attn_fwd(
 
     # -- KV range: causal (top-left) rows see keys <= row; split the blocks that
     #    need no causal mask from the ones on the diagonal. With a mask: the blocks
-    #    between the first and the last key any row of this tile may see (a pre-pass).
+    #    between the first and the last key any row of this tile may see (a pre-pass), and
+    #    within them (WHOLE_TILES) a run of blocks every row sees whole, which need no mask.
     if MASK_KIND != 0:
         r_off = off_b * stride_rb + off_h * stride_rh + start_m * stride_rm
-        n_full = tl.load(RangeLo + r_off) // BLOCK_N * BLOCK_N
-        hi = tl.load(RangeHi + r_off)
+        lo = tl.load(Ranges + r_off) // BLOCK_N * BLOCK_N
+        hi = tl.load(Ranges + r_off + 1)
+        if WHOLE_TILES:
+            w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
+            w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
     elif CAUSAL:
         hi = tl.minimum((start_m + 1) * BLOCK_M, N_KV)
         n_full = tl.minimum(start_m * BLOCK_M, N_KV) // BLOCK_N * BLOCK_N
@@ -196,8 +200,8 @@ def attn_fwd(
     else:
         hi = N_KV
         n_full = N_KV // BLOCK_N * BLOCK_N
-    # One loop body for both (a branch around two loops would give each its own
-    # software pipeline and double the shared memory).
+    # Consecutive loops, not a branch around two (which would give each its own software
+    # pipeline and double the shared memory).
     TRACK_TIES: tl.constexpr = HAS_STAB or HAS_PROBE
     if MASK_KIND == 0:
         acc, l_i, r_i, m_i, c_i = _fwd_inner(
@@ -208,12 +212,34 @@ def attn_fwd(
             MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=0, DROPOUT=DROPOUT, TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
         )
-    # with a mask: one loop over the tile's range (n_full is where it starts)
+        lo = n_full
+    elif WHOLE_TILES:
+        # the mask's blocks before the whole ones ...
+        acc, l_i, r_i, m_i, c_i = _fwd_inner(
+            acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
+            offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
+            k0, k1, thr, off_bh,
+            lo, w0, N_Q, stride_mh, stride_mn,
+            MASK_CAUSAL=False, MASK_KV=not EVEN_N, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+            TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
+        )
+        # ... the whole ones, as a call without a mask (all their keys are real ones) ...
+        acc, l_i, r_i, m_i, c_i = _fwd_inner(
+            acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
+            offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
+            k0, k1, thr, off_bh,
+            w0, w1, N_Q, stride_mh, stride_mn,
+            MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=0, DROPOUT=DROPOUT, TRACK_TIES=TRACK_TIES,
+            HAS_STAB=HAS_STAB, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+            ASM=ASM,
+        )
+        lo = w1  # ... and the mask's blocks after them, below
     acc, l_i, r_i, m_i, c_i = _fwd_inner(
         acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
         offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
         k0, k1, thr, off_bh,
-        n_full, hi, N_Q, stride_mh, stride_mn,
+        lo, hi, N_Q, stride_mh, stride_mn,
         MASK_CAUSAL=CAUSAL, MASK_KV=(MASK_KIND == 0) or not EVEN_N, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
         TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
