@@ -25,7 +25,8 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(1, str(EXAMPLES))
 
 __all__ = [
-    "DIVERGENCE_JUMP", "ExplosionDetector", "bench", "command", "device_name", "explosion_step", "header", "sync",
+    "DIVERGENCE_JUMP", "ExplosionDetector", "bench", "command", "device_name", "explosion_step", "header",
+    "profile_calls", "sync",
     "warm_gpu", "write_json",
 ]
 
@@ -63,6 +64,35 @@ def cuda_ms(fn, iters: int, grad: Optional[torch.Tensor] = None) -> float:
     end.record()
     torch.cuda.synchronize()
     return start.elapsed_time(end) / iters
+
+
+def profile_calls(fn, grad, path: str, title: str, calls: int = 5) -> None:
+    """Kernel table of ``calls`` forward + backward calls of ``fn`` (CUDA time, largest first) to ``path``; the
+    busiest kernels and the GPU-busy fraction of the wall time printed."""
+    import os
+    import time
+
+    from torch.profiler import ProfilerActivity
+    from torch.profiler import profile as torch_profile
+
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    for _ in range(2):
+        fn().backward(grad)
+    torch.cuda.synchronize()
+    with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn().backward(grad)
+        torch.cuda.synchronize()
+        wall = (time.perf_counter() - t0) * 1e3 / calls
+    events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+    events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+    gpu = sum(e.self_device_time_total for e in events) / 1e3 / calls
+    with open(path, "w") as f:
+        f.write(f"{title}: {calls} forward + backward calls, wall {wall:.3f} ms a call, GPU busy {gpu:.3f} ms\n")
+        f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=40))
+    top = ", ".join(f"{e.key[:40]} {e.self_device_time_total / 1e3 / calls:.3f}" for e in events[:4])
+    print(f"profile {title}: wall {wall:.3f} ms, GPU busy {gpu:.3f} ms a call; top: {top}")
 
 
 def sync(device: Union[str, torch.device]) -> None:

@@ -18,7 +18,7 @@ import statistics
 
 import torch
 
-from _common import cuda_ms, device_name, write_json
+from _common import cuda_ms, device_name, profile_calls, write_json
 
 
 def main() -> int:
@@ -33,6 +33,9 @@ def main() -> int:
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--masks", default="causal,sliding,document")
     ap.add_argument("--json")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="also profile 5 forward + backward calls of each variant (torch.profiler) and write each "
+                         "one's kernel table to DIR: where the time goes, ours against FlexAttention's")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("flex_switch_speed.py needs a CUDA GPU (FlexAttention trains on CUDA only)")
@@ -99,6 +102,9 @@ def main() -> int:
                     results[name]["fwd"].append(cuda_ms(variants[name], args.iters))
                 results[name]["fwd+bwd"].append(cuda_ms(variants[name], args.iters, do))
         raw[mask] = results
+        if args.profile:
+            for name, fn in variants.items():
+                profile_calls(fn, do, f"{args.profile}/profile_{mask}_{name}.txt", f"{mask} {name}")
         table[mask] = {name: {kind: statistics.median(ms) for kind, ms in by.items()} for name, by in results.items()}
     (cov,) = watch.coverage()
     watch.detach()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Issue 43's GPU checks in one device call: the entry-point GPU tests (and issue 41's check that a compiled switched
-# head loses its bias, with the eps table on the Triton kernels), then the speed of our kernels over packed
-# documents against varlen_attn, switched flex calls against compiled FlexAttention, and (time allowing) the watch's
+# head loses its bias), then the speed of our kernels over packed documents against varlen_attn and of switched flex
+# calls against compiled FlexAttention (each profiled: a kernel table per variant), and (time allowing) the watch's
 # cost on packed models. Each part has its own time limit; logs and JSON go to $OUT; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -17,14 +17,12 @@ run() {  # name, seconds, command...
     echo "$name rc $? ($((SECONDS - t0)) s)" | tee -a "$out/status.txt"
 }
 run tests 200 python -m pytest -q -p no:cacheprovider tests/observe/test_entry_points_gpu.py tests/observe/test_switch_acts.py tests/callbacks/test_hf_trainer_gpu.py -rs
-run tie_window 90 python benchmarks/tie_window.py --device cuda --json "$out/tie_window.json"
-run varlen_speed 60 python benchmarks/varlen_speed.py --rounds 3 --json "$out/varlen_speed.json"
-run flex_switch_speed 110 python benchmarks/flex_switch_speed.py --rounds 3 --json "$out/flex_switch_speed.json"
+run varlen_speed 75 python benchmarks/varlen_speed.py --rounds 3 --json "$out/varlen_speed.json" --profile "$out/profile"
+run flex_switch_speed 130 python benchmarks/flex_switch_speed.py --rounds 3 --json "$out/flex_switch_speed.json" --profile "$out/profile"
 run overhead ${IW_OVERHEAD_S:-120} python benchmarks/observer_overhead.py --models ${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen} --rounds 2 \
     --json "$out/overhead.json"
 echo "=== tests"; tail -n 15 "$out/tests.log"
-echo "=== tie_window"; tail -n 13 "$out/tie_window.log"
-echo "=== varlen_speed"; tail -n 5 "$out/varlen_speed.log"
-echo "=== flex_switch_speed"; tail -n 9 "$out/flex_switch_speed.log"
+echo "=== varlen_speed"; grep -h "^profile" "$out/varlen_speed.log"; tail -n 5 "$out/varlen_speed.log" | grep -v "^profile"
+echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"; tail -n 9 "$out/flex_switch_speed.log"
 echo "=== overhead"; tail -n 12 "$out/overhead.log"
 echo "=== status"; cat "$out/status.txt"

@@ -15,7 +15,7 @@ import statistics
 
 import torch
 
-from _common import cuda_ms, device_name, write_json
+from _common import cuda_ms, device_name, profile_calls, write_json
 
 
 def main() -> int:
@@ -29,6 +29,8 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--json")
+    ap.add_argument("--profile", metavar="DIR",
+                    help="also profile 5 forward + backward calls of each variant (torch.profiler) into DIR")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("varlen_speed.py needs a CUDA GPU (varlen_attn has no CPU kernel)")
@@ -77,6 +79,9 @@ def main() -> int:
                 else:
                     results[name][kind].append(cuda_ms(variants[name], args.iters, do))
     table = {name: {kind: statistics.median(ms) for kind, ms in by.items()} for name, by in results.items()}
+    if args.profile:
+        for name, fn in variants.items():
+            profile_calls(fn, do, f"{args.profile}/profile_{name.replace(' ', '_').replace(',', '')}.txt", name)
     if args.json:
         write_json(args.json, {"device": device_name(dev), "torch": torch.__version__, "documents": lengths,
                                "shape": [T, H, KV, D], "rounds": results, "median_ms": table})
