@@ -343,6 +343,61 @@ def test_whole_tiles_of_a_boolean_mask_are_read_as_no_mask(kind, dropout, monkey
         assert (ranges[..., 3] > ranges[..., 2]).any()
 
 
+def _brute_ranges(vis, block, other, size_other, whole_ok, cols=False):
+    """Per tile of ``block`` rows of ``vis`` (rows, keys): the span of the ``other``-wide key tiles some row sees,
+    and the first run of key tiles every real row sees whole (only where ``whole_ok``), as the kernels use them.
+    ``cols``: ``vis`` is the transpose (rows are keys): a tile with keys past the end is never whole, and a tile of
+    the other axis (query rows) may be partial (rows past the end see everything: their P is 0 in the kernels)."""
+    out = []
+    for start in range(0, vis.shape[0], block):
+        tile = vis[start:start + block]
+        seen = [j for j in range(0, vis.shape[1], other) if tile[:, j:j + other].any()]
+        lo, hi = (seen[0], min(seen[-1] + other, size_other)) if seen else (0, 0)
+        last = vis.shape[1] if cols else vis.shape[1] - other + 1
+        may = whole_ok and not (cols and start + block > vis.shape[0])
+        whole = [j for j in range(0, last, other) if tile[:, j:j + other].all()] if may else []
+        run = whole[:1]
+        for j in whole[1:]:
+            if j != run[-1] + other:
+                break
+            run.append(j)
+        out.append((lo, hi, run[0], run[-1] + other) if run else (lo, hi, 0, 0))
+    return out
+
+
+@pytest.mark.parametrize("kind", ["causal", "sliding", "documents", "holed", "padding", "random", "additive"])
+def test_the_mask_pre_pass_gives_each_tile_its_span_and_its_whole_tiles(kind):
+    """The pre-pass kernel (one launch) against a brute-force walk over the tiles: for query tiles, the keys their
+    rows may see and the first run of key tiles they all see whole; for key tiles, the same over query rows (the
+    transpose), at tile sizes that divide the lengths and ones that do not; per batch entry and head of the mask."""
+    import instability_watch.kernels.attention.triton as ta
+
+    N, n_kv = 70, 70
+    masks = _whole_tile_masks(N)
+    g = seeded("pre-pass", kind)
+    if kind == "random":
+        mask = torch.rand(2, 3, N, n_kv, generator=g) > 0.3
+        mask[..., :20] = True
+    elif kind == "additive":
+        mask = torch.where(masks["sliding"], 0.0, float("-inf")).expand(2, 1, N, n_kv)
+    else:
+        mask = masks[kind].expand(2, 1, N, n_kv)
+    margs = ta._MaskArgs(mask, 2, 3, N, n_kv)
+    whole_ok = mask.dtype == torch.bool
+    vis = mask if whole_ok else mask > float("-inf")
+    n_whole = 0
+    for bm, bn in ((16, 16), (32, 16), (16, 32), (64, 64)):
+        rows, _ = margs.rows(bm, bn)
+        cols, _ = margs.cols(bn, bm)
+        for b in range(2):
+            for h in range(3):
+                v = vis[b, h % vis.shape[1]]
+                assert [tuple(r) for r in rows[b, h].tolist()] == _brute_ranges(v, bm, bn, n_kv, whole_ok)
+                assert [tuple(r) for r in cols[b, h].tolist()] == _brute_ranges(v.T, bn, bm, N, whole_ok, cols=True)
+                n_whole += int((rows[b, h, :, 3] > rows[b, h, :, 2]).sum())
+    assert (n_whole > 0) == (kind != "additive")
+
+
 def test_additive_mask_gets_its_gradient():
     H = 2
     q, k, v, do = _inputs(("bias grad",), 2, H, 1, 21, 16, dtype=torch.float32, n_kv=29)

@@ -36,6 +36,7 @@ import torch
 from instability_watch.kernels.attention.alloc import empty_like_layout
 from instability_watch.kernels.attention.triton_bwd import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
 from instability_watch.kernels.attention.triton_fwd import attn_fwd
+from instability_watch.kernels.attention.triton_ranges import mask_ranges
 from instability_watch.kernels.common import (
     documents,
     LOG2E,
@@ -54,6 +55,7 @@ launch_fwd, launch_dq, launch_dkdv = Launcher(attn_fwd), Launcher(attn_bwd_dq), 
 
 
 launch_delta = Launcher(attn_bwd_delta)
+launch_ranges = Launcher(mask_ranges)
 
 
 TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
@@ -85,71 +87,55 @@ class _MaskArgs:
         m = m.expand(*m.shape[:3], n_kv)
         self._vis = m if m.dtype == torch.bool else ~(m <= MASK_FLOOR)  # NaN: seen (it makes the row NaN)
 
-    def _tiles(self, block_m: int, block_n: int):
-        """``(seen, full)`` per (batch, head, query tile, key tile) over the mask's own extent: some entry of
-        the tile is kept; every entry is (padding rows count as kept, padding keys as not: a full tile is all
-        real keys). A tile is full only for a boolean mask (an additive one adds its values everywhere)."""
-        key = ("tiles", block_m, block_n)
-        if key not in self._ranges:
-            self._ranges[key] = self._tiles_uncached(block_m, block_n)
-        return self._ranges[key]
-
-    def _tiles_uncached(self, block_m: int, block_n: int):
-        N, n_kv = self._shape[2:]
+    def _launch_ranges(self, cols: bool, block_m: int, block_n: int) -> torch.Tensor:
+        """The pre-pass kernel (``triton_ranges.py``) over the mask's own extent: (B_m, H_m, tiles, 4) int32."""
         vis = self._vis
-        rows = vis.shape[2]
-        m_tiles = cdiv(rows, block_m) if rows > 1 else 1
-        n_tiles = cdiv(n_kv, block_n)
-        if n_tiles * block_n != n_kv:
-            vis = torch.cat([vis, vis.new_zeros((*vis.shape[:3], n_tiles * block_n - n_kv))], dim=3)
-        if rows > 1:
-            pad = m_tiles * block_m - rows
-            padded = lambda fill: torch.cat([vis, vis.new_full((*vis.shape[:2], pad, vis.shape[3]), fill)], dim=2) \
-                if pad else vis
-            seen = padded(False).reshape(*vis.shape[:2], m_tiles, block_m, n_tiles, block_n).any(dim=5).any(dim=3)
-            full = padded(True).reshape(*vis.shape[:2], m_tiles, block_m, n_tiles, block_n).all(dim=5).all(dim=3)
-        else:  # every row sees the same keys
-            tiles = vis.reshape(*vis.shape[:3], n_tiles, block_n)
-            seen, full = tiles.any(dim=4), tiles.all(dim=4)
-        if self.kind != MASK_BOOL:
-            full = torch.zeros_like(full)
-        return seen, full
+        bm_, hm_, rows, n_kv = vis.shape
+        tiles = cdiv(n_kv, block_n) if cols else cdiv(rows, block_m)
+        other = cdiv(rows, block_m) if cols else cdiv(n_kv, block_n)
+        out = torch.empty((bm_, hm_, tiles, 4), dtype=torch.int32, device=vis.device)
+        u8 = vis.view(torch.uint8)
+        launch_ranges(
+            (tiles, bm_ * hm_), (u8, out),
+            (*u8.stride(), *out.stride()[:3], hm_, rows, n_kv, other),
+            dict(COLS=cols, WHOLE=self.kind == MASK_BOOL, BLOCK_M=block_m, BLOCK_N=block_n,
+                 num_warps=4, num_stages=1),
+        )
+        return out
 
     def rows(self, block_m: int, block_n: int):
-        """``(ranges, strides)``: per (batch, head, query tile), int32 ``(lo, hi, full_lo, full_hi)``: the first
+        """``(ranges, strides)``: per (batch, head, query tile), int32 ``(lo, hi, whole_lo, whole_hi)``: the first
         and past-the-last key any row may see, and the first run of key tiles every row sees whole (no mask
-        read there; ``(0, 0)`` if none)."""
+        read there; ``(0, 0)`` if none; none for an additive mask, which adds its values everywhere)."""
         key = ("rows", block_m, block_n)
         if key not in self._ranges:
-            B, H, N, n_kv = self._shape
-            seen, full = self._tiles(block_m, block_n)
-            lo, hi = _first_last(seen, dim=3, size=seen.shape[3])
-            f0, f1 = _first_run(full, dim=3)
-            ranges = torch.stack([lo * block_n, (hi * block_n).clamp(max=n_kv), f0 * block_n, f1 * block_n], dim=-1)
-            self._ranges[key] = _expanded(ranges.to(torch.int32), (B, H, cdiv(N, block_m)))
+            B, H, N, _ = self._shape
+            # (a mask of one row, every row the same: that row's ranges serve every query tile)
+            ranges = self._launch_ranges(False, block_m, block_n)
+            self._ranges[key] = _expanded(ranges, (B, H, cdiv(N, block_m)))
         return self._ranges[key]
 
     def cols(self, block_n: int, block_m: int):
-        """``(ranges, strides)``: per (batch, head, key tile), int32 ``(lo, hi, full_lo, full_hi)`` over query
+        """``(ranges, strides)``: per (batch, head, key tile), int32 ``(lo, hi, whole_lo, whole_hi)`` over query
         rows: the first and past-the-last row that may see a key of the tile, and the first run of query tiles
         that see all of it."""
         key = ("cols", block_n, block_m)
         if key not in self._ranges:
             B, H, N, n_kv = self._shape
-            seen, full = self._tiles(block_m, block_n)
-            seen, full = seen.transpose(2, 3), full.transpose(2, 3)  # (Bm, Hm, key tiles, query tiles)
             if self._vis.shape[2] > 1:
-                lo, hi = _first_last(seen, dim=3, size=seen.shape[3])
-                lo, hi = lo * block_m, (hi * block_m).clamp(max=N)
-                f0, f1 = _first_run(full, dim=3)
-                f0, f1 = f0 * block_m, f1 * block_m
+                ranges = self._launch_ranges(True, block_m, block_n)
             else:  # every row sees the same keys: all rows or none
-                seen, full = seen[..., 0], full[..., 0]
-                lo = torch.zeros_like(seen, dtype=torch.int32)
-                hi = torch.where(seen, N, 0).to(torch.int32)
-                f0, f1 = lo, torch.where(full, cdiv(N, block_m) * block_m, 0).to(torch.int32)
-            ranges = torch.stack([lo, hi, f0, f1], dim=-1)
-            self._ranges[key] = _expanded(ranges.to(torch.int32), (B, H, cdiv(n_kv, block_n)))
+                vis = self._vis[:, :, 0]
+                n_tiles = cdiv(n_kv, block_n)
+                if n_tiles * block_n != n_kv:
+                    vis = torch.cat([vis, vis.new_zeros((*vis.shape[:2], n_tiles * block_n - n_kv))], dim=2)
+                tiles = vis.reshape(*vis.shape[:2], n_tiles, block_n)
+                seen = tiles.any(dim=3)
+                whole = tiles.all(dim=3) if self.kind == MASK_BOOL else torch.zeros_like(seen)
+                zero = torch.zeros_like(seen, dtype=torch.int32)
+                ranges = torch.stack([zero, torch.where(seen, N, 0).to(torch.int32), zero,
+                                      torch.where(whole, cdiv(N, block_m) * block_m, 0).to(torch.int32)], dim=-1)
+            self._ranges[key] = _expanded(ranges, (B, H, cdiv(n_kv, block_n)))
         return self._ranges[key]
 
 
@@ -227,26 +213,6 @@ class Documents:
             hi = torch.minimum(at + self.win_l + 1, end) if self.win_l >= 0 else end
             self._ranges[key] = self._per_tile(lo, hi, inside, self.t_k, block_n, block_m)
         return self._ranges[key]
-
-
-def _first_last(vis: torch.Tensor, dim: int, size: int):
-    """First index and past-the-last index of True along ``dim`` (both 0 where there is none), int32."""
-    seen = vis.any(dim=dim)
-    first = vis.to(torch.uint8).argmax(dim=dim)
-    last = size - vis.flip(dims=(dim,)).to(torch.uint8).argmax(dim=dim)
-    return torch.where(seen, first, 0).to(torch.int32), torch.where(seen, last, 0).to(torch.int32)
-
-
-def _first_run(flags: torch.Tensor, dim: int):
-    """Start and end (past the last) of the first run of True along ``dim`` (both 0 where there is none), int32."""
-    flags = flags.movedim(dim, -1)
-    size = flags.shape[-1]
-    any_ = flags.any(dim=-1)
-    first = flags.to(torch.uint8).argmax(dim=-1)
-    idx = torch.arange(size, device=flags.device)
-    after = ~flags & (idx > first.unsqueeze(-1))
-    end = torch.where(after.any(dim=-1), after.to(torch.uint8).argmax(dim=-1), size)
-    return torch.where(any_, first, 0).to(torch.int32), torch.where(any_, end, 0).to(torch.int32)
 
 
 def _expanded(ranges: torch.Tensor, shape):
