@@ -4,7 +4,7 @@
 #   bash benchmarks/paper_lease.sh ARM WATCH [POLL_SECONDS] [train options]
 #   e.g. bash benchmarks/paper_lease.sh standard switch 480
 #
-# ARM is reproduce.py's --arm (standard | control | kernel | stabilized), WATCH its --watch (observe | switch | clip_alert
+# ARM is reproduce.py's --arm (standard | control | kernel | stabilized), WATCH its --watch (observe | switch | switch_exact | clip_alert
 # ...). The first call on a fresh machine copies the package, benchmarks and examples to $LEASE_HOME/src (so later calls,
 # which re-send the working tree, cannot change the code under a running arm) and starts
 # `reproduce.py train --preset paper` on every GPU under setsid, with a time limit of

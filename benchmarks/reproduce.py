@@ -19,7 +19,8 @@ Arms (what the attention computes):
 Watch modes: ``off`` (no watch; the control and stabilized arms call our kernel
 directly), ``observe`` (the watch with ``auto_switch=False``; the control and kernel
 arms' layers are routed onto our kernel, the stabilized arm's heads switched), ``switch``
-(``auto_switch=True``), ``clip_alert`` and ``clip_always`` (observe, with
+(``auto_switch=True``), ``switch_exact`` (``auto_switch=True, switch_to="exact_delta"``: an alerted head's layer
+onto the exact delta), ``clip_alert`` and ``clip_always`` (observe, with
 ``qk_clip="on_alert"`` / ``"always"`` at ``--qk-clip-tau``).
 
 Subcommands::
@@ -79,7 +80,7 @@ from byte_corpus import CORPORA, corpus_text, site_packages_files, train_val_spl
 from nanogpt import GPT, GPTConfig
 
 ARMS = ("standard", "control", "kernel", "stabilized")
-WATCH_MODES = ("off", "observe", "switch", "clip_alert", "clip_always")
+WATCH_MODES = ("off", "observe", "switch", "switch_exact", "clip_alert", "clip_always")
 QK_CLIP = {"clip_alert": "on_alert", "clip_always": "always"}
 CHECKPOINT = "checkpoint.pt"
 TRAIN_CSV = "train.csv"
@@ -287,7 +288,8 @@ def train(args) -> int:
     else:
         wcfg = WatchConfig(log_every=cfg.log_every, probe_every=cfg.probe_every, shadow_every=cfg.shadow_every,
                            spectral_every=cfg.spectral_every, warmup_steps=cfg.watch_warmup,
-                           auto_switch=cfg.watch == "switch", qk_clip=QK_CLIP.get(cfg.watch),
+                           auto_switch=cfg.watch in ("switch", "switch_exact"), qk_clip=QK_CLIP.get(cfg.watch),
+                           switch_to="exact_delta" if cfg.watch == "switch_exact" else "stabilized",
                            qk_clip_tau=cfg.qk_clip_tau, eps=cfg.eps)
         writer = RunWriter(out / "run", overwrite=not resume) if lead else None
         watch = InstabilityWatch(model, wcfg, listeners=[writer] if writer else [])

@@ -1,8 +1,9 @@
 """Research tools: not fixes, and not part of the stable API.
 
 :func:`high_precision_delta` is the paper's control experiment (its Claim 1), kept for
-reproducing it (``benchmarks/reproduce.py``'s control arm). To fix a run, use
-``stabilize`` (:func:`~instability_watch.flash_attention`) or the watch's switching.
+reproducing it (``benchmarks/reproduce.py``'s control arm). The watch can switch an alerted head's layer
+onto it (``WatchConfig(switch_to="exact_delta")``): at the paper's scale it prevented the failure when
+applied to every layer from step 1, where the stabilized kernel did not (benchmarks/RESULTS.md, issue 41).
 """
 from __future__ import annotations
 
@@ -37,8 +38,7 @@ def high_precision_delta(enabled: bool = True):
     or routes a watched layer with ``watch.observation.route(layer, high_precision_delta=True)``;
     :func:`high_precision_delta_calls` counts the backward calls that took it, compiled or not.
     A shadow step's ``delta`` drift then measures this ``delta`` against the
-    kernel's own ``delta_hp`` (about 0). A research tool, not a fix: use
-    ``stabilize`` for that.
+    kernel's own ``delta_hp`` (about 0).
 
     Example::
 

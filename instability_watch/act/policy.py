@@ -4,8 +4,9 @@ from __future__ import annotations
 from typing import Tuple
 
 REPORTED = "reported"
-SWITCHED = "switched to the stabilized kernel"
-ALREADY = "already on the stabilized kernel"
+# the alert's action text, by WatchConfig.switch_to
+SWITCHED = {"stabilized": "switched to the stabilized kernel", "exact_delta": "switched to the exact delta"}
+ALREADY = {"stabilized": "already on the stabilized kernel", "exact_delta": "already on the exact delta"}
 
 
 def action_for(kind: str, head: Tuple[int, int], config, switched) -> Tuple[str, str]:
@@ -13,12 +14,12 @@ def action_for(kind: str, head: Tuple[int, int], config, switched) -> Tuple[str,
 
     What to do is ``"clip"`` (``logit_growth`` with ``qk_clip`` on: QK-clip acts on the head), ``"switch"``
     (``auto_switch`` and a kind the stabilized kernel addresses, on a head not yet switched) or ``""``
-    (report only). ``switched`` holds the heads already on the stabilized kernel.
+    (report only). ``switched`` holds the heads already switched (``config.switch_to`` says to what).
     """
     if kind == "logit_growth" and config.qk_clip:
         return "clip", f"QK-clip on (tau {config.qk_clip_tau:g})"
     if config.auto_switch and kind in config.switch_on and head not in switched:
-        return "switch", SWITCHED
+        return "switch", SWITCHED[config.switch_to]
     if head in switched and kind in config.switch_on:
-        return "", ALREADY
+        return "", ALREADY[config.switch_to]
     return "", REPORTED

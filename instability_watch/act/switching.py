@@ -21,21 +21,24 @@ class Switchboard:
     Args:
         observation: the watched layers (:class:`~instability_watch.observe.observation.Observation`).
         events: the watch's event list (switches are events).
+        switch_to: ``"stabilized"`` or ``"exact_delta"`` (``WatchConfig.switch_to``).
 
     Attributes:
-        switched: ``{(layer, head): step}`` of the heads on the stabilized kernel.
+        switched: ``{(layer, head): step}`` of the switched heads.
     """
 
-    def __init__(self, observation, events: List[Event]) -> None:
+    def __init__(self, observation, events: List[Event], switch_to: str = "stabilized") -> None:
         self.observation = observation
         self.events = events
+        self.switch_to = switch_to
         self.switched: Dict[Tuple[int, int], int] = {}
 
     def __contains__(self, head: Tuple[int, int]) -> bool:
         return head in self.switched
 
     def switch(self, layer: int, head: int, reason: str, step: int) -> None:
-        """Move one head to the stabilized kernel (sticky; recorded as an event).
+        """Switch one head (sticky; recorded as an event): onto the stabilized kernel, or with
+        ``switch_to="exact_delta"`` its layer onto our kernel with the exact ``delta``.
 
         Raises:
             ValueError: ``layer`` or ``head`` is out of range.
@@ -43,9 +46,11 @@ class Switchboard:
         sites = self.observation.sites
         if not 0 <= layer < len(sites):
             raise ValueError(f"layer must be in [0, {len(sites)}), got {layer}")
+        if not 0 <= head < sites[layer].num_heads:
+            raise ValueError(f"head must be in [0, {sites[layer].num_heads}) for layer {sites[layer].name}, got {head}")
         if (layer, head) in self.switched:
             return
-        self.observation.set_stabilized(layer, head, True)
+        self._apply(layer, head)
         self.switched[(layer, head)] = step
         site = sites[layer]
         self.events.append(Event(step, layer, head, "switch", reason, site.name))
@@ -80,5 +85,12 @@ class Switchboard:
         self.observation.reset_switches()
         self.switched = {}
         for (layer, head), s in switched.items():
-            self.observation.set_stabilized(layer, head, True)
+            self._apply(layer, head)
             self.switched[(layer, head)] = s
+
+    def _apply(self, layer: int, head: int) -> None:
+        if self.switch_to == "exact_delta":
+            if not self.observation.sites[layer].high_precision_delta:
+                self.observation.route(layer, True, high_precision_delta=True)
+        else:
+            self.observation.set_stabilized(layer, head, True)

@@ -11,6 +11,9 @@ from instability_watch.detect.kinds import (  # STABILIZABLE: the kinds the stab
 )
 from instability_watch.kernels.common import DEFAULT_BETA, DEFAULT_EPS, FLOAT32_MAX, MAX_BETA
 
+SWITCH_TO = ("stabilized", "exact_delta")
+"""What a switch can do (``WatchConfig.switch_to``)."""
+
 
 @dataclass(frozen=True)
 class WatchConfig:
@@ -51,6 +54,15 @@ class WatchConfig:
             kind in ``switch_on`` trips (sticky; recorded as an event).
         switch_on: the kinds that switch, a subset of ``("multi_max",
             "delta_drift", "spectral_growth")`` (what the stabilized kernel fixes).
+        switch_to: what a switch does. ``"stabilized"`` (the default): the head
+            runs the stabilized kernel (the paper's fix), its layer's other heads
+            our standard kernel. ``"exact_delta"``: the head's layer runs our
+            standard kernel with the backward's ``delta`` from a float32 ``O``
+            (the paper's control; about one attention forward more per backward
+            of that layer). At the paper's scale the exact ``delta`` in every
+            layer prevented the failure and the stabilized kernel did not
+            (benchmarks/RESULTS.md, issue 41's arms); switching to it at an alert
+            has not been tried there yet.
         beta, eps: the stabilized kernel's shift factor and tie tolerance.
         qk_clip: ``None`` (off), ``"on_alert"`` or ``"always"``: after the optimizer
             step of each probe step, rescale ``W_q``/``W_k`` of the heads whose
@@ -88,6 +100,7 @@ class WatchConfig:
     logit_min: float = 500.0
     auto_switch: bool = False
     switch_on: Tuple[str, ...] = STABILIZABLE
+    switch_to: str = "stabilized"
     beta: float = DEFAULT_BETA
     eps: float = DEFAULT_EPS
     qk_clip: Optional[str] = None
@@ -144,6 +157,9 @@ class WatchConfig:
         number("qk_clip_tau", 0.0, inclusive=False)
         from instability_watch.act.qkclip import MODES
 
+        if self.switch_to not in SWITCH_TO:
+            raise ValueError(f"WatchConfig.switch_to must be {' or '.join(map(repr, SWITCH_TO))}, "
+                             f"got {self.switch_to!r}")
         if self.qk_clip is not None and self.qk_clip not in MODES:
             raise ValueError(f"WatchConfig.qk_clip must be None (off), {' or '.join(map(repr, MODES))}, "
                              f"got {self.qk_clip!r}")

@@ -157,7 +157,7 @@ class InstabilityWatch:
         self.ring = Ring(RingColumns(self.head_counts, clip=bool(config.qk_clip)), config.log_every)
         self.builder = MetricsBuilder(self.head_counts)
         self.calls = CallTotals(self.head_counts)
-        self.switchboard = Switchboard(self.observation, self.events)
+        self.switchboard = Switchboard(self.observation, self.events, self.config.switch_to)
         self.clipper = QKClipper(config.qk_clip, config.qk_clip_tau, projections, self.observation.sites,
                                  self.layer_names, self.events)
         dist = lambda: self.distributed  # noqa: E731 - read at call time
@@ -417,10 +417,11 @@ class InstabilityWatch:
     # ------------------------------------------------------------------ acting, by hand
 
     def switch(self, layer: int, head: int, reason: str = "manual", step: Optional[int] = None) -> None:
-        """Move one head to the stabilized kernel (sticky; recorded as an event).
+        """Switch one head (sticky; recorded as an event): onto the stabilized kernel, or with
+        ``WatchConfig.switch_to="exact_delta"`` its layer's backward onto the exact ``delta``.
 
         The head's layer then runs every call on our kernels (standard for its
-        other heads). A call they cannot serve stays on PyTorch's SDPA, and a
+        other heads). A call they cannot serve stays on PyTorch's attention, and a
         ``switch_not_applied`` event says why.
         """
         if "attach" in self.faults:

@@ -419,6 +419,8 @@ class SdpaObserver(TorchFunctionMode):
         rng_state)``), or None: it stays on PyTorch's, reason counted."""
         reason = unsupported(call.q.transpose(0, 1)[None], call.k.transpose(0, 1)[None],
                              call.v.transpose(0, 1)[None], enable_gqa=True)
+        if reason is None and self.high_precision_delta:
+            reason = "the exact delta (switch_to='exact_delta') is not available for packed (varlen) calls"
         if reason is not None:
             self.count(NOT_APPLIED, reason)
             return None

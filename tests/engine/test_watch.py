@@ -72,6 +72,56 @@ def test_end_to_end_near_ties_alert_switch_and_drift_flattens():
     assert cov.kernel_calls == 80 - first_read_back
 
 
+def test_switch_to_exact_delta_puts_the_layer_on_the_exact_delta():
+    """``switch_to="exact_delta"``: an alerted head's layer runs our standard kernel with the backward's delta from
+    a float32 O (the paper's control): no head stabilized, the alert says so, the gradients are those of
+    ``flash_attention(..., high_precision_delta=True)`` (not of the ordinary delta), and a resumed watch keeps it."""
+    from instability_watch import flash_attention
+    from instability_watch.experimental import high_precision_delta_calls
+    from watch_models import tied_batch, tied_loss
+
+    cfg = WatchConfig(auto_switch=True, switch_to="exact_delta", **E2E)
+    torch.manual_seed(0)
+    model = TiedAttention()
+    watch = InstabilityWatch(model, cfg, layers=model.layers())
+    _train_tied(model, watch, 40)
+    assert set(watch.switched) == {(0, 0), (0, 1)}
+    drift_alerts = [a for a in watch.alerts if a.kind == "delta_drift"]
+    assert drift_alerts and all(a.action == "switched to the exact delta" for a in drift_alerts)
+    (site,) = watch.observation.sites
+    assert site.routed and site.high_precision_delta
+    assert watch.observation.stabilized() == [[False] * 4]
+
+    def grads(fn):
+        model.zero_grad()
+        tied_loss(fn(*tied_batch(99))).backward()
+        return model.wq.grad.clone()
+
+    def ours(hp):
+        def fn(q_in, k_in, v_in):
+            q, k, v = (torch.einsum("bhnd,hed->bhne", x, w).to(torch.bfloat16)
+                       for x, w in ((q_in, model.wq), (k_in, model.wk), (v_in, model.wv)))
+            return flash_attention(q, k, v, high_precision_delta=hp)
+        return fn
+
+    calls = high_precision_delta_calls()
+    watched = grads(model)
+    assert high_precision_delta_calls() == calls + 1
+    exact, ordinary = grads(ours(True)), grads(ours(False))
+    assert torch.equal(watched, exact)
+    assert not torch.equal(exact, ordinary)  # the near-tied heads' delta is biased: the switch changed the gradient
+    model.zero_grad()
+
+    state = json.loads(json.dumps(watch.state_dict()))
+    resumed_model = TiedAttention()
+    resumed = InstabilityWatch(resumed_model, cfg, layers=resumed_model.layers())
+    resumed.load_state_dict(state)
+    (site,) = resumed.observation.sites
+    assert site.high_precision_delta and resumed.observation.stabilized() == [[False] * 4]
+    with pytest.raises(ValueError, match="switch_to must be 'stabilized' or 'exact_delta', got 'exact'"):
+        WatchConfig(switch_to="exact")
+
+
 def test_without_auto_switch_only_reports():
     torch.manual_seed(0)
     model = TiedAttention()

@@ -16,6 +16,7 @@ from rich.console import Console
 
 from instability_watch import WatchConfig, cli
 from instability_watch.detect.detectors import KINDS
+from instability_watch.detect.kinds import ALERT_KINDS
 from instability_watch.outputs import report, rundir
 from instability_watch.outputs.rundir import EVENT_COLUMNS, METRIC_COLUMNS, load_run
 
@@ -197,9 +198,9 @@ def test_summary_view_header_table_and_hidden_heads(real_run):
     assert "note:" not in text  # a clean run: the reader has nothing to say
     # below the table: what the kinds that alerted mean and what to do (from alerts.ALERT_KINDS), one line each
     advice = " ".join(text[text.index("what the alerts mean:"):].split())  # the last lines, maybe wrapped
-    assert advice == ("what the alerts mean: delta_drift: the backward's δ is biased and the error adds up along "
-                      "one direction of W_Q (paper Fig. 5a); switch the head; the drift flattens after the switch "
-                      "(tested)")
+    kind = ALERT_KINDS["delta_drift"]
+    assert advice == " ".join(f"what the alerts mean: delta_drift: {kind.meaning}; {kind.action}".replace("`", "").split())
+    assert advice.startswith("what the alerts mean: delta_drift: the backward's δ is biased")
     assert "multi_max:" not in text and "logit_growth:" not in text
 
 
