@@ -77,3 +77,53 @@ def test_switched_heads_lose_their_bias_compiled_with_inductor_on_the_gpu():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     _check(*switched_heads_lose_their_bias("cuda", "inductor"))
+
+
+def exact_delta_switch_gradients(device, backend):
+    """``switch_to="exact_delta"`` in a compiled model: after the switch, the layer's gradients against those of
+    ``flash_attention(..., high_precision_delta=True)`` and of the ordinary delta, on the same near-tie inputs."""
+    from instability_watch import flash_attention
+
+    torch._dynamo.reset()
+    model = TiedAttention(device)
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=1, spectral_every=0, log_every=1,
+                                                warmup_steps=10 ** 6, strict=True, switch_to="exact_delta"),
+                             layers=[AttentionLayer(model, H, lambda: model.q[0, :, :, :].detach(), name="tied")])
+    compiled = torch.compile(model, backend=backend, fullgraph=True)
+    for step in range(5):
+        if step == 3:
+            watch.switch(0, 1)
+        model.zero_grad()
+        compiled().backward()
+        watch.step(0.0)
+    watched = [p.grad.clone() for p in (model.q, model.k, model.v)]
+    (cov,) = watch.coverage()
+    watch.detach()
+
+    def grads(hp):
+        model.zero_grad()
+        o = flash_attention(model.q, model.k, model.v, high_precision_delta=hp)
+        (o.float() * model.do.float()).sum().backward()
+        return [p.grad.clone() for p in (model.q, model.k, model.v)]
+
+    return watched, grads(True), grads(False), cov
+
+
+def _check_exact(watched, exact, ordinary, cov):
+    assert cov.kernel_calls == 2 and cov.not_applied == {}
+    for w, e, o in zip(watched[:2], exact[:2], ordinary[:2]):  # dQ, dK (dV = P^T dO takes no delta)
+        gap = (e.double() - o.double()).abs().max()
+        assert gap > 0  # near ties: the exact delta changes the gradients
+        assert (w.double() - e.double()).abs().max() <= 0.1 * gap
+    assert (watched[2].double() - exact[2].double()).abs().max() <= 1e-3 * exact[2].abs().max()
+
+
+def test_exact_delta_switch_gives_the_exact_gradients_compiled_on_the_cpu():
+    _check_exact(*exact_delta_switch_gradients("cpu", "aot_eager"))
+
+
+@pytest.mark.gpu
+def test_exact_delta_switch_gives_the_exact_gradients_compiled_with_inductor_on_the_gpu():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _check_exact(*exact_delta_switch_gradients("cuda", "inductor"))
