@@ -68,6 +68,17 @@ def test_launch_runs_the_arms_and_summarizes(repro, tmp_path, capsys):
     assert (tmp_path / "loss.png").stat().st_size > 0
 
 
+def test_switch_exact_watches_with_the_exact_delta_switch(repro, tmp_path):
+    """``--watch switch_exact``: the watch switches alerted heads' layers onto the exact delta (recorded in the run
+    directory's configuration), and until a switch the run trains as the unwatched one."""
+    out, off = tmp_path / "exact", tmp_path / "off"
+    assert repro.main(["train", "--out", str(out), *TINY, "--steps", "10", "--watch", "switch_exact"]) == 0
+    assert repro.main(["train", "--out", str(off), *TINY, "--steps", "10", "--watch", "off"]) == 0
+    config = json.loads((out / "run" / "meta.json").read_text())["config"]
+    assert config["auto_switch"] is True and config["switch_to"] == "exact_delta"
+    pd.testing.assert_series_equal(*(pd.read_csv(d / "train.csv")["loss"] for d in (out, off)))
+
+
 def test_explosion_rule(repro):
     calm = [(s, 3.0 - 0.001 * s) for s in range(1, 200)]
     assert repro.explosion_step(calm) is None
