@@ -350,6 +350,7 @@ def flash_attention_varlen(
     eps: float = DEFAULT_EPS,
     backend: str = "auto",
     return_lse: bool = False,
+    high_precision_delta: Optional[bool] = None,
 ):
     """:func:`flash_attention` over packed documents, as ``torch.nn.attention.varlen.varlen_attn`` takes them.
 
@@ -365,6 +366,7 @@ def flash_attention_varlen(
         scale, stabilize, probe, beta, eps, backend: as :func:`flash_attention`.
         return_lse: also return the log-sum-exp of each row's scores, (H, T_q) float32 (natural log; +inf
             for a row that sees no key), as ``varlen_attn``'s auxiliary output; differentiable.
+        high_precision_delta: as :func:`flash_attention` (the backward's delta from a float32 O, per document).
 
     The kernels read the documents from ``cu_seq_q``/``cu_seq_k`` on the device (no mask is formed, no host
     sync): each tile of rows visits only the keys its rows may see (their documents, cut by the causal or window
@@ -395,6 +397,10 @@ def flash_attention_varlen(
             or not all(isinstance(w, int) and not isinstance(w, bool) for w in window)):
         raise ValueError(f"window must be (left, right), two ints (-1: unbounded), got {window!r}")
     win_l, win_r = int(window[0]), (0 if causal else int(window[1]))
+    if high_precision_delta is not None and not isinstance(high_precision_delta, bool):
+        raise TypeError(f"high_precision_delta must be None, True or False, got {high_precision_delta!r}")
+    if high_precision_delta is None:
+        high_precision_delta = False if torch.compiler.is_compiling() else HIGH_PRECISION_DELTA.get()
     q4, k4, v4 = (t.permute(1, 0, 2).unsqueeze(0) for t in (q, k, v))  # (1, H, T, D) views
     _check_args(q4, k4, v4, False, scale, stabilize, beta, eps, probe, backend)
     backend = resolve_backend(q4, backend)
@@ -405,7 +411,7 @@ def flash_attention_varlen(
     shadow = probe is not None and probe.shadow
     o4, lse4 = FlashAttention.apply(
         q4, k4, v4, None, None, stabilize, counts, values, shadow, False, scale, float(beta), float(eps), 0.0,
-        backend, False, cu_seq_q, cu_seq_k, win_l, win_r, bool(return_lse),
+        backend, bool(high_precision_delta), cu_seq_q, cu_seq_k, win_l, win_r, bool(return_lse),
     )
     o = o4[0].permute(1, 0, 2)
     return (o, lse4[0]) if return_lse else o

@@ -419,13 +419,11 @@ class SdpaObserver(TorchFunctionMode):
         rng_state)``), or None: it stays on PyTorch's, reason counted."""
         reason = unsupported(call.q.transpose(0, 1)[None], call.k.transpose(0, 1)[None],
                              call.v.transpose(0, 1)[None], enable_gqa=True)
-        if reason is None and self.high_precision_delta:
-            reason = "the exact delta (switch_to='exact_delta') is not available for packed (varlen) calls"
         if reason is not None:
             self.count(NOT_APPLIED, reason)
             return None
         kw = dict(window=call.window, scale=call.scale, stabilize=self.stabilize, beta=self.beta, eps=self.eps,
-                  return_lse=True)
+                  return_lse=True, high_precision_delta=self.high_precision_delta)
         out = self._on_our_kernels(
             lambda: flash_attention_varlen(call.q, call.k, call.v, call.cu_seq_q, call.cu_seq_k, **kw))
         if out is None:

@@ -163,3 +163,56 @@ def test_each_tile_visits_exactly_the_keys_its_rows_may_see(window, same_lengths
                 n_whole += len(whole)
     if window[0] < 0:  # (a window under 16 keys leaves no tile whole)
         assert n_whole > 0
+
+
+def test_the_exact_delta_over_documents_and_with_the_log_sum_exp():
+    """``high_precision_delta`` on packed calls (the exact-delta switch serves varlen calls): the packed call's
+    gradients are each document's alone with the exact delta; with the log-sum-exp in the loss, the kernels'
+    own pre-pass gives what PyTorch's float32 O gives (``INSTABILITY_WATCH_HP_DELTA=pytorch``); and the shadow
+    statistics of a call whose loss reads its log-sum-exp are those of the same call without it (they compare
+    ``rowsum(dO * O)``, not delta with the lse's share)."""
+    import os
+    from unittest import mock
+
+    from instability_watch import Probe
+
+    q, k, v, do = _inputs(("exact_delta",))
+    cu = torch.tensor(CU, dtype=torch.int32)
+    packed = _fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu, causal=True, high_precision_delta=True,
+                                                             backend="triton"), q, k, v, do)
+    plain = _fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu, causal=True, backend="triton"), q, k, v, do)
+    as4 = (lambda t: t.permute(1, 0, 2).unsqueeze(0))
+    for d in range(len(CU) - 1):
+        sl = slice(CU[d], CU[d + 1])
+        alone = _fwd_bwd(lambda a, b, c: flash_attention(as4(a), as4(b), as4(c), causal=True, high_precision_delta=True,
+                                                         backend="triton")[0].permute(1, 0, 2),
+                         q[sl], k[sl], v[sl], do[sl])
+        for got, want in zip(packed[1:3], alone[1:3]):  # dQ, dK (dV takes no delta)
+            assert max_err(got[sl], want) <= 2 ** -6 * want.abs().max()
+    assert max_err(packed[1], plain[1]) > 0  # the exact delta changed dQ
+
+    w = torch.randn(H, CU[-1], generator=seeded("exact_delta_w")) * 4
+
+    def with_lse(a, b, c, probe=None, use_lse=True):
+        o, lse = flash_attention_varlen(a, b, c, cu, causal=True, high_precision_delta=probe is None,
+                                        probe=probe, backend="triton", return_lse=True)
+        return (o.float() * do.float()).sum() + ((lse * w).sum() if use_lse else 0)
+
+    grads = {}
+    for how in ("kernel", "pytorch"):
+        with mock.patch.dict(os.environ, {"INSTABILITY_WATCH_HP_DELTA": how}):
+            leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+            with_lse(*leaves).backward()
+            grads[how] = [x.grad.float() for x in leaves]
+    for got, want in zip(grads["kernel"], grads["pytorch"]):
+        assert max_err(got, want) <= 2 ** -7 * want.abs().max()
+
+    sums = []
+    for use_lse in (False, True):
+        probe = Probe(H)
+        probe.shadow = True
+        leaves = [x.detach().clone().requires_grad_(True) for x in (q, k, v)]
+        with_lse(*leaves, probe=probe, use_lse=use_lse).backward()
+        sums.append(probe.delta_err_sum.clone())
+    assert sums[0].abs().max() > 0
+    torch.testing.assert_close(sums[1], sums[0], rtol=1e-3, atol=1e-6)

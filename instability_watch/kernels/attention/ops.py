@@ -195,17 +195,18 @@ def _backward_impl(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, lse: Tensor, do: Tensor,
     attn_mask: Optional[Tensor], seed: Optional[Tensor], counts: Optional[Tensor], values: Optional[Tensor],
     causal: bool, scale: float, dropout_p: float, shadow: bool, mask_grad: bool, backend: str,
-    delta: Optional[Tensor] = None, delta_hp: bool = False, docs=None,
+    delta: Optional[Tensor] = None, delta_hp: bool = False, docs=None, dlse: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dmask)``; ``dmask`` is an empty tensor unless ``mask_grad``. ``delta_hp``
     (Triton only): the kernels compute the control's delta themselves. ``docs``: a packed call's
-    documents (Triton; the reference gets them as ``attn_mask``)."""
+    documents (Triton; the reference gets them as ``attn_mask``). ``dlse`` (Triton only; the reference
+    gets it inside ``delta``): the log-sum-exp's gradient, which the kernels take into delta."""
     shadow = shadow and counts is not None
     if backend == "triton":
         dq, dk, dv, dmask = _triton().attention_backward_lse2(
             q, k, v, o, lse, do, causal=causal, scale=scale, counts=counts, values=values, shadow=shadow,
             delta=delta, attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, mask_grad=mask_grad, delta_hp=delta_hp,
-            documents=docs,
+            documents=docs, dlse=dlse,
         )
     else:
         probe = Probe.from_buffers(counts, values) if shadow else None
@@ -233,18 +234,21 @@ def _backward(
         HIGH_PRECISION_DELTA_CALLS += 1
         # Triton: a pre-pass of the dQ kernel (about a forward's work); elsewhere, or with
         # INSTABILITY_WATCH_HP_DELTA=pytorch, O recomputed by PyTorch in float32 (an attention forward in float32)
-        in_kernel = (backend == "triton" and dlse is None
-                     and os.environ.get("INSTABILITY_WATCH_HP_DELTA", "kernel") != "pytorch")
+        in_kernel = backend == "triton" and os.environ.get("INSTABILITY_WATCH_HP_DELTA", "kernel") != "pytorch"
         if not in_kernel:
-            delta = delta_from_float32_o(q, k, v, do, attn_mask, seed, causal, scale, dropout_p)
-    if dlse is not None:
+            # a packed call's documents as a dense mask for PyTorch (the Triton kernels get them as ``docs``)
+            hp_mask = _documents(q, k, cu_q, cu_k, win_l, win_r, "reference")[1] if docs is not None else attn_mask
+            delta = delta_from_float32_o(q, k, v, do, hp_mask, seed, causal, scale, dropout_p)
+    if dlse is not None and backend != "triton":
         # the log-sum-exp's gradient: d lse_i / d S_ij = P_ij, so dS = P * (dP - (delta - dlse))
+        # (the Triton kernels take dlse themselves)
         if delta is None:
             cdt = torch.float64 if q.dtype == torch.float64 else torch.float32
             delta = (do.to(cdt) * o.to(cdt)).sum(dim=-1)
         delta = delta - dlse.reshape(delta.shape).to(delta.dtype)
+        dlse = None
     return _backward_impl(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow,
-                          mask_grad, backend, delta, in_kernel, docs)
+                          mask_grad, backend, delta, in_kernel, docs, dlse)
 
 
 attention_bwd = torch.library.custom_op("instability_watch::attention_bwd", _backward, mutates_args=("counts", "values"))

@@ -361,7 +361,7 @@ def attention_backward_lse2(
     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
     mask_grad: bool = False, fused: Optional[bool] = None, config_fused=None,
     split: Optional[bool] = None, config_dk=None, config_dv=None, gluon: Optional[bool] = None,
-    delta_hp: bool = False, documents: Optional[Documents] = None,
+    delta_hp: bool = False, documents: Optional[Documents] = None, dlse: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the backward. Two ways, with the same results up to float32 summation order.
 
@@ -397,7 +397,9 @@ def attention_backward_lse2(
     ``delta`` (B, H, N) float32, if given, replaces ``rowsum(dO * O)``; ``delta_hp`` (the paper's
     control, not with ``delta``) replaces it with ``rowsum(dO * O_hp)``, ``O_hp = PV`` with ``P``
     unrounded in float32, from a pre-pass of the dQ kernel (``DELTA_HP_ONLY``: the scores and
-    ``dO V^T`` again, about a forward's work). Returns
+    ``dO V^T`` again, about a forward's work). ``dlse`` (B, H, N), the gradient of the rows' natural-log
+    log-sum-exp (0 on rows without keys), enters delta: ``dS = P * (dP - (delta - dlse))``; the dQ kernel
+    subtracts it where it computes delta, and the shadow statistics still compare ``rowsum(dO * O)``. Returns
     ``(dq, dk, dv, dmask)``; ``dmask`` (an additive mask's gradient, in its shape and
     dtype) only if ``mask_grad``, else None.
     """
@@ -409,10 +411,17 @@ def attention_backward_lse2(
     if delta_hp and delta is not None:
         raise ValueError("delta_hp=True computes delta itself: pass no delta with it")
     delta_from_o = delta is None and not delta_hp
+    if dlse is not None:
+        dlse = dlse.to(torch.float32).reshape(B, H, N).contiguous()
+        if delta_from_o and D == 256 and gluon is not False:  # the Gluon dQ computes delta itself: here, then
+            delta = (o.float() * do.float()).sum(dim=-1)
+            delta_from_o = False
     if delta is None:
         delta = torch.empty((B, H, N), dtype=torch.float32, device=q.device)
     else:
         delta = delta.to(torch.float32).contiguous()
+        if dlse is not None and not delta_hp:
+            delta = delta - dlse  # a given delta (or the one just computed) takes the lse's share here
     dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
     mask = documents if documents is not None else _MaskArgs(attn_mask, B, H, N, n_kv)
     mask_grad = mask_grad and mask.kind == MASK_ADD
@@ -423,7 +432,7 @@ def attention_backward_lse2(
         ranges, r_strides = mask.rows(cfg.block_m, cfg.block_n) if mask.kind else (None, (0, 0, 0))
         launch_dq(
             (cdiv(N, cfg.block_m), B * H),
-            (q, k, v, o, do, lse2, delta, dq, None, None, mask.tensor, ranges, seed, None),
+            (q, k, v, o, do, lse2, delta, dq, None, None, mask.tensor, ranges, seed, None, None),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
              *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale_of(mask.kind, scale), scale,
              drop_thr, drop_scale),
@@ -432,6 +441,8 @@ def attention_backward_lse2(
                  MASK_GRAD=False, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  DOT_PRECISION=precision, DELTA_HP_ONLY=True, **cfg.options()),
         )
+        if dlse is not None:
+            delta.sub_(dlse)
     shadow = shadow and counts is not None
     if fused is None:
         fused = (seed is not None and head_dim <= 128
@@ -465,6 +476,8 @@ def attention_backward_lse2(
                 (*o.stride()[:3], *do.stride()[:3], H, N, D),
                 dict(HEAD_DIM=head_dim, BLOCK_M=bm, num_warps=4, num_stages=1),
             )
+            if dlse is not None:
+                delta.sub_(dlse)
         dq_acc = torch.zeros((B, H, N, D), dtype=torch.float32, device=q.device)
         dkdv(launch_config("fused", head_dim, q.dtype, override=config_fused), dq_acc)
         dq.copy_(dq_acc)
@@ -484,13 +497,13 @@ def attention_backward_lse2(
         ranges, r_strides = mask.rows(block_m, block_n) if mask.kind else (None, (0, 0, 0))
         launch_dq(
             (cdiv(N, block_m), B * H),
-            (q, k, v, o, do, lse2, delta, dq, counts, values, mask.tensor, ranges, seed, dmask),
+            (q, k, v, o, do, lse2, delta, dq, counts, values, mask.tensor, ranges, seed, dmask, dlse),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
              *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
             dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, MASK_KIND=mask.kind,
                  WHOLE_TILES=_whole_tiles(mask.kind, causal), DROPOUT=seed is not None,
                  MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
-                 BLOCK_N=block_n, DOT_PRECISION=precision, **cfg.options()),
+                 BLOCK_N=block_n, DOT_PRECISION=precision, HAS_DLSE=dlse is not None, **cfg.options()),
         )
     want = gluon
     if want is None:

@@ -233,7 +233,7 @@ def _dq_inner(
 
 @triton.jit
 def attn_bwd_dq(
-    Q, K, V, O, DO, LSE2, Delta, DQ, Counts, Values, Mask, Ranges, Seed, DMask,
+    Q, K, V, O, DO, LSE2, Delta, DQ, Counts, Values, Mask, Ranges, Seed, DMask, DLse,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
     stride_mb, stride_mh, stride_mn, stride_mk, stride_rb, stride_rh, stride_rm,
@@ -242,11 +242,14 @@ def attn_bwd_dq(
     CAUSAL: tl.constexpr, SHADOW: tl.constexpr, DELTA_FROM_O: tl.constexpr,
     MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DELTA_HP_ONLY: tl.constexpr = False,
+    HAS_DLSE: tl.constexpr = False,
 ):
     """One query block: delta = rowsum(dO * O) (stored for the dK/dV kernel, launched after this
     one), dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta.
 
     With ``DELTA_FROM_O`` off, delta is read from ``Delta`` instead (a caller-supplied delta).
+    With ``HAS_DLSE``, ``DLse`` (B, H, N) float32 is the log-sum-exp's gradient: subtracted from the delta
+    computed from O (a read delta already has it subtracted), and added back for the shadow statistics.
     With ``DELTA_HP_ONLY`` (the paper's control, a pre-pass), only delta_hp = rowsum(P * dP) =
     rowsum(dO * O_hp) is computed, P unrounded in float32, and stored into ``Delta``: no dQ.
     """
@@ -269,7 +272,10 @@ def attn_bwd_dq(
         # loop wants, where a direct use had the compiler convert the broadcast 2-D
         # delta[:, None] instead, a tile of registers live through the loop.
         o = tl.load(O + off_b * stride_ob + off_h * stride_oh + offs_m[:, None] * stride_on + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
-        tl.store(Delta + off_bh * N_Q + offs_m, tl.sum(o.to(tl.float32) * do.to(tl.float32), 1), mask=m_ok)
+        d_o = tl.sum(o.to(tl.float32) * do.to(tl.float32), 1)
+        if HAS_DLSE:  # the log-sum-exp's gradient enters delta: dS = P * (dP - (delta - dlse))
+            d_o -= tl.load(DLse + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
+        tl.store(Delta + off_bh * N_Q + offs_m, d_o, mask=m_ok)
         tl.debug_barrier()
     if DELTA_HP_ONLY:
         delta = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -327,6 +333,8 @@ def attn_bwd_dq(
             live = m_ok & (logl < float("inf"))  # rows that see a key
         else:
             live = m_ok & (lse2 < float("inf"))
+        if HAS_DLSE:  # the shadow compares rowsum(dO * O) itself: the lse's share added back
+            delta += tl.load(DLse + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
         err = tl.where(live, delta - delta_hp, 0.0)
         tl.atomic_add(Values + V_DSUM * H + off_h, tl.sum(err, 0), sem="relaxed")
         tl.atomic_add(Values + V_DABS * H + off_h, tl.sum(tl.abs(err), 0), sem="relaxed")
