@@ -41,6 +41,7 @@ def main() -> int:
         raise SystemExit("flex_switch_speed.py needs a CUDA GPU (FlexAttention trains on CUDA only)")
     from torch.nn.attention import flex_attention as fa
 
+    import instability_watch.kernels.attention.triton as ta
     from instability_watch import InstabilityWatch, WatchConfig
     from instability_watch.model.layer import AttentionLayer
 
@@ -94,7 +95,14 @@ def main() -> int:
         torch._dynamo.reset()
         plain.recompile()
         switched.recompile()
-        variants = {"flex": lambda: plain(q, k, v, block), "switched": lambda: switched(q, k, v, block)}
+        def run_switched(expand: bool):
+            def call():
+                ta.GQA_EXPAND = expand  # read by this call's backward (the variants set it each call)
+                return switched(q, k, v, block)
+            return call
+
+        variants = {"flex": lambda: plain(q, k, v, block), "switched": run_switched(False),
+                    "switched, dK/dV per query head": run_switched(True)}
         results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}
         for r in range(args.rounds):
             for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
@@ -115,11 +123,11 @@ def main() -> int:
     print(f"B {B}, N {N}, H {H}/{KV}, D {D}, window {w}, {len(lengths)} documents, {device_name(dev)}")
     if cov.not_applied:
         print(f"NOT APPLIED (the switched rows below are FlexAttention's): {cov.not_applied}")
-    print(f"{'mask':<10} {'variant':<10} {'fwd ms':>8} {'fwd+bwd ms':>11} {'flex/ours fwd':>14} {'flex/ours f+b':>14}")
+    print(f"{'mask':<10} {'variant':<32} {'fwd ms':>8} {'fwd+bwd ms':>11} {'flex/ours fwd':>14} {'flex/ours f+b':>14}")
     for mask, by in table.items():
         base = by["flex"]
         for name, t in by.items():
-            print(f"{mask:<10} {name:<10} {t['fwd']:8.3f} {t['fwd+bwd']:11.3f} {base['fwd'] / t['fwd']:14.3f} "
+            print(f"{mask:<10} {name:<32} {t['fwd']:8.3f} {t['fwd+bwd']:11.3f} {base['fwd'] / t['fwd']:14.3f} "
                   f"{base['fwd+bwd'] / t['fwd+bwd']:14.3f}")
     return 0
 

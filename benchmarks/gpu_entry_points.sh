@@ -17,12 +17,12 @@ run() {  # name, seconds, command...
     echo "$name rc $? ($((SECONDS - t0)) s)" | tee -a "$out/status.txt"
 }
 run tests 200 python -m pytest -q -p no:cacheprovider tests/observe/test_entry_points_gpu.py tests/observe/test_switch_acts.py tests/callbacks/test_hf_trainer_gpu.py -rs
-run varlen_speed 75 python benchmarks/varlen_speed.py --rounds 3 --json "$out/varlen_speed.json" --profile "$out/profile"
-run flex_switch_speed 130 python benchmarks/flex_switch_speed.py --rounds 3 --json "$out/flex_switch_speed.json" --profile "$out/profile"
-run overhead ${IW_OVERHEAD_S:-120} python benchmarks/observer_overhead.py --models ${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen} --rounds 2 \
+run varlen_speed 90 python benchmarks/varlen_speed.py --rounds 3 --json "$out/varlen_speed.json" --profile "$out/profile"
+run flex_switch_speed 165 python benchmarks/flex_switch_speed.py --rounds 3 --json "$out/flex_switch_speed.json" --profile "$out/profile"
+run overhead ${IW_OVERHEAD_S:-100} python benchmarks/observer_overhead.py --models ${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen} --rounds 2 \
     --json "$out/overhead.json"
 echo "=== tests"; tail -n 15 "$out/tests.log"
-echo "=== varlen_speed"; grep -h "^profile" "$out/varlen_speed.log"; tail -n 5 "$out/varlen_speed.log" | grep -v "^profile"
-echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"; tail -n 9 "$out/flex_switch_speed.log"
+echo "=== varlen_speed"; grep -h "^profile" "$out/varlen_speed.log"; tail -n 6 "$out/varlen_speed.log" | grep -v "^profile"
+echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"; tail -n 12 "$out/flex_switch_speed.log"
 echo "=== overhead"; tail -n 12 "$out/overhead.log"
 echo "=== status"; cat "$out/status.txt"

@@ -62,10 +62,19 @@ def main() -> int:
         def theirs():
             return varlen_attn(q, k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1), cu, cu, max_len,
                                max_len, window_size=(-1, 0))
+    import instability_watch.kernels.attention.triton as ta
+
+    def ours(expand: bool = False, **kw):
+        def call():
+            ta.GQA_EXPAND = expand  # read by this call's backward (the variants set it each call)
+            return flash_attention_varlen(q, k, v, cu, causal=True, **kw)
+        return call
+
     variants = {
         "varlen_attn": theirs,
-        "ours": lambda: flash_attention_varlen(q, k, v, cu, causal=True),
-        "ours, every head stabilized": lambda: flash_attention_varlen(q, k, v, cu, causal=True, stabilize=stab),
+        "ours": ours(),
+        "ours, every head stabilized": ours(stabilize=stab),
+        "ours, dK/dV per query head": ours(expand=True),  # GQA_EXPAND: off by default until measured
     }
 
     results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}

@@ -398,6 +398,37 @@ def test_the_mask_pre_pass_gives_each_tile_its_span_and_its_whole_tiles(kind):
     assert (n_whole > 0) == (kind != "additive")
 
 
+@pytest.mark.parametrize("kind", ["causal", "mask", "dropout", "split"])
+def test_gqa_expand_spreads_dkdv_over_query_heads_with_the_same_gradients(kind, monkeypatch):
+    """``GQA_EXPAND`` (the dK/dV kernel run per query head, its shares summed per group afterwards): dQ bit for bit,
+    dK and dV equal up to the float32 summation order (well under one BF16 rounding), for causal calls, a boolean
+    mask with whole tiles, dropout (the fused backward) and the split dK/dV passes."""
+    import instability_watch.kernels.attention.triton as ta
+
+    H, h_kv, N = 4, 2, 70
+    q, k, v, do = _inputs(("gqa expand", kind), 2, H, h_kv, N, 32)
+    mask = _whole_tile_masks(N)["sliding"] if kind == "mask" else None
+    outs, grids = {}, []
+    launch = ta.launch_dkdv
+    monkeypatch.setattr(ta, "launch_dkdv", lambda grid, *args: grids.append(grid) or launch(grid, *args))
+    for expand in (False, True):
+        monkeypatch.setattr(ta, "GQA_EXPAND", expand)
+        if kind == "split":
+            monkeypatch.setattr(ta, "has_launch_config", lambda *a: True)
+        g = torch.Generator().manual_seed(3)
+        outs[expand] = run_fwd_bwd(lambda a, b, c: flash_attention(
+            a, b, c, causal=mask is None, attn_mask=mask, dropout_p=0.2 if kind == "dropout" else 0.0, generator=g,
+            backend="triton"), q, k, v, do, torch.bfloat16)
+    (o0, dq0, dk0, dv0), (o1, dq1, dk1, dv1) = outs[False], outs[True]
+    passes = len(grids) // 2  # the dK/dV programs: per K/V head, then per query head
+    assert [g[1] for g in grids] == [2 * h_kv] * passes + [2 * H] * passes
+    assert torch.equal(o0, o1)
+    if kind != "dropout":  # (the fused backward's dQ atomics add in another order)
+        assert torch.equal(dq0, dq1)
+    for a, b in ((dk0, dk1), (dv0, dv1)):
+        assert max_err(a, b) <= 2 ** -8 * b.abs().max()
+
+
 def test_additive_mask_gets_its_gradient():
     H = 2
     q, k, v, do = _inputs(("bias grad",), 2, H, 1, 21, 16, dtype=torch.float32, n_kv=29)

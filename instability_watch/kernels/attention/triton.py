@@ -60,6 +60,10 @@ launch_ranges = Launcher(mask_ranges)
 
 TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
 
+# The dK/dV kernel's grouped-query mode (attention_backward_lse2's ``gqa_expand``): off until measured on the GPU
+# (benchmarks/varlen_speed.py and flex_switch_speed.py time it as a variant).
+GQA_EXPAND = False
+
 
 class _MaskArgs:
     """The call's mask as the kernels read it: kind, pointer and strides, and each tile's ranges (pre-passes)."""
@@ -362,6 +366,7 @@ def attention_backward_lse2(
     mask_grad: bool = False, fused: Optional[bool] = None, config_fused=None,
     split: Optional[bool] = None, config_dk=None, config_dv=None, gluon: Optional[bool] = None,
     delta_hp: bool = False, documents: Optional[Documents] = None, dlse: Optional[torch.Tensor] = None,
+    gqa_expand: Optional[bool] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the backward. Two ways, with the same results up to float32 summation order.
 
@@ -399,7 +404,10 @@ def attention_backward_lse2(
     unrounded in float32, from a pre-pass of the dQ kernel (``DELTA_HP_ONLY``: the scores and
     ``dO V^T`` again, about a forward's work). ``dlse`` (B, H, N), the gradient of the rows' natural-log
     log-sum-exp (0 on rows without keys), enters delta: ``dS = P * (dP - (delta - dlse))``; the dQ kernel
-    subtracts it where it computes delta, and the shadow statistics still compare ``rowsum(dO * O)``. Returns
+    subtracts it where it computes delta, and the shadow statistics still compare ``rowsum(dO * O)``.
+    ``gqa_expand`` (grouped-query calls; None: :data:`GQA_EXPAND`): the dK/dV kernel runs a program per query
+    head instead of per K/V head (H / H_kv times the programs, each 1 / (H / H_kv) of the work: for calls whose
+    K/V tiles alone do not fill the GPU), its shares summed over each group afterwards in float32. Returns
     ``(dq, dk, dv, dmask)``; ``dmask`` (an additive mask's gradient, in its shape and
     dtype) only if ``mask_grad``, else None.
     """
@@ -453,20 +461,34 @@ def attention_backward_lse2(
         raise ValueError("gluon=True with a fused backward: the Gluon kernel serves only the two-kernel backward's dK/dV")
     qk_scale = qk_scale_of(mask.kind, scale)
 
+    expand = (GQA_EXPAND if gqa_expand is None else gqa_expand) and h_kv < H
+
     def dkdv(cfg: LaunchConfig, dq_acc: Optional[torch.Tensor], part: int = 0) -> None:
         """The dK/dV kernel; with ``dq_acc`` (B, H, N, D) float32, the fused backward's (dQ added there);
-        ``part`` 1 or 2: dK or dV alone."""
+        ``part`` 1 or 2: dK or dV alone. With ``expand`` (GQA): a program per query head, its dK/dV shares in
+        float32 (B, H, N_kv, D) buffers summed over each group here."""
         ranges, r_strides = mask.cols(cfg.block_n, cfg.block_m) if mask.kind else (None, (0, 0, 0))
+        heads, kv_div, out_k, out_v = h_kv, 1, dk, dv
+        if expand:  # (a pass that computes only one of them leaves the other buffer unwritten: one serves both)
+            heads, kv_div = H, H // h_kv
+            out_k = out_v = torch.empty((B, H, n_kv, D), dtype=torch.float32, device=q.device)
+            if part == 0:
+                out_v = torch.empty_like(out_k)
         launch_dkdv(
-            (cdiv(n_kv, cfg.block_n), B * h_kv),
-            (q, k, v, do, lse2, delta, dk, dv, dq_acc, mask.tensor, ranges, seed),
-            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *dk.stride()[:3], *dv.stride()[:3],
-             *mask.strides, *r_strides, H, h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
+            (cdiv(n_kv, cfg.block_n), B * heads),
+            (q, k, v, do, lse2, delta, out_k, out_v, dq_acc, mask.tensor, ranges, seed),
+            (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *out_k.stride()[:3],
+             *out_v.stride()[:3], *mask.strides, *r_strides, H, heads, kv_div,
+             N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
             dict(CAUSAL=causal, MASK_KIND=mask.kind, WHOLE_TILES=_whole_tiles(mask.kind, causal),
                  DROPOUT=seed is not None, FUSED_DQ=dq_acc is not None,
                  HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
                  PART=part, **cfg.options()),
         )
+        if expand:
+            for want, out, grad in ((part != 2, out_k, dk), (part != 1, out_v, dv)):
+                if want:
+                    grad.copy_(out.view(B, h_kv, H // h_kv, n_kv, D).sum(dim=2))
 
     if fused:
         if delta_from_o:

@@ -107,7 +107,7 @@ def attn_bwd_dkdv(
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     stride_mb, stride_mh, stride_mn, stride_mk, stride_rb, stride_rh, stride_rm,
-    H, H_KV, N_Q, N_KV, D, lse_plane,
+    H, H_KV, KV_DIV, N_Q, N_KV, D, lse_plane,
     qk_scale, scale, drop_thr, drop_scale,
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr,
     FUSED_DQ: tl.constexpr,
@@ -119,6 +119,10 @@ def attn_bwd_dkdv(
     ``PART`` 0 computes both; 1 only dK, 2 only dV (the split backward: two launches, each
     with one float32 accumulator, where two would not fit the registers; D = 256).
 
+    ``KV_DIV`` > 1 (grouped-query attention spread over more programs): the launch passes ``H_KV = H``, each
+    program serves one query head, reads K/V head ``head // KV_DIV`` and writes that query head's share of
+    dK/dV into (B, H, N_KV, D) buffers, which the host sums over each group.
+
     With ``FUSED_DQ`` (the fused backward, FA2's), also each query block's share of dQ,
     added into ``DQacc`` (B, H, N, D) float32 with atomics: five products per tile where the
     two-kernel backward takes seven, and dropout's bits generated once, not twice. The order
@@ -129,8 +133,9 @@ def attn_bwd_dkdv(
     offs_n, offs_m0, offs_d = _tile_offsets(start_n, BLOCK_N, BLOCK_M, HEAD_DIM)
     d_ok = offs_d[None, :] < D
     kv_mask = (offs_n[:, None] < N_KV) & d_ok
-    k = tl.load(K + off_b * stride_kb + off_hk * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-    v = tl.load(V + off_b * stride_vb + off_hk * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+    kv_h = off_hk // KV_DIV  # the K/V head (KV_DIV > 1: one program per query head, dK/dV per query head)
+    k = tl.load(K + off_b * stride_kb + kv_h * stride_kh + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+    v = tl.load(V + off_b * stride_vb + kv_h * stride_vh + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
 
