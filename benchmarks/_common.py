@@ -66,16 +66,19 @@ def cuda_ms(fn, iters: int, grad: Optional[torch.Tensor] = None) -> float:
     return start.elapsed_time(end) / iters
 
 
-def profile_calls(fn, grad, path: str, title: str, calls: int = 5) -> None:
-    """Kernel table of ``calls`` forward + backward calls of ``fn`` (CUDA time, largest first) to ``path``; the
-    busiest kernels and the GPU-busy fraction of the wall time printed."""
+def profile_calls(fn, grad, folder: str, title: str, calls: int = 5) -> None:
+    """Kernel table of ``calls`` forward + backward calls of ``fn`` (CUDA time, largest first) to
+    ``folder/profile_<title>.txt`` (the title's characters other than letters, digits and ``_.-`` made ``_``); the
+    busiest kernels and the GPU-busy time printed."""
     import os
+    import re
     import time
 
     from torch.profiler import ProfilerActivity
     from torch.profiler import profile as torch_profile
 
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    os.makedirs(folder, exist_ok=True)
+    path = os.path.join(folder, "profile_" + re.sub(r"[^A-Za-z0-9_.-]+", "_", title) + ".txt")
     for _ in range(2):
         fn().backward(grad)
     torch.cuda.synchronize()

@@ -112,7 +112,7 @@ def main() -> int:
         raw[mask] = results
         if args.profile:
             for name, fn in variants.items():
-                profile_calls(fn, do, f"{args.profile}/profile_{mask}_{name}.txt", f"{mask} {name}")
+                profile_calls(fn, do, args.profile, f"{mask} {name}")
         table[mask] = {name: {kind: statistics.median(ms) for kind, ms in by.items()} for name, by in results.items()}
     (cov,) = watch.coverage()
     watch.detach()

@@ -26,3 +26,5 @@ echo "=== varlen_speed"; grep -h "^profile" "$out/varlen_speed.log"; tail -n 6 "
 echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"; tail -n 12 "$out/flex_switch_speed.log"
 echo "=== overhead"; tail -n 12 "$out/overhead.log"
 echo "=== status"; cat "$out/status.txt"
+# the profiles as one file (the device tool brings back a limited number of files)
+if [ -d "$out/profile" ]; then tar -czf "$out/profiles.tgz" -C "$out" profile && rm -rf "$out/profile"; fi

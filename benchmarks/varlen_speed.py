@@ -90,7 +90,7 @@ def main() -> int:
     table = {name: {kind: statistics.median(ms) for kind, ms in by.items()} for name, by in results.items()}
     if args.profile:
         for name, fn in variants.items():
-            profile_calls(fn, do, f"{args.profile}/profile_{name.replace(' ', '_').replace(',', '')}.txt", name)
+            profile_calls(fn, do, args.profile, name)
     if args.json:
         write_json(args.json, {"device": device_name(dev), "torch": torch.__version__, "documents": lengths,
                                "shape": [T, H, KV, D], "rounds": results, "median_ms": table})
