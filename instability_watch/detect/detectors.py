@@ -36,7 +36,8 @@ class Alert:
         threshold: what it was compared against.
         message: one plain sentence.
         layer_name: the layer's module name.
-        action: ``"reported"`` or ``"switched to the stabilized kernel"``.
+        action: what was done: ``"reported"``, ``"switched to the stabilized kernel"`` (or ``"... the exact
+            delta"``), ``"already on ..."``, or QK-clip's.
     """
 
     step: int

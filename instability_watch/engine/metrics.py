@@ -50,7 +50,8 @@ def derive_metrics(
         raw: :meth:`~instability_watch.engine.ring.RingColumns.unpack` of the step's row.
         pad: ``(L, H_max)`` True where a layer has fewer heads.
         delta_cum: the running ``sum(delta_lp - delta_hp)`` before this step.
-        stabilized: ``(L, H_max)`` 1 where the head runs the stabilized kernel.
+        stabilized: ``(L, H_max)`` 1 where the head's switch is applied (the stabilized kernel, or with
+            ``switch_to="exact_delta"`` its layer's exact delta).
 
     Returns:
         ``(metrics, delta_cum, broken)``: the :data:`METRICS` plus ``nonfinite``

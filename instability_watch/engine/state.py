@@ -6,6 +6,7 @@ returns what :func:`restore` then applies. Version :data:`STATE_VERSION`.
 """
 from __future__ import annotations
 
+import logging
 from typing import List
 
 import numpy as np
@@ -15,6 +16,7 @@ from instability_watch.act.events import Event
 from instability_watch.detect.detectors import Alert, build_detectors
 from instability_watch.probe.fields import CALL_FIELDS
 from instability_watch.probe.spectral import SpectralNorms
+from instability_watch.ranks import log_rank_zero
 
 STATE_VERSION = 2
 
@@ -34,6 +36,7 @@ def save(watch) -> dict:
         "layers": list(watch.layer_names),
         "heads": list(watch.head_counts),
         "switched": [[l, h, s] for (l, h), s in sorted(watch.switched.items())],
+        "switch_to": watch.config.switch_to,
         "delta_cum": watch.builder.delta_cum.tolist() if watch.head_counts else [],
         "detectors": {k: d.state_dict() for k, d in watch.detectors.items()},
         "spectral": watch.spectral.state_dict(),
@@ -87,6 +90,7 @@ def parse(watch, state) -> dict:
 
     shape = watch.shape
     out["switched"] = heads("switched", need("switched"))
+    out["switch_to"] = state.get("switch_to", "stabilized")  # states saved before switch_to: the stabilized kernel
     clip = state.get("qk_clip", {"enabled": [], "counts": []})  # states saved before qk_clip have none
     if not isinstance(clip, dict):
         raise ValueError("InstabilityWatch state: 'qk_clip' must be a dict")
@@ -147,6 +151,10 @@ def restore(watch, parsed: dict) -> None:
     """Apply a :func:`parse`'d state to ``watch`` (nothing here raises)."""
     watch.step_count = parsed["step"]
     watch.switchboard.restore(parsed["switched"])
+    if parsed["switched"] and parsed["switch_to"] != watch.config.switch_to:
+        log_rank_zero(logging.WARNING, "instability_watch: the state's %d switched heads were switched to %s; this "
+                      "watch's WatchConfig.switch_to is %r, so from now on they run that way",
+                      len(parsed["switched"]), parsed["switch_to"], watch.config.switch_to)
     watch.builder.delta_cum = parsed["delta_cum"]
     for kind, d in watch.detectors.items():
         if kind in parsed["detectors"]:

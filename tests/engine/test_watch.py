@@ -72,7 +72,7 @@ def test_end_to_end_near_ties_alert_switch_and_drift_flattens():
     assert cov.kernel_calls == 80 - first_read_back
 
 
-def test_switch_to_exact_delta_puts_the_layer_on_the_exact_delta():
+def test_switch_to_exact_delta_puts_the_layer_on_the_exact_delta(caplog):
     """``switch_to="exact_delta"``: an alerted head's layer runs our standard kernel with the backward's delta from
     a float32 O (the paper's control): no head stabilized, the alert says so, the gradients are those of
     ``flash_attention(..., high_precision_delta=True)`` (not of the ordinary delta), and a resumed watch keeps it."""
@@ -118,6 +118,15 @@ def test_switch_to_exact_delta_puts_the_layer_on_the_exact_delta():
     resumed.load_state_dict(state)
     (site,) = resumed.observation.sites
     assert site.high_precision_delta and resumed.observation.stabilized() == [[False] * 4]
+    # restored into a watch that switches the other way: its switches run that way, and it says so once
+    other_model = TiedAttention()
+    other = InstabilityWatch(other_model, WatchConfig(auto_switch=True, **E2E), layers=other_model.layers())
+    with caplog.at_level(logging.WARNING, logger="instability_watch"):
+        other.load_state_dict(state)
+    assert other.observation.stabilized() == [[True, True, False, False]]
+    assert [r.getMessage() for r in caplog.records if "were switched to exact_delta" in r.getMessage()] == [
+        "instability_watch: the state's 2 switched heads were switched to exact_delta; this watch's "
+        "WatchConfig.switch_to is 'stabilized', so from now on they run that way"]
     with pytest.raises(ValueError, match="switch_to must be 'stabilized' or 'exact_delta', got 'exact'"):
         WatchConfig(switch_to="exact")
 

@@ -197,8 +197,9 @@ class SummaryView:
         alerted = int((summary["alerts"] > 0).sum()) if len(summary) else 0
         switched = int(summary["switched_at"].notna().sum()) if len(summary) else 0
         text.append(f"\nalerts: {n_alerts} on {alerted} of {len(summary)} heads", style="bold red" if n_alerts else "")
-        text.append(f", switched to the stabilized kernel: {switched} heads",
-                    style="bold green" if switched else "")
+        switch_to = (run.meta.get("config") or {}).get("switch_to", "stabilized")
+        text.append(f", switched to {'the exact delta' if switch_to == 'exact_delta' else 'the stabilized kernel'}: "
+                    f"{switched} heads", style="bold green" if switched else "")
         clipped = summary[summary["qk_clips"] > 0] if len(summary) else summary
         if len(clipped):
             text.append(f"\nQK-clip: {int(clipped['qk_clips'].sum())} clips on {len(clipped)} heads, the first at step "
