@@ -101,9 +101,10 @@ MODELS: Dict[str, RealModel] = {
 }
 
 
-def train(spec, steps: int, config=None):
+def train(spec, steps: int, config=None, setup=None):
     """``steps`` AdamW steps of ``spec`` (a RealModel or a Family) under CPU bf16 autocast from seed 0,
-    watched with ``config`` if given; returns ``(model, losses, watch, metrics read back)``."""
+    watched with ``config`` if given (``setup(watch)`` called before the first step); returns
+    ``(model, losses, watch, metrics read back)``."""
     from instability_watch import InstabilityWatch
 
     torch.manual_seed(0)
@@ -113,6 +114,8 @@ def train(spec, steps: int, config=None):
     watch = None
     if config is not None:
         watch = InstabilityWatch(model, config, listeners=[lambda r: metrics.extend(r.metrics)])
+        if setup is not None:
+            setup(watch)
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3)
     g = torch.Generator().manual_seed(1)
     losses = []
