@@ -13,6 +13,7 @@ import datetime
 import json
 import math
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -25,8 +26,8 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(1, str(EXAMPLES))
 
 __all__ = [
-    "DIVERGENCE_JUMP", "ExplosionDetector", "bench", "command", "device_name", "explosion_step", "header",
-    "profile_calls", "sync",
+    "DIVERGENCE_JUMP", "ExplosionDetector", "StepTimes", "bench", "step_cost", "command", "device_name", "explosion_step",
+    "header", "profile_calls", "sync",
     "warm_gpu", "write_json",
 ]
 
@@ -109,6 +110,88 @@ def synced_clock() -> float:
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     return time.perf_counter()
+
+
+class StepTimes:
+    """Each training step's duration, from a mark at every step's start: the watch's cost step by step.
+
+    ``mark(step)`` at the start of optimizer step ``step`` (counting from 1, as the watch does) records a
+    CUDA event on the current stream (host stalls show as gaps between events), or the host clock without
+    CUDA; steps ``skip + 1`` to ``stop`` are marked. The steps between the watch's probe and read-back
+    steps (``config``'s cadence) run exactly the unwatched code, so :meth:`summary` gives
+
+    * ``other_ms``: the median duration of the steps that are neither probe, spectral nor read-back steps
+      of ``config`` (the same steps in an unwatched fit, so the two medians compare like with like);
+    * with ``watched``: ``share``, what the probe, spectral and read-back steps took beyond ``other_ms``
+      over the time of all the steps; ``probe_extra_ms`` (median) and ``read_back_extra_ms`` (each).
+
+    A watched fit's cost estimate is then ``other_ms(unwatched) / other_ms(watched) * (1 - share)``.
+    """
+
+    def __init__(self, skip: int, stop: int, config) -> None:
+        from instability_watch.engine.cadence import Cadence
+
+        self.skip, self.stop, self.cadence = skip, stop, Cadence(config)
+        self.cuda = torch.cuda.is_available()
+        self.marks = []  # (step about to run, CUDA event or perf_counter seconds)
+
+    def mark(self, step: int) -> None:
+        if not self.skip < step <= self.stop:
+            return
+        if self.cuda:
+            ev = torch.cuda.Event(enable_timing=True)
+            ev.record()
+            self.marks.append((step, ev))
+        else:
+            self.marks.append((step, time.perf_counter()))
+
+    def durations(self) -> list:
+        """``[(step, milliseconds)]`` for each marked step followed by a mark (waits for the device)."""
+        if self.cuda:
+            torch.cuda.synchronize()
+            ms = lambda a, b: a.elapsed_time(b)  # noqa: E731
+        else:
+            ms = lambda a, b: 1e3 * (b - a)  # noqa: E731
+        return [(s, ms(a, b)) for (s, a), (_, b) in zip(self.marks, self.marks[1:])]
+
+    def summary(self, watched: bool) -> dict:
+        steps = self.durations()
+        c = self.cadence
+        special = {s for s, _ in steps if c.recorded(s) or c.read_back(s)}
+        other = [ms for s, ms in steps if s not in special]
+        if not other:
+            return {"other_ms": None, "steps": len(steps)}
+        base = statistics.median(other)
+        out = {"other_ms": base, "steps": len(steps), "other_steps": len(other)}
+        if watched:
+            probe = [ms - base for s, ms in steps if c.recorded(s)]
+            out.update(
+                share=sum(ms - base for s, ms in steps if s in special) / sum(ms for _, ms in steps),
+                probe_extra_ms=statistics.median(probe) if probe else None,
+                read_back_extra_ms=[round(ms - base, 3) for s, ms in steps if c.read_back(s) and not c.recorded(s)])
+        return out
+
+
+def step_cost(rounds: Sequence[dict]) -> dict:
+    """The watch's cost over rounds of a watched and an unwatched fit, each round a dict with ``watched`` and
+    ``unwatched`` steps/s and ``watched_steps`` / ``unwatched_steps`` (:meth:`StepTimes.summary`): the
+    whole-fit ratio and the step-time estimate, each as the median with its range."""
+    def spread(xs):
+        xs = [x for x in xs if x is not None]
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
+
+    fit = [r["watched"] / r["unwatched"] for r in rounds if r.get("watched") and r.get("unwatched")]
+    other, share = [], []
+    for r in rounds:
+        w, u = r.get("watched_steps") or {}, r.get("unwatched_steps") or {}
+        if w.get("other_ms") and u.get("other_ms"):
+            other.append(u["other_ms"] / w["other_ms"])
+        if w.get("share") is not None:
+            share.append(w["share"])
+    out = {"fit_ratio": spread(fit), "other_step_ratio": spread(other), "share": spread(share)}
+    if other and share:
+        out["estimate"] = statistics.median(other) * (1 - statistics.median(share))
+    return out
 
 
 def warm_gpu(seconds: float = 1.0) -> None:

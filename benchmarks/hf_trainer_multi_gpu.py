@@ -44,7 +44,7 @@ from pathlib import Path
 def parse_args(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--out", default="runs/hf_trainer_multi_gpu")
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=200, help="optimizer steps of each timed run")
     ap.add_argument("--skip", type=int, default=20, help="steps of each timed run left out of its timing")
     ap.add_argument("--ckpt-step", type=int, default=60, help="the checkpointed run's length")
@@ -82,7 +82,7 @@ from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback
 from instability_watch import WatchConfig  # noqa: E402
 from instability_watch.callbacks.hf import STATE_FILE, InstabilityWatchTrainerCallback  # noqa: E402
 
-from _common import device_name, synced_clock  # noqa: E402
+from _common import StepTimes, device_name, step_cost, synced_clock  # noqa: E402
 from byte_corpus import ByteWindows, stdlib_text, train_val_split  # noqa: E402
 
 # the checkpointed run's watch: alerts on any rise of a head's multi-max frequency over its first
@@ -117,10 +117,15 @@ class Windows(torch.utils.data.Dataset):
 
 
 class Timer(TrainerCallback):
-    """Steps/s between optimizer steps ``skip`` and ``stop`` (this rank's clock, device synchronised)."""
+    """Steps/s between optimizer steps ``skip`` and ``stop`` (this rank's clock, device synchronised), and
+    each step's duration in between (:class:`_common.StepTimes`, the watch's cadence ``config``)."""
 
-    def __init__(self, skip: int, stop: int) -> None:
+    def __init__(self, skip: int, stop: int, config: WatchConfig) -> None:
         self.skip, self.stop, self.t0, self.rate = skip, stop, None, None
+        self.steps = StepTimes(skip, stop, config)
+
+    def on_step_begin(self, args, state, control, **kwargs):
+        self.steps.mark(state.global_step + 1)  # the step about to run, counted from 1 as the watch does
 
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.skip:
@@ -198,7 +203,7 @@ def main(args) -> int:
     def run(name, steps, watched, cfg=None, save=False, resume=None, sigma_step=0, run_dir=None, overwrite=True):
         """One Trainer run on every rank; writes OUT/<name>_rank<r>.json; returns this rank's record."""
         targs = dict(base, max_steps=steps, save_strategy="steps" if save else "no", save_steps=steps)
-        timer = Timer(args.skip, steps)
+        timer = Timer(args.skip, steps, cfg or timed_cfg)
         cbs, cb, check = [timer], None, None
         if watched:
             cb = InstabilityWatchTrainerCallback(cfg, run_dir=run_dir, overwrite=overwrite, alerts=False,
@@ -209,7 +214,7 @@ def main(args) -> int:
         trainer = Trainer(model=build(args.tiny), args=TrainingArguments(**targs),
                           train_dataset=Windows(data, args.block, n), callbacks=cbs)
         trainer.train(resume_from_checkpoint=resume)
-        res = {"rate": timer.rate, "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        res = {"rate": timer.rate, "step_times": timer.steps.summary(watched), "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
                "data_parallel": trainer.args.world_size}
         if cb is not None:
             w = cb.watch
@@ -237,7 +242,8 @@ def main(args) -> int:
         for watched in ((False, True) if r % 2 == 0 else (True, False)):
             res = run(f"timed{r}_{'watched' if watched else 'unwatched'}", args.steps, watched, timed_cfg,
                       run_dir=str(out / "run"))
-            row["watched" if watched else "unwatched"] = res["rate"]
+            kind = "watched" if watched else "unwatched"
+            row[kind], row[kind + "_steps"] = res["rate"], res["step_times"]
         rounds.append(row)
     sigma_step = 1 + e * ((args.ckpt_step - 1) // e)
     run("ckpt", args.ckpt_step, True, check_cfg, save=True, sigma_step=sigma_step, run_dir=str(out / "ckpt_run"))
@@ -263,6 +269,7 @@ def main(args) -> int:
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "command": " ".join(sys.argv), "rounds": rounds,
         "ratio_median": statistics.median(ratios) if ratios else None,
+        "cost": step_cost(rounds),
         "sigma_step": sigma_step, "sigma_max_rel_diff": rel,
         "ranks_agree": all({k: x[k] for k in keys} == {k: runs[0][k] for k in keys}
                            for runs in watched_runs for x in runs),
@@ -274,14 +281,18 @@ def main(args) -> int:
         "resumed_alerts": resumed[0]["alerts"], "resumed_switched": resumed[0]["switched"],
     }
     (out / "results.json").write_text(json.dumps(result, indent=1, default=str))
-    rates = ", ".join(f"{r['watched']:.2f}/{r['unwatched']:.2f}" for r in rounds
-                      if r.get("watched") and r.get("unwatched"))
-    med = f"{result['ratio_median']:.4f}" if result["ratio_median"] else "-"
-    srel = f"{rel:.1e}" if rel is not None else "-"
-    print(f"{'ranks':>5} {'watched/unwatched steps/s per round':<36} {'median':>7} {'sigma rel':>9} "
-          f"{'alerts':>6} {'switched':>8} {'agree':>5} {'resume':>6}")
-    print(f"{world:>5} {rates:<36} {med:>7} {srel:>9} {len(result['alerts']):>6} {len(result['switched']):>8} "
+    cost = result["cost"]
+    fit, other, share = cost["fit_ratio"], cost["other_step_ratio"], cost["share"]
+    fmt = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+    fit_s = f"{fit['median']:.4f} [{fit['min']:.3f}-{fit['max']:.3f}]" if fit else "-"
+    print(f"{'ranks':>5} {'fit ratio median [range]':<26} {'other steps':>11} {'share':>7} {'estimate':>8} "
+          f"{'sigma rel':>9} {'alerts':>6} {'switched':>8} {'agree':>5} {'resume':>6}")
+    print(f"{world:>5} {fit_s:<26} {fmt(other and other['median'], '.4f'):>11} "
+          f"{fmt(share and 100 * share['median'], '+.2f') + '%':>7} {fmt(cost.get('estimate'), '.4f'):>8} "
+          f"{fmt(rel, '.1e'):>9} {len(result['alerts']):>6} {len(result['switched']):>8} "
           f"{str(result['ranks_agree']):>5} {str(result['resumed_state_equal']):>6}")
+    print("per round, watched/unwatched steps/s: " + ", ".join(
+        f"{r['watched']:.2f}/{r['unwatched']:.2f}" for r in rounds if r.get("watched") and r.get("unwatched")))
     if rel is None:
         print(f"no sigma read back at step {sigma_step}, or no reference computed there", file=sys.stderr)
         return 1

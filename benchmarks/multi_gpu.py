@@ -47,7 +47,7 @@ from torch.utils.data import DataLoader
 
 from instability_watch import InstabilityWatchCallback, WatchConfig
 
-from _common import device_name, synced_clock
+from _common import StepTimes, device_name, step_cost, synced_clock
 from byte_corpus import ByteWindows, stdlib_text, train_val_split
 
 MODELS = ("gpt2-small", "llama-1b")
@@ -113,10 +113,15 @@ class Net(pl.LightningModule):
 
 
 class Timer(pl.Callback):
-    """Steps/s between optimizer steps ``skip`` and ``stop`` (this rank's clock, devices synchronised)."""
+    """Steps/s between optimizer steps ``skip`` and ``stop`` (this rank's clock, devices synchronised), and
+    each step's duration in between (:class:`_common.StepTimes`, the watch's cadence ``config``)."""
 
-    def __init__(self, skip: int, stop: int) -> None:
+    def __init__(self, skip: int, stop: int, config: WatchConfig) -> None:
         self.skip, self.stop, self.t0, self.rate = skip, stop, None, None
+        self.steps = StepTimes(skip, stop, config)
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        self.steps.mark(trainer.global_step + 1)
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.skip:
@@ -221,7 +226,7 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
     def fit(name, steps, watched, ckpt=None, resume=None, sigma_step=0, run_dir=None):
         """One fit; every rank writes OUT/<name>_rank<r>.json (then all wait), rank 0 gets the rates."""
         module = Net(model, args.tiny, strat)
-        cbs, cb, check = [Timer(args.skip, steps)], None, None
+        cbs, cb, check = [Timer(args.skip, steps, cfg)], None, None
         if watched:
             # run_dir None: a resumed fit continues the directory its checkpoint names
             cb = InstabilityWatchCallback(cfg, run_dir=run_dir, overwrite=run_dir is not None, alerts=False,
@@ -236,7 +241,7 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
                              enable_progress_bar=False, enable_model_summary=False, default_root_dir=str(out))
         trainer.fit(module, loader(steps), ckpt_path=resume)
         # the sampler's number of replicas: each rank trains on its own share of the batches
-        res = {"rate": cbs[0].rate,
+        res = {"rate": cbs[0].rate, "step_times": cbs[0].steps.summary(watched),
                "data_parallel": (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get(
                    "num_replicas", 1)}
         if cb is not None:
@@ -259,7 +264,8 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
         for watched in ((False, True) if r % 2 == 0 else (True, False)):
             res = fit(f"timed{r}_{'watched' if watched else 'unwatched'}", args.steps, watched,
                       run_dir=str(out / "run"))
-            row["watched" if watched else "unwatched"] = res["rate"]
+            kind = "watched" if watched else "unwatched"
+            row[kind], row[kind + "_steps"] = res["rate"], res["step_times"]
         case["rounds"].append(row)
     # the checkpointed fit; sigma at its last spectral step before the checkpoint
     every = cfg.spectral_every
@@ -292,6 +298,7 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
                   if row.get("watched") and row.get("unwatched")]
         case.update({
             "ratio_median": statistics.median(ratios) if ratios else None,
+            "cost": step_cost(case["rounds"]),
             "sigma_step": sigma_step, "sigma_max_rel_diff": rel,
             "ranks_agree": all(t[i] == t[0] for t in timed for i in range(world))
             and all({k: x[k] for k in ("alerts", "switched")} == {k: ranks[0][k] for k in ("alerts", "switched")}
@@ -311,6 +318,19 @@ def _rank() -> int:
     return _RANK[0]
 
 
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def cost_line(cost: dict) -> str:
+    """One row's timing columns (``step_cost``'s dict): fit ratio median [min-max], other-step ratio,
+    share, estimate."""
+    fit, other, share = cost.get("fit_ratio"), cost.get("other_step_ratio"), cost.get("share")
+    fit_s = f"{fit['median']:.4f} [{fit['min']:.3f}-{fit['max']:.3f}]" if fit else "-"
+    return (f"{fit_s:<26} {_fmt(other and other['median'], '.4f'):>11} "
+            f"{_fmt(share and 100 * share['median'], '+.2f') + '%':>7} {_fmt(cost.get('estimate'), '.4f'):>8}")
+
+
 def _write(path: Path, obj) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(obj, default=str))
@@ -322,7 +342,7 @@ def main(argv=None) -> int:
     ap.add_argument("--accelerator", default="gpu", choices=("gpu", "cpu"))
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--strategies", default=",".join(STRATEGIES))
-    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--steps", type=int, default=220, help="optimizer steps of each timed fit")
     ap.add_argument("--skip", type=int, default=20, help="steps of each timed fit left out of its timing")
     ap.add_argument("--ckpt-step", type=int, default=60, help="the checkpointed fit's length")
@@ -368,18 +388,18 @@ def main(argv=None) -> int:
                     "torch": torch.__version__, "lightning": pl.__version__, "command": " ".join(sys.argv),
                     "cases": cases})
     if _rank() == 0:
-        print(f"{'model':<11} {'strategy':<8} {'watched/unwatched per round':<34} {'median':>7} "
-              f"{'sigma rel':>9} {'ranks':>5} {'resume':>6}")
+        print(f"{'model':<11} {'strategy':<8} {'fit ratio median [range]':<26} {'other steps':>11} "
+              f"{'share':>7} {'estimate':>8} {'sigma rel':>9} {'ranks':>5} {'resume':>6}")
         for c in cases:
             if "error" in c:
                 print(f"{c['model']:<11} {c['strategy']:<8} ERROR {c['error'][:200]}")
                 continue
-            rounds = ", ".join(f"{r['watched']:.2f}/{r['unwatched']:.2f}" for r in c["rounds"]
-                               if r.get("watched") and r.get("unwatched"))
-            med = f"{c['ratio_median']:.4f}" if c.get("ratio_median") else "-"
-            rel = f"{c['sigma_max_rel_diff']:.1e}" if c.get("sigma_max_rel_diff") is not None else "-"
-            print(f"{c['model']:<11} {c['strategy']:<8} {rounds:<34} {med:>7} {rel:>9} "
-                  f"{str(c['ranks_agree']):>5} {str(c['resumed_state_equal']):>6}")
+            print(f"{c['model']:<11} {c['strategy']:<8} {cost_line(c.get('cost') or {})} "
+                  f"{_fmt(c.get('sigma_max_rel_diff'), '.1e'):>9} {str(c['ranks_agree']):>5} "
+                  f"{str(c['resumed_state_equal']):>6}")
+        print("fit ratio: watched/unwatched steps/s of whole fits; other steps: unwatched/watched median duration of "
+              "the steps between probe and read-back steps; share: the probe and read-back steps' time beyond "
+              "that, in the watched fits; estimate: other steps x (1 - share)")
     return 0
 
 

@@ -25,6 +25,10 @@ def test_hf_trainer_driver_on_two_cpu_processes(tmp_path):
     r = json.loads((out / "results.json").read_text())
     assert r["world_size"] == 2 and len(r["rounds"]) == 1 and r["ratio_median"] > 0
     assert r["data_parallel"] == 2
+    # each step between the marks timed (steps 3-5 of 6; at the defaults none is a probe or read-back step)
+    w, u = r["rounds"][0]["watched_steps"], r["rounds"][0]["unwatched_steps"]
+    assert w["steps"] == u["steps"] == 3 and w["other_steps"] == u["other_steps"] == 3
+    assert w["share"] == 0 and r["cost"]["estimate"] > 0 and r["cost"]["fit_ratio"]["n"] == 1
     # sigma of step 6 (spectral every step) read back vs float64 of the whole W_Q at that step
     assert r["sigma_step"] == 6 and r["sigma_max_rel_diff"] < 1e-5
     # the checkpointed run's watch decided something (alerts, switched heads), and both ranks decided the same

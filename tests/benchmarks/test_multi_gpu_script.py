@@ -22,6 +22,11 @@ def test_multi_gpu_driver_on_two_cpu_processes(tmp_path):
     for key, c in cases.items():
         assert "error" not in c, (key, c.get("error"))
         assert c["ratio_median"] > 0 and len(c["rounds"]) == 1
+        # each step timed between the marks: steps 3..7 of 8; probe steps (every 2) are the odd ones
+        w, u = c["rounds"][0]["watched_steps"], c["rounds"][0]["unwatched_steps"]
+        assert w["steps"] == u["steps"] == 5 and w["other_steps"] == u["other_steps"] == 2, key
+        assert w["other_ms"] > 0 and u["other_ms"] > 0 and -1 < w["share"] < 1 and "share" not in u, key
+        assert c["cost"]["estimate"] > 0 and c["cost"]["fit_ratio"]["n"] == 1, key
         # sigma of step 5 (spectral every 2) read back vs float64 SVD of the whole W_Q at that step
         assert c["sigma_step"] == 5 and c["sigma_max_rel_diff"] < 1e-5, key
         assert c["ranks_agree"] and c["resumed_state_equal"] and c["saved_state_steps"] == 6, key
