@@ -35,7 +35,7 @@ from torch.utils.data import DataLoader
 
 from instability_watch import InstabilityWatchCallback, WatchConfig
 
-from _common import device_name, synced_clock, write_json
+from _common import StepTimes, device_name, synced_clock, write_json
 from byte_corpus import stdlib_text, train_val_split
 
 EXAMPLE = Path(__file__).resolve().parents[1] / "examples" / "train_gpt2.py"
@@ -50,49 +50,37 @@ def _example():
 
 
 class Window(pl.Callback):
-    """Steps/s between optimizer steps ``skip`` and ``stop`` (synchronised at both ends)."""
+    """Steps/s between optimizer steps ``skip`` and ``stop`` (synchronised at both ends), and each step's
+    duration in between (:class:`_common.StepTimes`, the cadence of ``config`` or the defaults)."""
 
     def __init__(self, skip: int, stop: int, config: WatchConfig = None) -> None:
         self.skip, self.stop = skip, stop
         self.t0 = None
         self.rate = None
         self.config = config
-        self.marks = []  # (step about to run, CUDA event)
+        self.steps = StepTimes(skip, stop, config or WatchConfig())
         self.modes_seen = 0  # torch-function modes found active at a step's start (the watch leaves none behind)
         self.gc_start = None
         self.gc_collections = None  # garbage collections per generation inside the timed window
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
-        if torch.cuda.is_available() and self.skip < trainer.global_step + 1 <= self.stop:
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.marks.append((trainer.global_step + 1, ev))
+        self.steps.mark(trainer.global_step + 1)
+        if self.skip < trainer.global_step + 1 <= self.stop:
             self.modes_seen = max(self.modes_seen, torch._C._len_torch_function_stack())
 
     def other_step_ms(self) -> float:
         """Median duration of the steps that are neither probe nor read-back steps (of the watched
         fit's cadence, also in an unwatched fit, so both medians cover the same steps)."""
-        torch.cuda.synchronize()
-        c = self.config or WatchConfig()
-        steps = [(s, a.elapsed_time(b)) for (s, a), (_, b) in zip(self.marks, self.marks[1:])]
-        return statistics.median(ms for s, ms in steps
-                                 if (s - 1) % c.probe_every and (s - 1) % c.spectral_every and s % c.log_every)
+        return self.steps.summary(watched=False)["other_ms"]
 
     def attributed(self) -> dict:
         """The watch's share of the fit's time (probe and read-back steps beyond the median other step),
         and the extra milliseconds of a probe step (median) and of the read-back steps (each)."""
-        if self.config is None or len(self.marks) < 3:
+        if self.config is None or len(self.steps.marks) < 3:
             return {"share": float("nan")}
-        torch.cuda.synchronize()
-        c = self.config
-        steps = [(s, a.elapsed_time(b)) for (s, a), (_, b) in zip(self.marks, self.marks[1:])]
-        probe = {s for s, _ in steps if (s - 1) % c.probe_every == 0 or (s - 1) % c.spectral_every == 0}
-        read_back = {s for s, _ in steps if s % c.log_every == 0} - probe
-        base = statistics.median(ms for s, ms in steps if s not in probe | read_back)
-        extra = sum(ms - base for s, ms in steps if s in probe | read_back)
-        return {"share": extra / sum(ms for _, ms in steps), "base_ms": base,
-                "probe_extra_ms": statistics.median(ms - base for s, ms in steps if s in probe) if probe else None,
-                "read_back_extra_ms": [ms - base for s, ms in steps if s in read_back]}
+        s = self.steps.summary(watched=True)
+        return {"share": s["share"], "base_ms": s["other_ms"], "probe_extra_ms": s["probe_extra_ms"],
+                "read_back_extra_ms": s["read_back_extra_ms"]}
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
         if trainer.global_step == self.skip:
