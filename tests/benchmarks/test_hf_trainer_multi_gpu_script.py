@@ -54,3 +54,9 @@ def test_hf_trainer_driver_refuses_bad_arguments(tmp_path):
         proc = run_process([sys.executable, str(SCRIPT), *args], env=_env(tmp_path), capture_output=True,
                               text=True, timeout=120, cwd=tmp_path)
         assert proc.returncode == 2 and says in proc.stderr, (args, proc.stderr[-500:])
+
+
+def test_two_gpu_report_refuses_a_missing_folder(tmp_path):
+    proc = run_process([sys.executable, str(REPO / "benchmarks" / "two_gpu_report.py"), str(tmp_path / "nope")],
+                       env=_env(tmp_path), capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert proc.returncode == 2 and "no such folder or file" in proc.stderr and "nope" in proc.stderr

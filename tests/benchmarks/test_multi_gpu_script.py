@@ -36,3 +36,9 @@ def test_multi_gpu_driver_on_two_cpu_processes(tmp_path):
         restored = json.loads((out / "llama-1b-fsdp2" / f"resumed_rank{r}.json").read_text())["restored"]
         assert restored["step"] == 6 and restored["heads"] == [4, 4]
     assert "gpt2-small  ddp" in proc.stdout
+    # issue 45's tables read this output: one row per case, every timing column filled
+    rep = run_process([sys.executable, str(REPO / "benchmarks" / "two_gpu_report.py"), str(out)], env=env,
+                      capture_output=True, text=True, timeout=120, cwd=tmp_path)
+    assert rep.returncode == 0, rep.stderr[-2000:]
+    rows = [line for line in rep.stdout.splitlines() if line.startswith("| gpt2-small") or line.startswith("| llama")]
+    assert len(rows) == 4 and all("] (1) |" in r and "True | True" in r for r in rows), rep.stdout
