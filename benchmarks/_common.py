@@ -26,8 +26,8 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(1, str(EXAMPLES))
 
 __all__ = [
-    "DIVERGENCE_JUMP", "ExplosionDetector", "StepTimes", "bench", "step_cost", "command", "device_name", "explosion_step",
-    "header", "profile_calls", "sync",
+    "DIVERGENCE_JUMP", "ExplosionDetector", "StepTimes", "bench", "command", "device_name", "explosion_step",
+    "header", "profile_calls", "step_cost", "sync",
     "warm_gpu", "write_json",
 ]
 

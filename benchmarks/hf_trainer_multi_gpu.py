@@ -214,7 +214,8 @@ def main(args) -> int:
         trainer = Trainer(model=build(args.tiny), args=TrainingArguments(**targs),
                           train_dataset=Windows(data, args.block, n), callbacks=cbs)
         trainer.train(resume_from_checkpoint=resume)
-        res = {"rate": timer.rate, "step_times": timer.steps.summary(watched), "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
+        res = {"rate": timer.rate, "step_times": timer.steps.summary(watched),
+               "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
                "data_parallel": trainer.args.world_size}
         if cb is not None:
             w = cb.watch

@@ -5,7 +5,9 @@ For each model and strategy, in the same processes (Lightning launches the other
 * ``--rounds`` rounds of two fits of ``--steps`` optimizer steps, unwatched and watched
   (``InstabilityWatchCallback`` at the ``WatchConfig`` defaults unless ``--every``; the order swapped
   every round); steps/s between steps ``--skip`` and ``--steps`` on rank 0 (devices synchronised);
-* a watched fit to step ``--ckpt-step`` with a checkpoint there: σ(W_Q) per head of its last spectral step
+* a watched fit to step ``--ckpt-step`` with a checkpoint there, its watch deciding (every ``--check-every``
+  steps; an alert on any rise of a head's multi-max frequency, and the head switched: decisions for the ranks
+  to agree on): σ(W_Q) per head of its last spectral step
   against σ computed in float64 from the whole weights at that step (``torch.linalg.matrix_norm`` of each
   head's rows; gathered first where sharded); then the checkpoint resumed: the watch's state at the
   resumed fit's start equals the one in the checkpoint, on every rank;
@@ -56,6 +58,11 @@ STRATEGIES = ("ddp", "fsdp2", "fsdp1")
 
 
 _BUILT = {}
+
+# the checkpointed fit's watch: alerts on any rise of a head's multi-max frequency over its first observations
+# and switches the head, so the ranks have decisions to agree on (each rank alone would decide from its own
+# batches; they agree only through the watch's reduction)
+DECIDING = dict(warmup_steps=1, sustain=1, multi_max_factor=1.0, multi_max_min_rise=0.0, auto_switch=True)
 
 
 def build(model: str, tiny: bool) -> torch.nn.Module:
@@ -223,13 +230,17 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
     loader = lambda n: DataLoader(ByteWindows(data, args.block, n * args.batch * args.devices, seed=1),  # noqa: E731
                                   batch_size=args.batch)
 
-    def fit(name, steps, watched, ckpt=None, resume=None, sigma_step=0, run_dir=None):
+    e = args.check_every
+    check_cfg = WatchConfig(probe_every=e, shadow_every=e, spectral_every=e, log_every=2 * e, **DECIDING)
+
+    def fit(name, steps, watched, ckpt=None, resume=None, sigma_step=0, run_dir=None, config=None):
         """One fit; every rank writes OUT/<name>_rank<r>.json (then all wait), rank 0 gets the rates."""
+        config = config or cfg
         module = Net(model, args.tiny, strat)
-        cbs, cb, check = [Timer(args.skip, steps, cfg)], None, None
+        cbs, cb, check = [Timer(args.skip, steps, config)], None, None
         if watched:
             # run_dir None: a resumed fit continues the directory its checkpoint names
-            cb = InstabilityWatchCallback(cfg, run_dir=run_dir, overwrite=run_dir is not None, alerts=False,
+            cb = InstabilityWatchCallback(config, run_dir=run_dir, overwrite=run_dir is not None, alerts=False,
                                           live_table=False)
             check = Check(cb, sigma_step)
             cbs += [cb, check]
@@ -268,18 +279,19 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
             row[kind], row[kind + "_steps"] = res["rate"], res["step_times"]
         case["rounds"].append(row)
     # the checkpointed fit; sigma at its last spectral step before the checkpoint
-    every = cfg.spectral_every
+    every = check_cfg.spectral_every
     sigma_step = 1 + every * ((args.ckpt_step - 1) // every)
     ckpt_dir = out / "ckpt"
     if _rank() == 0:  # a checkpoint left by a command cut short must not be the one resumed
         shutil.rmtree(ckpt_dir, ignore_errors=True)
     if torch.distributed.is_available() and torch.distributed.is_initialized():
         torch.distributed.barrier()
-    fit("ckpt", args.ckpt_step, True, ckpt=str(ckpt_dir), sigma_step=sigma_step, run_dir=str(out / "ckpt_run"))
+    fit("ckpt", args.ckpt_step, True, ckpt=str(ckpt_dir), sigma_step=sigma_step, run_dir=str(out / "ckpt_run"),
+        config=check_cfg)
     path = next(iter(sorted(ckpt_dir.glob(f"*step={args.ckpt_step}*"))), None)
     if path is None:
         raise RuntimeError(f"no checkpoint of step {args.ckpt_step} in {ckpt_dir}")
-    fit("resumed", args.ckpt_step + 2, True, resume=str(path))
+    fit("resumed", args.ckpt_step + 2, True, resume=str(path), config=check_cfg)
     rank = _rank()
     if rank == 0 and not args.keep_checkpoints:  # 13 GB for llama-1b with AdamW: the next cases need the disk
         shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -301,8 +313,8 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
             "cost": step_cost(case["rounds"]),
             "sigma_step": sigma_step, "sigma_max_rel_diff": rel,
             "ranks_agree": all(t[i] == t[0] for t in timed for i in range(world))
-            and all({k: x[k] for k in ("alerts", "switched")} == {k: ranks[0][k] for k in ("alerts", "switched")}
-                    for x in ranks),
+            and all({k: x[k] for k in ("alerts", "switched")} == {k: run[0][k] for k in ("alerts", "switched")}
+                    for run in (ranks, resumed) for x in run),
             "alerts": ranks[0]["alerts"], "switched": ranks[0]["switched"],
             "resumed_state_equal": all(x["restored"] == y["saved"] for x, y in zip(resumed, ranks)),
             "saved_state_steps": ranks[0]["saved"]["step"] if ranks[0]["saved"] else None,
@@ -346,7 +358,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=220, help="optimizer steps of each timed fit")
     ap.add_argument("--skip", type=int, default=20, help="steps of each timed fit left out of its timing")
     ap.add_argument("--ckpt-step", type=int, default=60, help="the checkpointed fit's length")
-    ap.add_argument("--every", type=int, default=0, help="probe/shadow/spectral cadence (0: WatchConfig's defaults)")
+    ap.add_argument("--every", type=int, default=0,
+                    help="probe/shadow/spectral cadence of the timed fits (0: WatchConfig's defaults)")
+    ap.add_argument("--check-every", type=int, default=5,
+                    help="the same cadence in the checkpointed fit, whose watch alerts on any rise and switches")
     ap.add_argument("--batch", type=int, default=0, help="sequences per device and step (0: 16 gpt2-small, 4 llama-1b)")
     ap.add_argument("--block", type=int, default=1024)
     ap.add_argument("--tiny", action="store_true", help="tiny models (the CPU test)")

@@ -34,7 +34,8 @@ def _timing(cost: dict, rounds: list) -> list:
     share = cost.get("share")
     probe = [r["watched_steps"].get("probe_extra_ms") for r in rounds if r.get("watched_steps")]
     probe = [p for p in probe if p is not None]
-    read_back = [x for r in rounds if r.get("watched_steps") for x in r["watched_steps"].get("read_back_extra_ms") or []]
+    read_back = [x for r in rounds if r.get("watched_steps")
+                 for x in r["watched_steps"].get("read_back_extra_ms") or []]
     unwatched = [r["unwatched"] for r in rounds if r.get("unwatched")]
     other_ms = [r["unwatched_steps"]["other_ms"] for r in rounds
                 if (r.get("unwatched_steps") or {}).get("other_ms")]
@@ -111,11 +112,13 @@ def report(dirs) -> str:
     parts = []
     if lightning:
         dev = lightning[0].get("device")
-        parts.append(f"Lightning (`benchmarks/multi_gpu.py`), {lightning[0].get('devices')} devices, {dev}:\n\n" + _table(
+        head = f"Lightning (`benchmarks/multi_gpu.py`), {lightning[0].get('devices')} devices, {dev}:\n\n"
+        parts.append(head + _table(
             ["model", "strategy", *TIMING_HEAD, "σ max rel. diff", "ranks agree", "resumed state equal",
              "alerts / switched (checkpointed fit)", "seconds"], lightning_rows(lightning)))
     if hf:
-        parts.append(f"Hugging Face Trainer (`benchmarks/hf_trainer_multi_gpu.py`), {hf[0].get('device')}:\n\n" + _table(
+        head = f"Hugging Face Trainer (`benchmarks/hf_trainer_multi_gpu.py`), {hf[0].get('device')}:\n\n"
+        parts.append(head + _table(
             ["ranks", *TIMING_HEAD, "σ max rel. diff", "ranks agree", "resumed state equal",
              "alerts / switched (deciding run)"], hf_rows(hf)))
     if examples:
