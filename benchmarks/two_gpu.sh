@@ -3,13 +3,15 @@
 # OUT (default runs/two_gpu). The settings are fixed here, before a run; RESULTS.md quotes them.
 #
 #   bash benchmarks/two_gpu.sh [OUT]          (or detached over a device lease: benchmarks/two_gpu_lease.sh)
+#   IW_PARTS="hf gpt2" bash benchmarks/two_gpu.sh    (these parts, in this order; default: example llama hf gpt2)
 #
-# 1. multi_gpu.py, gpt2-small: ddp, fsdp2, fsdp1; 5 rounds of an unwatched and a watched fit (order alternating),
+# gpt2: multi_gpu.py, gpt2-small: ddp, fsdp2, fsdp1; 5 rounds of an unwatched and a watched fit (order alternating),
 #    220 steps each, timed from step 20, with each step's duration (the watch's cadence: the defaults); sigma against
-#    float64; a checkpoint at step 60 resumed; ranks compared.
-# 2. hf_trainer_multi_gpu.py under torchrun: 5 rounds, 250 steps timed from 50, batch 16 a device; the same checks.
-# 3. examples/train_gpt2.py --preset gpt2-small --devices N with each strategy (ddp, fsdp, fsdp2), watched, 150 steps.
-# 4. multi_gpu.py, llama-1b: ddp, fsdp2, fsdp1; 5 rounds of 80 steps timed from 10; checkpoint at 52.
+#    float64; a checkpoint at step 60 (a deciding watch, every 5 steps) resumed; ranks compared.
+# hf: hf_trainer_multi_gpu.py under torchrun: 5 rounds, 250 steps timed from 50, batch 16 a device; the same checks.
+# example: examples/train_gpt2.py --preset gpt2-small --devices N with each strategy (ddp, fsdp, fsdp2), watched,
+#    150 steps.
+# llama: multi_gpu.py, llama-1b: ddp, fsdp2, fsdp1; 5 rounds of 80 steps timed from 10; checkpoint at 52.
 # Each part has a time limit (IW_PART_S, default 900 s); a part cut short keeps what it wrote (results.json after
 # every case). status.txt gets one line per part.
 set -uo pipefail
@@ -21,12 +23,21 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 out=${1:-runs/two_gpu}
 n=${IW_DEVICES:-2}
 part_s=${IW_PART_S:-900}
+parts=${IW_PARTS:-example llama hf gpt2}
+for p in $parts; do
+    case $p in
+        gpt2|hf|example|llama) ;;
+        *) echo "two_gpu.sh: IW_PARTS takes gpt2, hf, example and llama, got '$p'" >&2; exit 2 ;;
+    esac
+done
 mkdir -p "$out"
 {
     date -u +%FT%TZ
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
     nvidia-smi topo -m 2>/dev/null | head -n 4
-    python -c "import torch, lightning, transformers; print('torch', torch.__version__, 'lightning', lightning.__version__, 'transformers', transformers.__version__, 'nccl', torch.cuda.nccl.version())"
+    python -c "import torch, lightning, transformers as t
+print('torch', torch.__version__, 'lightning', lightning.__version__, 'transformers', t.__version__,
+      'nccl', torch.cuda.nccl.version())"
 } > "$out/machine.txt" 2>&1
 part() {  # name, command...
     local name=$1; shift
@@ -35,14 +46,23 @@ part() {  # name, command...
     timeout "$part_s" "$@" > "$out/$name.log" 2>&1
     echo "$(date -u +%T) $name rc $? ($((SECONDS - t0)) s)" >> "$out/status.txt"
 }
-part gpt2 python benchmarks/multi_gpu.py --devices "$n" --models gpt2-small --rounds 5 --steps 220 --skip 20 \
-    --ckpt-step 60 --out "$out/gpt2"
-part hf python -m torch.distributed.run --standalone --nproc_per_node "$n" benchmarks/hf_trainer_multi_gpu.py \
-    --rounds 5 --steps 250 --skip 50 --batch 16 --out "$out/hf"
-for s in ddp fsdp fsdp2; do
-    part "example_$s" python examples/train_gpt2.py --preset gpt2-small --devices "$n" --strategy "$s" --steps 150 \
-        --no-checkpoint --no-live-table --out "$out/example_$s"
-done
-part llama python benchmarks/multi_gpu.py --devices "$n" --models llama-1b --rounds 5 --steps 80 --skip 10 \
-    --ckpt-step 52 --out "$out/llama"
+gpt2() {
+    part gpt2 python benchmarks/multi_gpu.py --devices "$n" --models gpt2-small --rounds 5 --steps 220 --skip 20 \
+        --ckpt-step 60 --out "$out/gpt2"
+}
+hf() {
+    part hf python -m torch.distributed.run --standalone --nproc_per_node "$n" benchmarks/hf_trainer_multi_gpu.py \
+        --rounds 5 --steps 250 --skip 50 --batch 16 --out "$out/hf"
+}
+example() {
+    for s in ddp fsdp fsdp2; do
+        part "example_$s" python examples/train_gpt2.py --preset gpt2-small --devices "$n" --strategy "$s" \
+            --steps 150 --no-checkpoint --no-live-table --out "$out/example_$s"
+    done
+}
+llama() {
+    part llama python benchmarks/multi_gpu.py --devices "$n" --models llama-1b --rounds 5 --steps 80 --skip 10 \
+        --ckpt-step 52 --out "$out/llama"
+}
+for p in $parts; do $p; done
 echo "$(date -u +%T) done" >> "$out/status.txt"

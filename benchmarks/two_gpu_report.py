@@ -2,7 +2,7 @@
 
     python benchmarks/two_gpu_report.py DIR [DIR ...] [--markdown FILE]
 
-Each DIR is searched for ``results.json`` files (``multi_gpu.py``'s: a list of cases; ``hf_trainer_multi_gpu.py``'s:
+Each DIR is searched for ``*results.json`` files (``multi_gpu.py``'s: a list of cases; ``hf_trainer_multi_gpu.py``'s:
 one run) and for ``summary_rank*.json`` (``examples/train_gpt2.py``'s, one per rank and run). Prints three tables:
 the Lightning cases, the Hugging Face Trainer, the example. Every number comes from those files.
 
@@ -98,7 +98,7 @@ def collect(dirs) -> tuple:
     lightning, hf, examples = [], [], {}
     for d in dirs:
         d = Path(d)
-        for f in sorted(d.rglob("results.json")) if d.is_dir() else [d]:
+        for f in sorted(d.rglob("*results.json")) if d.is_dir() else [d]:
             r = json.loads(f.read_text())
             (lightning if "cases" in r else hf).append(r)
         for f in sorted(d.rglob("summary_rank*.json")) if d.is_dir() else []:
