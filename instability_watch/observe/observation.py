@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from instability_watch.kernels.common import DEFAULT_BETA, DEFAULT_EPS
 from instability_watch.model.layer import AttentionLayer, without_sdpa
-from instability_watch.model.sharding import each_in_its_unit
+from instability_watch.model.sharding import each_in_its_unit, fsdp1_pieces, whole_params, with_params
 from instability_watch.observe.coverage import NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED, LayerCoverage, layer_coverage
 from instability_watch.observe.sdpa import SdpaObserver, entered, param_device
 from instability_watch.probe.bank import ProbeBank
@@ -132,6 +132,8 @@ class Observation:
         # modules above ``model`` that may hold FSDP1 units wrapping it (e.g. Lightning's
         # FSDPStrategy wraps the LightningModule itself): searched for units too
         self.sharding_roots: List[nn.Module] = []
+        self._pieces: dict = {}  # FSDP1: id(parameter) -> its piece in this rank's flat shard (model.sharding)
+        self._pieces_key: Optional[tuple] = None
         self.beta, self.eps = float(beta), float(eps)
         self.on_error: Optional[Callable[[str, BaseException], None]] = None
         self.on_note: Optional[Callable[[Site, str, str], None]] = None
@@ -328,10 +330,28 @@ class Observation:
         """``W_Q W_Q^T`` per layer and head, float32 ``(H, D, D)``, whole on every rank however ``W_Q`` is sharded.
 
         Under FSDP2 the Grams are computed where the rows are and gathered
-        (:func:`~instability_watch.probe.spectral.gram`); under FSDP1 each layer's unit is
-        gathered while its ``W_Q`` is read (:mod:`~instability_watch.model.sharding`). A
-        collective when sharded: every rank calls it at the same steps.
+        (:func:`~instability_watch.probe.spectral.gram`); under FSDP1 the attention modules'
+        weights are rebuilt whole with one all-reduce (:func:`~instability_watch.model.sharding.whole_params`),
+        or, where that cannot be done, each layer's unit is gathered while its ``W_Q`` is read
+        (:mod:`~instability_watch.model.sharding`). A collective when sharded: every rank calls it
+        at the same steps.
         """
+        roots = [self.model, *self.sharding_roots]
+        key = tuple(id(r) for r in roots)
+        if self._pieces_key != key:  # FSDP1's pieces of each parameter: found once per set of roots
+            self._pieces, self._pieces_key = fsdp1_pieces(roots), key
+        # built-in locators read W_Q from the attention module's own weights, which whole_params rebuilds
+        if self._pieces and all(site.layer.family for site in self.sites):
+            whole = whole_params([site.layer.module for site in self.sites], self._pieces)
+            if whole is not None:
+                out = []
+                for site, params in zip(self.sites, whole):
+                    try:
+                        with with_params(site.layer.module, params):
+                            out.append(gram(self._w_q(site)))
+                    except Exception as exc:  # noqa: BLE001 - after the one all-reduce: no rank is left waiting
+                        raise GatheredReadError(site.name, exc, 0) from exc
+                return out
         out: List[torch.Tensor] = []
         failed = each_in_its_unit([site.layer.module for site in self.sites], [self.model, *self.sharding_roots],
                                   lambda i: out.append(gram(self._w_q(self.sites[i]))))

@@ -79,7 +79,8 @@ def _sigma_is_the_whole_weights(run):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     jobs = [("single", "nanogpt"), ("single", "llama"),
-            ("fsdp2", "nanogpt"), ("fsdp2", "llama"), ("fsdp1", "nanogpt"), ("fsdp1fail", "nanogpt")]
+            ("fsdp2", "nanogpt"), ("fsdp2", "llama"), ("fsdp1", "nanogpt"), ("fsdp1", "llama"),
+            ("fsdp1units", "nanogpt"), ("fsdp1fail", "nanogpt")]
     return _run(jobs, tmp_path_factory.mktemp("fsdp"))
 
 
@@ -113,10 +114,26 @@ def test_fsdp2_two_ranks_decide_alike_and_match_one_process(model, single_runs, 
     assert r0["resumed_switched"] == run["switched"]
 
 
-def test_fsdp1_units_are_gathered_for_sigma(single_runs, sharded_runs):
-    r0, r1 = sharded_runs["fsdp1", "nanogpt"]
+@pytest.mark.parametrize("model", ["nanogpt", "llama"])
+def test_fsdp1_sigma_from_the_attention_weights_rebuilt_in_one_all_reduce(model, single_runs, sharded_runs):
+    """use_orig_params=True (Lightning's default): every spectral step rebuilds the watched attention modules'
+    weights from the ranks' flat-shard pieces with one all-reduce, and gathers no unit; sigma is the whole
+    weights', and the run equals the one-process run."""
+    r0, r1 = sharded_runs["fsdp1", model]
+    run = r0["run"]
+    assert r0["run"] == r1["run"] and run["disabled"] == {} and not run["problems"]
+    assert r0["gathers"] == r1["gathers"] == {"whole_params": 6, "unit_gathers": 0}  # spectral every step
+    _sigma_is_the_whole_weights(run)
+    _same_as_single(run, single_runs[model]["run"])
+
+
+def test_fsdp1_without_the_original_parameters_gathers_each_unit(single_runs, sharded_runs):
+    """use_orig_params=False: no pieces to rebuild from; each layer's block is gathered while its W_Q is read
+    (2 layers x 6 spectral steps), with the same result."""
+    r0, r1 = sharded_runs["fsdp1units", "nanogpt"]
     run = r0["run"]
     assert r0["run"] == r1["run"] and run["disabled"] == {}
+    assert r0["gathers"] == r1["gathers"] == {"whole_params": 0, "unit_gathers": 12}
     _sigma_is_the_whole_weights(run)
     _same_as_single(run, single_runs["nanogpt"]["run"])
 

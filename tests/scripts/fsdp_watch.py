@@ -10,15 +10,18 @@ every sharded run in one process group; with ``single`` runs only, one process.
 MODE   fsdp2  ``fully_shard`` per block and on the root; 6 optimizer steps, a DCP
               checkpoint after step 4, then a fresh model, optimizer and watch
               resumed from it run steps 5-6 again.
-       fsdp1  ``FullyShardedDataParallel`` (``use_orig_params=True``) wrapping each block.
+       fsdp1  ``FullyShardedDataParallel`` (``use_orig_params=True``) wrapping each block: sigma from the
+              attention weights rebuilt with one all-reduce per spectral step.
+       fsdp1units  as fsdp1 with ``use_orig_params=False``: sigma read inside each block's gather.
        fsdp1fail  as fsdp1, with layer 0's ``w_q`` failing on rank 1 from step 3 on.
        single one process, unsharded, the same global batch as two micro-batches
               (the ranks' halves) with the loss halved: the same gradients bit for bit.
 MODEL  nanogpt (the package's GPT, no position embedding: many repeated maxima) | llama (HF, GQA 4:2)
 
 Each rank (or the single process) writes ``OUT_DIR/<mode>_<model>_rank<r>.json`` per run: the watch's
-per-step metrics, switches, alerts, state, sigma per head and the reference sigma
-of the gathered float64 weights.
+per-step metrics, switches, alerts, state, sigma per head, the reference sigma
+of the gathered float64 weights, and how often the training steps rebuilt the weights
+(``whole_params`` that communicated) and gathered FSDP1 units.
 """
 import json
 import math
@@ -73,6 +76,29 @@ def make_watch(model):
     watch = InstabilityWatch(model, cfg, listeners=[lambda r: seen.extend(r.metrics)])
     watch.seen = seen  # every read-back's per-step metrics
     return watch
+
+
+GATHERS = {"whole_params": 0, "unit_gathers": 0}
+
+
+def _count_gathers():
+    """Count, in GATHERS, the FSDP1 reads the watch makes: whole_params that communicated, unit gathers."""
+    import instability_watch.model.sharding as sharding
+    import instability_watch.observe.observation as observation
+
+    whole, unit = sharding.whole_params, sharding.full_params
+
+    def counted_whole(*a, **k):
+        out = whole(*a, **k)
+        GATHERS["whole_params"] += out is not None
+        return out
+
+    def counted_unit(u, *a, **k):
+        GATHERS["unit_gathers"] += u is not None
+        return unit(u, *a, **k)
+
+    observation.whole_params = counted_whole
+    sharding.full_params = counted_unit
 
 
 def train(name, model, watch, opt, data, first, last, shard):
@@ -158,12 +184,12 @@ def run(rank, mode, name, out_dir):
     model, blocks = build(name)
     if mode == "fsdp2":
         model = shard_fsdp2(model, blocks)
-    elif mode in ("fsdp1", "fsdp1fail"):
+    elif mode in ("fsdp1", "fsdp1fail", "fsdp1units"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
         model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(blocks[0])}), device_id=torch.device("cpu"),
-                     use_orig_params=True)
+                     use_orig_params=mode != "fsdp1units")
     watch = make_watch(model)
     if mode == "fsdp1fail" and rank == 1:
         layer = watch.observation.sites[0].layer
@@ -213,7 +239,9 @@ def run(rank, mode, name, out_dir):
         result["resumed_switched"] = sorted([layer, head, s] for (layer, head), s in watch2.switched.items())
         watch2.detach()
     else:
+        GATHERS.update(whole_params=0, unit_gathers=0)
         train(name, model, watch, opt, data, 1, STEPS, shard)
+        result["gathers"] = dict(GATHERS)  # the training steps' (reference_sigma below gathers units too)
         result["run"] = summary(model, watch, mode)
         result["final_state"] = json.loads(json.dumps(_clean(watch.state_dict()), default=str))
         watch.detach()
@@ -222,6 +250,7 @@ def run(rank, mode, name, out_dir):
 
 
 def run_all(rank, jobs, out_dir, port, world):
+    _count_gathers()
     single = [name for mode, name in jobs if mode == "single"]
     for name in single[rank::world]:
         run(0, "single", name, out_dir)  # one process alone: its file says rank 0
