@@ -3,7 +3,7 @@
 # OUT (default runs/two_gpu). The settings are fixed here, before a run; RESULTS.md quotes them.
 #
 #   bash benchmarks/two_gpu.sh [OUT]          (or detached over a device lease: benchmarks/two_gpu_lease.sh)
-#   IW_PARTS="hf gpt2" bash benchmarks/two_gpu.sh    (these parts, in this order; default: example llama hf gpt2)
+#   IW_PARTS="hf gpt2" bash benchmarks/two_gpu.sh    (these parts, in this order; default: sigma example llama hf gpt2)
 #
 # gpt2: multi_gpu.py, gpt2-small: ddp, fsdp2, fsdp1; 5 rounds of an unwatched and a watched fit (order alternating),
 #    220 steps each, timed from step 20, with each step's duration (the watch's cadence: the defaults); sigma against
@@ -11,6 +11,8 @@
 # hf: hf_trainer_multi_gpu.py under torchrun: 5 rounds, 250 steps timed from 50, batch 16 a device; the same checks.
 # example: examples/train_gpt2.py --preset gpt2-small --devices N with each strategy (ddp, fsdp, fsdp2), watched,
 #    150 steps.
+# sigma: the spectral read on sharded weights, timed: fsdp1_sigma.py (FSDP1: one all-reduce or per-unit gathers) and
+#    sharded_sigma.py (FSDP2: gather W or the Grams), GPT-2 small's shapes, torchrun over the GPUs.
 # llama: multi_gpu.py, llama-1b: ddp, fsdp2, fsdp1; 5 rounds of 80 steps timed from 10; checkpoint at 52.
 # Each part has a time limit (IW_PART_S, default 900 s); a part cut short keeps what it wrote (results.json after
 # every case). status.txt gets one line per part.
@@ -23,11 +25,11 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 out=${1:-runs/two_gpu}
 n=${IW_DEVICES:-2}
 part_s=${IW_PART_S:-900}
-parts=${IW_PARTS:-example llama hf gpt2}
+parts=${IW_PARTS:-sigma example llama hf gpt2}
 for p in $parts; do
     case $p in
-        gpt2|hf|example|llama) ;;
-        *) echo "two_gpu.sh: IW_PARTS takes gpt2, hf, example and llama, got '$p'" >&2; exit 2 ;;
+        gpt2|hf|example|llama|sigma) ;;
+        *) echo "two_gpu.sh: IW_PARTS takes sigma, gpt2, hf, example and llama, got '$p'" >&2; exit 2 ;;
     esac
 done
 mkdir -p "$out"
@@ -59,6 +61,12 @@ example() {
         part "example_$s" python examples/train_gpt2.py --preset gpt2-small --devices "$n" --strategy "$s" \
             --steps 150 --no-checkpoint --no-live-table --out "$out/example_$s"
     done
+}
+sigma() {
+    part fsdp1_sigma python -m torch.distributed.run --standalone --nproc_per_node "$n" benchmarks/fsdp1_sigma.py \
+        --json "$out/fsdp1_sigma.json"
+    part sharded_sigma python -m torch.distributed.run --standalone --nproc_per_node "$n" benchmarks/sharded_sigma.py \
+        --json "$out/sharded_sigma.json"
 }
 llama() {
     part llama python benchmarks/multi_gpu.py --devices "$n" --models llama-1b --rounds 5 --steps 80 --skip 10 \

@@ -40,7 +40,7 @@ if [ -n "${OUT:-}" ]; then
     cp "$res/status.txt" "$res/machine.txt" "$OUT/" 2>/dev/null
     for f in "$res"/*/results.json; do [ -f "$f" ] && cp "$f" "$OUT/$(basename "$(dirname "$f")")_results.json"; done
 fi
-for f in "$res"/gpt2.log "$res"/hf.log "$res"/llama.log; do
-    [ -f "$f" ] && { echo "=== $(basename "$f")"; tail -n 8 "$f"; }
+for f in "$res"/*.log; do
+    [ -f "$f" ] && { echo "=== $(basename "$f")"; grep -v -i "warn" "$f" | tail -n 6; }
 done
 echo "uptime at the end of this call: $(cut -d. -f1 /proc/uptime)s"
