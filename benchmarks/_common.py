@@ -26,8 +26,8 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(1, str(EXAMPLES))
 
 __all__ = [
-    "DIVERGENCE_JUMP", "ExplosionDetector", "StepTimes", "bench", "command", "device_name", "explosion_step",
-    "header", "profile_calls", "step_cost", "sync",
+    "DIVERGENCE_JUMP", "ExplosionDetector", "StepTimes", "bench", "block_cost", "command", "device_name",
+    "explosion_step", "header", "profile_calls", "step_cost", "sync",
     "warm_gpu", "write_json",
 ]
 
@@ -192,6 +192,56 @@ def step_cost(rounds: Sequence[dict]) -> dict:
     if other and share:
         out["estimate"] = statistics.median(other) * (1 - statistics.median(share))
     return out
+
+
+def block_cost(steps: Sequence[Tuple[int, float]], size: int, config) -> dict:
+    """The watch's cost from one fit run in blocks of ``size`` steps: block 0 unwatched (a warm-up, left out),
+    then watched and unwatched blocks in turn (blocks 1, 3, ... watched: a watch attached at the block's first
+    step, detached after its last), so the two kinds of step share one process, one fit and its drift.
+
+    ``steps``: ``[(step, ms)]`` (:meth:`StepTimes.durations`, steps counted from 1). Within a block, position
+    ``p`` (1..size) is the watch's own step ``p``, so its cadence (``config``) says which are probe, spectral
+    and read-back steps. The first step of each block is left out (the attach); the probe a watch makes there
+    is counted at the median probe cost. Per pair of a watched block and the unwatched block after it:
+    ``other_ratio``, the unwatched/watched median duration of the other steps (the same positions in both),
+    ``share``, the watched block's probe and read-back steps beyond its median other step over its time, and
+    ``estimate`` = other_ratio x (1 - share). Medians over the pairs, with their ranges.
+    """
+    from instability_watch.engine.cadence import Cadence
+
+    c = Cadence(config)
+    blocks: dict = {}
+    for s, ms in steps:
+        b, pos = (s - 1) // size, (s - 1) % size + 1
+        if b > 0 and pos > 1:
+            blocks.setdefault(b, {})[pos] = ms
+    special = lambda pos: c.recorded(pos) or c.read_back(pos)  # noqa: E731
+    pairs = []
+    for w in sorted(b for b in blocks if b % 2 == 1):
+        u = w + 1
+        if u not in blocks:
+            continue
+        common = [p for p in blocks[w] if p in blocks[u] and not special(p)]
+        if not common:
+            continue
+        w_other = statistics.median(blocks[w][p] for p in common)
+        u_other = statistics.median(blocks[u][p] for p in common)
+        probes = [ms - w_other for p, ms in blocks[w].items() if c.recorded(p)]
+        probe = statistics.median(probes) if probes else 0.0
+        first = probe if c.recorded(1) else 0.0  # the attach step's probe, at the median probe cost
+        extra = sum(ms - w_other for p, ms in blocks[w].items() if special(p)) + first
+        total = sum(blocks[w].values()) + w_other + first
+        share = extra / total
+        pairs.append({"watched_block": w, "other_ratio": u_other / w_other, "share": share,
+                      "estimate": u_other / w_other * (1 - share), "watched_other_ms": w_other,
+                      "unwatched_other_ms": u_other, "probe_extra_ms": probe, "other_steps": len(common)})
+
+    def spread(key):
+        xs = [p[key] for p in pairs]
+        return {"median": statistics.median(xs), "min": min(xs), "max": max(xs), "n": len(xs)} if xs else None
+
+    return {"size": size, "pairs": pairs, "other_ratio": spread("other_ratio"), "share": spread("share"),
+            "estimate": spread("estimate")}
 
 
 def warm_gpu(seconds: float = 1.0) -> None:

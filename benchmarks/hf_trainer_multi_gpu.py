@@ -20,6 +20,8 @@ library's source. In the same processes, one after the other:
   one GPU computes from the same weights); then the checkpoint resumed for two more steps, continuing its
   run directory: the watch state the resumed run starts with equals the one the checkpoint holds, on
   every rank (that watch switches most heads early, so the resumed steps add few decisions of their own);
+* with ``--pairs``, one run of a warm-up block and ``--pairs`` pairs of a watched and an unwatched block of
+  ``--block-steps`` steps (a watch attached and detached within the run: :func:`_common.block_cost`);
 * every watched run: each rank's alerts and switched heads, which must agree.
 
 Each rank writes ``OUT/<run>_rank<r>.json``; rank 0 writes ``OUT/results.json`` and prints a table (and
@@ -51,6 +53,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--every", type=int, default=0,
                     help="probe/shadow/spectral cadence of the timed runs (0: WatchConfig's defaults)")
     ap.add_argument("--check-every", type=int, default=5, help="the same cadence in the checkpointed run")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="also one run of a warm-up block and this many pairs of watched and unwatched blocks")
+    ap.add_argument("--block-steps", type=int, default=200,
+                    help="steps per block of that run (200: one read-back per watched block at the defaults)")
     ap.add_argument("--batch", type=int, default=8, help="sequences per device and step")
     ap.add_argument("--block", type=int, default=1024, help="tokens per sequence")
     ap.add_argument("--tiny", action="store_true", help="a 2-layer, 64-wide Llama (the CPU test)")
@@ -61,6 +67,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     for name in ("rounds", "steps", "ckpt_step", "check_every", "batch", "block"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be a positive integer, got {getattr(args, name)}")
+    if args.pairs < 0 or args.block_steps < 2:
+        ap.error(f"--pairs must be >= 0 and --block-steps >= 2, got {args.pairs} and {args.block_steps}")
     if args.every < 0:
         ap.error(f"--every must be 0 (the defaults) or a positive integer, got {args.every}")
     if not 0 < args.skip < args.steps:
@@ -79,10 +87,10 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")  # every model is built from its co
 import torch  # noqa: E402
 from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainerCallback, TrainingArguments  # noqa: E402
 
-from instability_watch import WatchConfig  # noqa: E402
+from instability_watch import InstabilityWatch, WatchConfig  # noqa: E402
 from instability_watch.callbacks.hf import STATE_FILE, InstabilityWatchTrainerCallback  # noqa: E402
 
-from _common import StepTimes, device_name, step_cost, synced_clock  # noqa: E402
+from _common import StepTimes, block_cost, device_name, step_cost, synced_clock  # noqa: E402
 from byte_corpus import ByteWindows, stdlib_text, train_val_split  # noqa: E402
 
 # the checkpointed run's watch: alerts on any rise of a head's multi-max frequency over its first
@@ -132,6 +140,36 @@ class Timer(TrainerCallback):
             self.t0 = synced_clock()
         elif state.global_step == self.stop and self.t0 is not None:
             self.rate = (self.stop - self.skip) / (synced_clock() - self.t0)
+
+
+class Blocks(TrainerCallback):
+    """One run in blocks of ``size`` steps (:func:`_common.block_cost`): block 0 unwatched (warm-up), then a
+    watched block (a fresh ``InstabilityWatch`` at ``config`` on the Trainer's model, attached at the block's first
+    step, stepped after every optimizer step, detached after its last) and an unwatched one in turn."""
+
+    def __init__(self, size: int, steps: int, config: WatchConfig) -> None:
+        self.size, self.config = size, config
+        self.times = StepTimes(0, steps, config)
+        self.watch = None
+
+    def on_step_begin(self, args, state, control, model=None, **kwargs):
+        s = state.global_step + 1
+        if ((s - 1) // self.size) % 2 == 1 and (s - 1) % self.size == 0:
+            self.watch = InstabilityWatch(model, self.config)
+        self.times.mark(s)
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.watch is None:
+            return
+        self.watch.step()
+        if state.global_step % self.size == 0:
+            self.watch.detach()  # reads back what is pending first
+            self.watch = None
+
+    def on_train_end(self, args, state, control, **kwargs):
+        if self.watch is not None:
+            self.watch.detach()
+            self.watch = None
 
 
 class Check(TrainerCallback):
@@ -200,11 +238,15 @@ def main(args) -> int:
     e = args.check_every
     check_cfg = WatchConfig(probe_every=e, shadow_every=e, spectral_every=e, log_every=2 * e, **DECIDING)
 
-    def run(name, steps, watched, cfg=None, save=False, resume=None, sigma_step=0, run_dir=None, overwrite=True):
+    def run(name, steps, watched, cfg=None, save=False, resume=None, sigma_step=0, run_dir=None, overwrite=True,
+            blocks=0):
         """One Trainer run on every rank; writes OUT/<name>_rank<r>.json; returns this rank's record."""
         targs = dict(base, max_steps=steps, save_strategy="steps" if save else "no", save_steps=steps)
         timer = Timer(args.skip, steps, cfg or timed_cfg)
         cbs, cb, check = [timer], None, None
+        in_blocks = Blocks(blocks, steps, timed_cfg) if blocks else None
+        if in_blocks is not None:
+            cbs.append(in_blocks)
         if watched:
             cb = InstabilityWatchTrainerCallback(cfg, run_dir=run_dir, overwrite=overwrite, alerts=False,
                                                  live_table=False)
@@ -215,6 +257,7 @@ def main(args) -> int:
                           train_dataset=Windows(data, args.block, n), callbacks=cbs)
         trainer.train(resume_from_checkpoint=resume)
         res = {"rate": timer.rate, "step_times": timer.steps.summary(watched),
+               "blocks": block_cost(in_blocks.times.durations(), blocks, timed_cfg) if blocks else None,
                "loss": [h["loss"] for h in trainer.state.log_history if "loss" in h],
                "data_parallel": trainer.args.world_size}
         if cb is not None:
@@ -252,6 +295,9 @@ def main(args) -> int:
     # the checkpoint's run directory continued (overwrite=False: the callback finds the state to resume)
     run("resumed", args.ckpt_step + 2, True, check_cfg, resume=str(ckpt), run_dir=str(out / "ckpt_run"),
         overwrite=False)
+    # one run in blocks, unwatched and watched in turn (after the checks: a failure here loses only this)
+    in_blocks = run("blocks", args.block_steps * (1 + 2 * args.pairs), False, blocks=args.block_steps)["blocks"] \
+        if args.pairs else None
     if rank != 0:
         return 0
     load = lambda name, i: json.loads((out / f"{name}_rank{i}.json").read_text())  # noqa: E731
@@ -270,7 +316,7 @@ def main(args) -> int:
         "torch": torch.__version__, "transformers": __import__("transformers").__version__,
         "command": " ".join(sys.argv), "rounds": rounds,
         "ratio_median": statistics.median(ratios) if ratios else None,
-        "cost": step_cost(rounds),
+        "cost": step_cost(rounds), "blocks": in_blocks,
         "sigma_step": sigma_step, "sigma_max_rel_diff": rel,
         "ranks_agree": all({k: x[k] for k in keys} == {k: runs[0][k] for k in keys}
                            for runs in watched_runs for x in runs),

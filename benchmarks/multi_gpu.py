@@ -11,6 +11,9 @@ For each model and strategy, in the same processes (Lightning launches the other
   against σ computed in float64 from the whole weights at that step (``torch.linalg.matrix_norm`` of each
   head's rows; gathered first where sharded); then the checkpoint resumed: the watch's state at the
   resumed fit's start equals the one in the checkpoint, on every rank;
+* with ``--pairs``, one fit of a warm-up block and ``--pairs`` pairs of a watched and an unwatched block of
+  ``--block-steps`` steps (a watch attached and detached within the fit: :func:`_common.block_cost`), so both
+  kinds of step are timed in one fit, alternating, under the same drift;
 * every watched fit: each rank's alerts and switched heads, which must agree.
 
 Models: ``gpt2-small`` (nanoGPT's GPT 12/12/768, context 1024, byte-level, as ``examples/train_gpt2.py
@@ -47,9 +50,9 @@ import torch
 from lightning.pytorch.callbacks import ModelCheckpoint
 from torch.utils.data import DataLoader
 
-from instability_watch import InstabilityWatchCallback, WatchConfig
+from instability_watch import InstabilityWatch, InstabilityWatchCallback, WatchConfig
 
-from _common import StepTimes, device_name, step_cost, synced_clock
+from _common import StepTimes, block_cost, device_name, step_cost, synced_clock
 from byte_corpus import ByteWindows, stdlib_text, train_val_split
 
 MODELS = ("gpt2-small", "llama-1b")
@@ -135,6 +138,41 @@ class Timer(pl.Callback):
             self.t0 = synced_clock()
         elif trainer.global_step == self.stop and self.t0 is not None:
             self.rate = (self.stop - self.skip) / (synced_clock() - self.t0)
+
+
+class Blocks(pl.Callback):
+    """One fit in blocks of ``size`` steps (:func:`_common.block_cost`): block 0 unwatched (warm-up), then a
+    watched block (a fresh ``InstabilityWatch`` at ``config`` attached at its first step, stepped after every
+    optimizer step, detached after its last) and an unwatched one in turn; each step's duration
+    (:class:`_common.StepTimes`)."""
+
+    def __init__(self, size: int, steps: int, config: WatchConfig) -> None:
+        self.size, self.config = size, config
+        self.times = StepTimes(0, steps, config)
+        self.watch = None
+
+    def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+        s = trainer.global_step + 1
+        if ((s - 1) // self.size) % 2 == 1 and (s - 1) % self.size == 0:
+            self.watch = InstabilityWatch(pl_module, self.config)
+            wrapper = getattr(trainer.strategy, "model", None)
+            if isinstance(wrapper, torch.nn.Module) and wrapper is not pl_module:
+                self.watch.sharding_roots = [wrapper]  # FSDPStrategy's units sit above the module
+        self.times.mark(s)
+
+    def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+        if self.watch is None:
+            return
+        loss = outputs["loss"] if isinstance(outputs, dict) else outputs
+        self.watch.step(loss.detach() if isinstance(loss, torch.Tensor) else loss)
+        if trainer.global_step % self.size == 0:
+            self.watch.detach()  # reads back what is pending first
+            self.watch = None
+
+    def on_train_end(self, trainer, pl_module):
+        if self.watch is not None:
+            self.watch.detach()
+            self.watch = None
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -233,11 +271,13 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
     e = args.check_every
     check_cfg = WatchConfig(probe_every=e, shadow_every=e, spectral_every=e, log_every=2 * e, **DECIDING)
 
-    def fit(name, steps, watched, ckpt=None, resume=None, sigma_step=0, run_dir=None, config=None):
+    def fit(name, steps, watched, ckpt=None, resume=None, sigma_step=0, run_dir=None, config=None, blocks=0):
         """One fit; every rank writes OUT/<name>_rank<r>.json (then all wait), rank 0 gets the rates."""
         config = config or cfg
         module = Net(model, args.tiny, strat)
         cbs, cb, check = [Timer(args.skip, steps, config)], None, None
+        if blocks:
+            cbs.append(Blocks(blocks, steps, config))
         if watched:
             # run_dir None: a resumed fit continues the directory its checkpoint names
             cb = InstabilityWatchCallback(config, run_dir=run_dir, overwrite=run_dir is not None, alerts=False,
@@ -253,6 +293,7 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
         trainer.fit(module, loader(steps), ckpt_path=resume)
         # the sampler's number of replicas: each rank trains on its own share of the batches
         res = {"rate": cbs[0].rate, "step_times": cbs[0].steps.summary(watched),
+               "blocks": block_cost(cbs[1].times.durations(), blocks, config) if blocks else None,
                "data_parallel": (getattr(trainer.strategy, "distributed_sampler_kwargs", None) or {}).get(
                    "num_replicas", 1)}
         if cb is not None:
@@ -292,6 +333,10 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
     if path is None:
         raise RuntimeError(f"no checkpoint of step {args.ckpt_step} in {ckpt_dir}")
     fit("resumed", args.ckpt_step + 2, True, resume=str(path), config=check_cfg)
+    if args.pairs:  # one fit in blocks, unwatched and watched in turn (after the checks: a failure here loses
+        # only this measurement)
+        res = fit("blocks", args.block_steps * (1 + 2 * args.pairs), False, blocks=args.block_steps)
+        case["blocks"] = res["blocks"]
     rank = _rank()
     if rank == 0 and not args.keep_checkpoints:  # 13 GB for llama-1b with AdamW: the next cases need the disk
         shutil.rmtree(ckpt_dir, ignore_errors=True)
@@ -358,6 +403,10 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=220, help="optimizer steps of each timed fit")
     ap.add_argument("--skip", type=int, default=20, help="steps of each timed fit left out of its timing")
     ap.add_argument("--ckpt-step", type=int, default=60, help="the checkpointed fit's length")
+    ap.add_argument("--pairs", type=int, default=0,
+                    help="also one fit of a warm-up block and this many pairs of watched and unwatched blocks")
+    ap.add_argument("--block-steps", type=int, default=200,
+                    help="steps per block of that fit (200: one read-back per watched block at the defaults)")
     ap.add_argument("--every", type=int, default=0,
                     help="probe/shadow/spectral cadence of the timed fits (0: WatchConfig's defaults)")
     ap.add_argument("--check-every", type=int, default=5,
@@ -378,6 +427,8 @@ def main(argv=None) -> int:
         ap.error("--strategies fsdp1 needs GPUs (Lightning's FSDPStrategy refuses the CPU)")
     if not 0 < args.skip < args.steps:
         ap.error(f"--skip must be in (0, --steps = {args.steps}), got {args.skip}")
+    if args.pairs < 0 or args.block_steps < 2:
+        ap.error(f"--pairs must be >= 0 and --block-steps >= 2, got {args.pairs} and {args.block_steps}")
     data, _ = train_val_split(stdlib_text())
     out = Path(args.out)
     cases = []

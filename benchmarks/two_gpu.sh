@@ -5,15 +5,18 @@
 #   bash benchmarks/two_gpu.sh [OUT]          (or detached over a device lease: benchmarks/two_gpu_lease.sh)
 #   IW_PARTS="hf gpt2" bash benchmarks/two_gpu.sh    (these parts, in this order; default: sigma example llama hf gpt2)
 #
-# gpt2: multi_gpu.py, gpt2-small: ddp, fsdp2, fsdp1; 5 rounds of an unwatched and a watched fit (order alternating),
-#    220 steps each, timed from step 20, with each step's duration (the watch's cadence: the defaults); sigma against
-#    float64; a checkpoint at step 60 (a deciding watch, every 5 steps) resumed; ranks compared.
-# hf: hf_trainer_multi_gpu.py under torchrun: 5 rounds, 250 steps timed from 50, batch 16 a device; the same checks.
+# gpt2: multi_gpu.py, gpt2-small: ddp, fsdp2, fsdp1; IW_GPT2_ROUNDS (default 1; 5 on 2026-11-27) rounds of an
+#    unwatched and a watched fit (order alternating), 220 steps each, timed from step 20, with each step's duration
+#    (the watch's cadence: the defaults); one fit in blocks of 200 steps, 3 pairs of a watched and an unwatched block
+#    after a warm-up block (1,400 steps); sigma against float64; a checkpoint at step 60 (a deciding watch, every 5
+#    steps) resumed; ranks compared.
+# hf: hf_trainer_multi_gpu.py under torchrun: IW_HF_ROUNDS (default 2; 5 on 2026-11-27) rounds of 250 steps timed
+#    from 50, batch 16 a device, and a run in blocks as above; the same checks.
 # example: examples/train_gpt2.py --preset gpt2-small --devices N with each strategy (ddp, fsdp, fsdp2), watched,
 #    150 steps.
 # sigma: the spectral read on sharded weights, timed: fsdp1_sigma.py (FSDP1: one all-reduce or per-unit gathers) and
 #    sharded_sigma.py (FSDP2: gather W or the Grams), GPT-2 small's shapes, torchrun over the GPUs.
-# llama: multi_gpu.py, llama-1b: ddp, fsdp2, fsdp1; 5 rounds of 80 steps timed from 10; checkpoint at 52.
+# llama: multi_gpu.py, llama-1b: ddp, fsdp2, fsdp1; 3 rounds of 60 steps timed from 10; checkpoint at 52.
 # Each part has a time limit (IW_PART_S, default 900 s); a part cut short keeps what it wrote (results.json after
 # every case). status.txt gets one line per part.
 set -uo pipefail
@@ -49,12 +52,12 @@ part() {  # name, command...
     echo "$(date -u +%T) $name rc $? ($((SECONDS - t0)) s)" >> "$out/status.txt"
 }
 gpt2() {
-    part gpt2 python benchmarks/multi_gpu.py --devices "$n" --models gpt2-small --rounds 5 --steps 220 --skip 20 \
-        --ckpt-step 60 --out "$out/gpt2"
+    part gpt2 python benchmarks/multi_gpu.py --devices "$n" --models gpt2-small --rounds "${IW_GPT2_ROUNDS:-1}" \
+        --steps 220 --skip 20 --pairs 3 --ckpt-step 60 --out "$out/gpt2"
 }
 hf() {
     part hf python -m torch.distributed.run --standalone --nproc_per_node "$n" benchmarks/hf_trainer_multi_gpu.py \
-        --rounds 5 --steps 250 --skip 50 --batch 16 --out "$out/hf"
+        --rounds "${IW_HF_ROUNDS:-2}" --steps 250 --skip 50 --batch 16 --pairs 3 --out "$out/hf"
 }
 example() {
     for s in ddp fsdp fsdp2; do
@@ -63,13 +66,14 @@ example() {
     done
 }
 sigma() {
+    local part_s=150  # each: seconds of work; a hang must not eat the lease
     part fsdp1_sigma python -m torch.distributed.run --standalone --nproc_per_node "$n" benchmarks/fsdp1_sigma.py \
         --json "$out/fsdp1_sigma.json"
     part sharded_sigma python -m torch.distributed.run --standalone --nproc_per_node "$n" benchmarks/sharded_sigma.py \
         --json "$out/sharded_sigma.json"
 }
 llama() {
-    part llama python benchmarks/multi_gpu.py --devices "$n" --models llama-1b --rounds 5 --steps 80 --skip 10 \
+    part llama python benchmarks/multi_gpu.py --devices "$n" --models llama-1b --rounds 3 --steps 60 --skip 10 \
         --ckpt-step 52 --out "$out/llama"
 }
 for p in $parts; do $p; done

@@ -3,13 +3,15 @@
     python benchmarks/two_gpu_report.py DIR [DIR ...] [--markdown FILE]
 
 Each DIR is searched for ``*results.json`` files (``multi_gpu.py``'s: a list of cases; ``hf_trainer_multi_gpu.py``'s:
-one run) and for ``summary_rank*.json`` (``examples/train_gpt2.py``'s, one per rank and run). Prints three tables:
-the Lightning cases, the Hugging Face Trainer, the example. Every number comes from those files.
+one run) and for ``summary_rank*.json`` (``examples/train_gpt2.py``'s, one per rank and run). Prints the tables:
+the Lightning cases, the Hugging Face Trainer, the fits in blocks (``--pairs``), the example. Every number comes
+from those files.
 
-Timing columns (``_common.step_cost``): the whole fits' ratio watched/unwatched steps/s, median [min-max] over the
-rounds; "other steps": the unwatched/watched ratio of the median duration of the steps between probe and read-back
-steps (the same steps in both fits); "share": the time the probe and read-back steps took beyond that median, as a
-share of the watched fit's time; "estimate": other steps x (1 - share).
+Timing columns (``_common.step_cost``; ``_common.block_cost`` for a fit in blocks, watched and unwatched
+in turn): the whole fits' ratio watched/unwatched steps/s, median [min-max] over the rounds; "other steps":
+the unwatched/watched ratio of the median duration of the steps between probe and read-back steps (the same
+steps in both fits); "share": the time the probe and read-back steps took beyond that median, as a share of
+the watched fit's time; "estimate": other steps x (1 - share).
 """
 from __future__ import annotations
 
@@ -94,6 +96,20 @@ def example_rows(summaries: dict) -> list:
     return rows
 
 
+def block_rows(lightning: list, hf: list) -> list:
+    rows = []
+    runs = [(f"{c['model']} (Lightning)", c["strategy"], c.get("blocks")) for r in lightning for c in r["cases"]]
+    runs += [("Llama 85M (HF Trainer)", "ddp", r.get("blocks")) for r in hf]
+    for name, strategy, b in runs:
+        if not b or not b.get("pairs"):
+            continue
+        share = b["share"]
+        rows.append([name, strategy, b["size"], len(b["pairs"]), _range(b["other_ratio"]),
+                     f"{100 * share['median']:+.2f}% [{100 * share['min']:+.2f}–{100 * share['max']:+.2f}]",
+                     _range(b["estimate"])])
+    return rows
+
+
 def collect(dirs) -> tuple:
     lightning, hf, examples = [], [], {}
     for d in dirs:
@@ -121,6 +137,11 @@ def report(dirs) -> str:
         parts.append(head + _table(
             ["ranks", *TIMING_HEAD, "σ max rel. diff", "ranks agree", "resumed state equal",
              "alerts / switched (deciding run)"], hf_rows(hf)))
+    blocks = block_rows(lightning, hf)
+    if blocks:
+        parts.append("One fit in blocks, watched and unwatched in turn (`--pairs`):\n\n" + _table(
+            ["model", "strategy", "block steps", "pairs", "other steps unwatched/watched, median [range]",
+             "probe + read-back share", "estimate, median [range]"], blocks))
     if examples:
         parts.append("`examples/train_gpt2.py --preset gpt2-small` (watched):\n\n" + _table(
             ["strategy", "devices", "ranks' summaries", "steps", "steps/s", "final loss", "data parallel",

@@ -19,7 +19,8 @@ def test_hf_trainer_driver_on_two_cpu_processes(tmp_path):
     out = tmp_path / "out"
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", "2", str(SCRIPT),
            "--cpu", "--tiny", "--rounds", "1", "--steps", "6", "--skip", "2", "--ckpt-step", "6",
-           "--check-every", "1", "--block", "32", "--batch", "2", "--out", str(out)]
+           "--check-every", "1", "--block", "32", "--batch", "2", "--pairs", "1", "--block-steps", "3",
+           "--out", str(out)]
     proc = run_process(cmd, env=_env(tmp_path), capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     r = json.loads((out / "results.json").read_text())
@@ -29,6 +30,9 @@ def test_hf_trainer_driver_on_two_cpu_processes(tmp_path):
     w, u = r["rounds"][0]["watched_steps"], r["rounds"][0]["unwatched_steps"]
     assert w["steps"] == u["steps"] == 3 and w["other_steps"] == u["other_steps"] == 3
     assert w["share"] == 0 and r["cost"]["estimate"] > 0 and r["cost"]["fit_ratio"]["n"] == 1
+    # the run in blocks of 3: warm-up (steps 1-3), watched (4-6), unwatched (7-9), compared on position 2
+    (pair,) = r["blocks"]["pairs"]
+    assert pair["watched_block"] == 1 and pair["other_steps"] == 1 and pair["other_ratio"] > 0
     # sigma of step 6 (spectral every step) read back vs float64 of the whole W_Q at that step
     assert r["sigma_step"] == 6 and r["sigma_max_rel_diff"] < 1e-5
     # the checkpointed run's watch decided something (alerts, switched heads), and both ranks decided the same

@@ -14,7 +14,7 @@ def test_multi_gpu_driver_on_two_cpu_processes(tmp_path):
     proc = run_process([sys.executable, str(REPO / "benchmarks" / "multi_gpu.py"), "--accelerator", "cpu",
                            "--devices", "2", "--tiny", "--strategies", "ddp,fsdp2", "--rounds", "1", "--steps", "8",
                            "--skip", "2", "--ckpt-step", "6", "--every", "2", "--check-every", "1", "--block", "32",
-                           "--batch", "2",
+                           "--batch", "2", "--pairs", "1", "--block-steps", "4",
                            "--out", str(out)], env=env, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     result = json.loads((out / "results.json").read_text())
@@ -28,6 +28,11 @@ def test_multi_gpu_driver_on_two_cpu_processes(tmp_path):
         assert w["steps"] == u["steps"] == 5 and w["other_steps"] == u["other_steps"] == 2, key
         assert w["other_ms"] > 0 and u["other_ms"] > 0 and -1 < w["share"] < 1 and "share" not in u, key
         assert c["cost"]["estimate"] > 0 and c["cost"]["fit_ratio"]["n"] == 1, key
+        # the fit in blocks: warm-up (steps 1-4), watched (5-8: the watch's probes at its steps 1 and 3), unwatched
+        # (9-12); one pair, compared on position 2 (positions 3 and 4 are a probe and the fit's unmarked end)
+        (pair,) = c["blocks"]["pairs"]
+        assert pair["watched_block"] == 1 and pair["other_steps"] == 1 and pair["other_ratio"] > 0, key
+        assert -1 < pair["share"] < 1 and c["blocks"]["estimate"]["n"] == 1, key
         # sigma of step 6 (spectral every step) read back vs float64 SVD of the whole W_Q at that step
         assert c["sigma_step"] == 6 and c["sigma_max_rel_diff"] < 1e-5, key
         # the checkpointed fit's watch decided (alerts, switched heads), the same on both ranks
@@ -43,5 +48,6 @@ def test_multi_gpu_driver_on_two_cpu_processes(tmp_path):
     rep = run_process([sys.executable, str(REPO / "benchmarks" / "two_gpu_report.py"), str(out)], env=env,
                       capture_output=True, text=True, timeout=120, cwd=tmp_path)
     assert rep.returncode == 0, rep.stderr[-2000:]
-    rows = [line for line in rep.stdout.splitlines() if line.startswith("| gpt2-small") or line.startswith("| llama")]
+    rows = [line for line in rep.stdout.splitlines() if line.startswith(("| gpt2-small |", "| llama-1b |"))]
     assert len(rows) == 4 and all("] (1) |" in r and "True | True" in r for r in rows), rep.stdout
+    assert "One fit in blocks" in rep.stdout and "| gpt2-small (Lightning) | ddp | 4 | 1 |" in rep.stdout, rep.stdout

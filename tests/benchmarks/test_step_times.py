@@ -65,3 +65,32 @@ def test_step_cost_combines_rounds_into_the_estimate_and_its_range(common):
     # a round without step times still counts in the whole-fit ratio, not in the estimate
     c = common.step_cost([{"watched": 1.0, "unwatched": 2.0}])
     assert c["fit_ratio"]["median"] == 0.5 and c["other_step_ratio"] is None and "estimate" not in c
+
+
+def test_block_cost_compares_watched_and_unwatched_blocks_of_one_fit(common):
+    cfg = WatchConfig(probe_every=10, shadow_every=10, spectral_every=10, log_every=20)
+    size = 20
+    # block 0 warm-up (slow, left out); watched blocks 1 and 3, unwatched 2 and 4. A drift: every block 1 ms
+    # slower than the one before, so a watched block's other steps are 1 ms faster than the next unwatched one's.
+    # In watched blocks the watch's probe steps (its steps 1 and 11) take +4 ms, its read-back (step 20) +3 ms.
+
+    def ms(s):
+        b, pos = (s - 1) // size, (s - 1) % size + 1
+        base = 50.0 if b == 0 else 10.0 + b
+        if b % 2 == 1:
+            base += 4.0 if pos in (1, 11) else (3.0 if pos == 20 else 0.0)
+        return base
+
+    steps = [(s, ms(s)) for s in range(1, 5 * size + 1)]
+    r = common.block_cost(steps, size, cfg)
+    assert [p["watched_block"] for p in r["pairs"]] == [1, 3]
+    first = r["pairs"][0]
+    assert first["watched_other_ms"] == pytest.approx(11.0) and first["unwatched_other_ms"] == pytest.approx(12.0)
+    assert first["other_ratio"] == pytest.approx(12.0 / 11.0)
+    assert first["probe_extra_ms"] == pytest.approx(4.0)
+    # positions 2..20 (19 steps) plus the attach step counted as a median step with a median probe
+    total = 19 * 11.0 + 4.0 + 3.0 + (11.0 + 4.0)
+    assert first["share"] == pytest.approx((4.0 + 3.0 + 4.0) / total)
+    assert first["estimate"] == pytest.approx(12.0 / 11.0 * (1 - first["share"]))
+    assert r["share"]["n"] == 2 and r["estimate"]["median"] == pytest.approx(
+        (first["estimate"] + r["pairs"][1]["estimate"]) / 2)
