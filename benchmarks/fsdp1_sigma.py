@@ -53,13 +53,13 @@ def main() -> int:
     model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({Block}), device_id=device, use_orig_params=True)
     watch = InstabilityWatch(model, WatchConfig())
     obs = watch.observation
-    fast = observation.whole_params
+    plan = observation.whole_plan
 
     def unit_gathers(*a, **k):
-        return None  # whole_params declined: the per-unit path
+        return None  # no plan to rebuild the weights: the per-unit path
 
     def timed(path):
-        observation.whole_params = fast if path == "whole_params" else unit_gathers
+        observation.whole_plan = plan if path == "whole_params" else unit_gathers
         obs.grams()  # warm
         times = []
         for _ in range(args.reps):

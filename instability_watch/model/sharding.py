@@ -7,10 +7,11 @@
 * **FSDP1** (``FullyShardedDataParallel``, what Lightning's ``FSDPStrategy`` wraps
   with): outside the forward a module's parameters are pieces of a flat shard (or
   not usable at all). With ``use_orig_params=True`` (Lightning's default) and a
-  sharded strategy, :func:`whole_params` rebuilds the weights of every watched
-  attention module at once from each rank's pieces (each rank writes its piece into
-  a zero buffer of the whole weights; one all-reduce sums them), on spectral steps
-  only; ``W_Q`` is then read from those copies. Otherwise each layer's ``W_Q`` is
+  sharded strategy, :func:`whole_params` rebuilds the weights of the watched
+  attention modules from each rank's pieces (each rank writes its pieces into a zero
+  buffer of the whole weights; one all-reduce sums them; up to ``WHOLE_BYTES`` of
+  weights at a time, so one all-reduce for GPT-2 small), on spectral steps only;
+  ``W_Q`` is then read from those copies. Otherwise each layer's ``W_Q`` is
   read inside ``summon_full_params(unit, writeback=False)`` of the innermost FSDP
   unit that holds the layer: one unit (typically a whole transformer block,
   attention and MLP) gathered at a time, one collective per layer (on two H100s
@@ -140,27 +141,27 @@ def fsdp1_pieces(roots: Sequence[nn.Module]) -> Dict[int, _Piece]:
     return out
 
 
-def whole_params(modules: Sequence[nn.Module], pieces: Dict[int, _Piece]) -> Optional[List[Dict[str, torch.Tensor]]]:
-    """Whole copies of the weights (parameters of 2 or more dimensions) of each of ``modules``, rebuilt from every
-    rank's FSDP1 pieces with one all-reduce; per module ``{name: tensor}`` (names relative to the module).
+WHOLE_BYTES = 256 * 2 ** 20  # the most weights rebuilt at once (bytes), unless one module's alone is larger
 
-    ``None`` (nothing was communicated) when a weight is not in ``pieces``, the pieces do not share one process
-    group, dtype and device, or a parameter is not in its sharded state (inside a forward or a gather): the
-    caller then gathers whole units. Every rank decides alike (the same model, the same FSDP state), so either
-    every rank takes part in the all-reduce or none does. A collective: every rank calls it at the same steps.
+
+def whole_plan(modules: Sequence[nn.Module], pieces: Dict[int, _Piece],
+               budget: Optional[int] = None) -> Optional[List[List[Tuple[int, List[Tuple[str, _Piece]]]]]]:
+    """How :func:`whole_params` rebuilds the weights (parameters of 2 or more dimensions) of ``modules``: groups of
+    consecutive modules, each ``[(module index, [(name, piece), ...]), ...]``, a group's weights at most ``budget``
+    bytes (default ``WHOLE_BYTES``; or one module's). ``None`` when a weight is not among ``pieces``, the pieces do not share one process
+    group, dtype and device, or a parameter is not in its sharded state (inside a forward or a gather): the caller
+    then gathers whole units. Every rank decides alike (the same model, the same FSDP state).
     """
-    import torch.distributed as dist
-
-    per_module, chosen = [], []
+    named_all = []
     for module in modules:
         named = list(module.named_parameters())
         if not named or any(id(p) not in pieces for _, p in named):
             return None
-        named = [(n, p) for n, p in named if len(pieces[id(p)].shape) >= 2]  # weights, not biases
+        named = [(n, pieces[id(p)]) for n, p in named if len(pieces[id(p)].shape) >= 2]  # weights, not biases
         if not named:
             return None
-        per_module.append(named)
-        chosen += [pieces[id(p)] for _, p in named]
+        named_all.append(named)
+    chosen = [c for named in named_all for _, c in named]
     first = chosen[0]
     dtype, device = first.param.dtype, first.param.device
     if any(c.group is not first.group or c.param.dtype != dtype or c.param.device != device for c in chosen):
@@ -168,22 +169,46 @@ def whole_params(modules: Sequence[nn.Module], pieces: Dict[int, _Piece]) -> Opt
     # the sharded state: each parameter a flat view of its piece (or empty when the piece is elsewhere)
     if any(c.param.dim() != 1 or c.param.numel() != c.numel for c in chosen):
         return None
+    size = torch.empty((), dtype=dtype).element_size()
+    budget = WHOLE_BYTES if budget is None else budget
+    groups, current, used = [], [], 0
+    for i, named in enumerate(named_all):
+        nbytes = size * sum(c.shape.numel() for _, c in named)
+        if current and used + nbytes > budget:
+            groups.append(current)
+            current, used = [], 0
+        current.append((i, named))
+        used += nbytes
+    groups.append(current)
+    return groups
+
+
+def whole_params(group: List[Tuple[int, List[Tuple[str, _Piece]]]], fill: bool = True) -> List[Dict[str, torch.Tensor]]:
+    """One group of :func:`whole_plan`: each module's weights whole, ``{name: tensor}`` (names relative to the
+    module), rebuilt with one all-reduce: each rank writes its pieces into a zero buffer of the whole weights and
+    the sum is every rank's. ``fill=False`` takes part with zeros (a rank that cannot read its pieces: the others
+    are not left waiting; its copies are then wrong and must not be used). A collective.
+    """
+    import torch.distributed as dist
+
+    chosen = [c for _, named in group for _, c in named]
     sizes = [c.shape.numel() for c in chosen]
-    buf = torch.zeros(sum(sizes), dtype=dtype, device=device)
-    offset = 0
-    for c, size in zip(chosen, sizes):
-        if c.in_shard:
-            buf[offset + c.start: offset + c.start + c.numel] = c.param.detach()
-        offset += size
+    first = chosen[0]
+    buf = torch.zeros(sum(sizes), dtype=first.param.dtype, device=first.param.device)
+    if fill:
+        offset = 0
+        for c, size in zip(chosen, sizes):
+            if c.in_shard:
+                buf[offset + c.start: offset + c.start + c.numel] = c.param.detach()
+            offset += size
     dist.all_reduce(buf, group=first.group)
-    out, offset, i = [], 0, 0
-    for named in per_module:
+    out, offset = [], 0
+    for _, named in group:
         whole = {}
-        for name, _ in named:
-            c, size = chosen[i], sizes[i]
+        for name, c in named:
+            size = c.shape.numel()
             whole[name] = buf[offset: offset + size].view(c.shape)
             offset += size
-            i += 1
         out.append(whole)
     return out
 

@@ -24,7 +24,7 @@ import torch.nn as nn
 
 from instability_watch.kernels.common import DEFAULT_BETA, DEFAULT_EPS
 from instability_watch.model.layer import AttentionLayer, without_sdpa
-from instability_watch.model.sharding import each_in_its_unit, fsdp1_pieces, whole_params, with_params
+from instability_watch.model.sharding import each_in_its_unit, fsdp1_pieces, whole_params, whole_plan, with_params
 from instability_watch.observe.coverage import NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED, LayerCoverage, layer_coverage
 from instability_watch.observe.sdpa import SdpaObserver, entered, param_device
 from instability_watch.probe.bank import ProbeBank
@@ -341,17 +341,27 @@ class Observation:
         if self._pieces_key != key:  # FSDP1's pieces of each parameter: found once per set of roots
             self._pieces, self._pieces_key = fsdp1_pieces(roots), key
         # built-in locators read W_Q from the attention module's own weights, which whole_params rebuilds
-        if self._pieces and all(site.layer.family for site in self.sites):
-            whole = whole_params([site.layer.module for site in self.sites], self._pieces)
-            if whole is not None:
-                out = []
-                for site, params in zip(self.sites, whole):
+        plan = whole_plan([site.layer.module for site in self.sites], self._pieces) \
+            if self._pieces and all(site.layer.family for site in self.sites) else None
+        if plan is not None:
+            out, failed = [], None
+            for group in plan:
+                # every rank takes part in every group's all-reduce, also after a failure here
+                whole = whole_params(group, fill=failed is None)
+                for (i, _), params in zip(group, whole):
+                    if failed is not None:
+                        continue
+                    site = self.sites[i]
                     try:
                         with with_params(site.layer.module, params):
                             out.append(gram(self._w_q(site)))
-                    except Exception as exc:  # noqa: BLE001 - after the one all-reduce: no rank is left waiting
-                        raise GatheredReadError(site.name, exc, 0) from exc
-                return out
+                    except Exception as exc:  # noqa: BLE001
+                        failed = (i, exc)
+            if failed is not None:
+                i, exc = failed
+                rest = sum(1 for group in plan if group[0][0] > i)
+                raise GatheredReadError(self.sites[i].name, exc, rest) from exc
+            return out
         out: List[torch.Tensor] = []
         failed = each_in_its_unit([site.layer.module for site in self.sites], [self.model, *self.sharding_roots],
                                   lambda i: out.append(gram(self._w_q(self.sites[i]))))

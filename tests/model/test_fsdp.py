@@ -80,7 +80,7 @@ def _sigma_is_the_whole_weights(run):
 def runs(tmp_path_factory):
     jobs = [("single", "nanogpt"), ("single", "llama"),
             ("fsdp2", "nanogpt"), ("fsdp2", "llama"), ("fsdp1", "nanogpt"), ("fsdp1", "llama"),
-            ("fsdp1units", "nanogpt"), ("fsdp1fail", "nanogpt")]
+            ("fsdp1units", "nanogpt"), ("fsdp1layers", "nanogpt"), ("fsdp1fail", "nanogpt")]
     return _run(jobs, tmp_path_factory.mktemp("fsdp"))
 
 
@@ -127,6 +127,17 @@ def test_fsdp1_sigma_from_the_attention_weights_rebuilt_in_one_all_reduce(model,
     _same_as_single(run, single_runs[model]["run"])
 
 
+def test_fsdp1_weights_larger_than_the_budget_are_rebuilt_layer_by_layer(single_runs, sharded_runs):
+    """With room for one layer's weights at a time (sharding.WHOLE_BYTES = 1 byte), one all-reduce per layer and
+    spectral step (2 x 6), the same result."""
+    r0, r1 = sharded_runs["fsdp1layers", "nanogpt"]
+    run = r0["run"]
+    assert r0["run"] == r1["run"] and run["disabled"] == {} and not run["problems"]
+    assert r0["gathers"] == r1["gathers"] == {"whole_params": 12, "unit_gathers": 0}
+    _sigma_is_the_whole_weights(run)
+    _same_as_single(run, single_runs["nanogpt"]["run"])
+
+
 def test_fsdp1_without_the_original_parameters_gathers_each_unit(single_runs, sharded_runs):
     """use_orig_params=False: no pieces to rebuild from; each layer's block is gathered while its W_Q is read
     (2 layers x 6 spectral steps), with the same result."""
@@ -144,6 +155,8 @@ def test_fsdp1_a_rank_whose_w_q_read_fails_still_takes_part_in_the_gathers(shard
     r0, r1 = sharded_runs["fsdp1fail", "nanogpt"]
     a, b = r0["run"], r1["run"]
     assert a["steps"] == b["steps"] == 6 and a["disabled"] == b["disabled"] == {}
+    # one all-reduce per layer: rank 1 joined layer 1's after layer 0's read failed (else both would hang)
+    assert r0["gathers"] == r1["gathers"] == {"whole_params": 12, "unit_gathers": 0}
     assert "spectral-gather" in b["problems"] and "spectral-gather" not in a["problems"]
     assert a["metrics"] == b["metrics"]
     _sigma_is_the_whole_weights(a)

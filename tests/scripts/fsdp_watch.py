@@ -13,7 +13,8 @@ MODE   fsdp2  ``fully_shard`` per block and on the root; 6 optimizer steps, a DC
        fsdp1  ``FullyShardedDataParallel`` (``use_orig_params=True``) wrapping each block: sigma from the
               attention weights rebuilt with one all-reduce per spectral step.
        fsdp1units  as fsdp1 with ``use_orig_params=False``: sigma read inside each block's gather.
-       fsdp1fail  as fsdp1, with layer 0's ``w_q`` failing on rank 1 from step 3 on.
+       fsdp1layers  as fsdp1 with room for one layer's weights at a time: one all-reduce per layer.
+       fsdp1fail  as fsdp1layers, with layer 0's ``w_q`` failing on rank 1 from step 3 on.
        single one process, unsharded, the same global batch as two micro-batches
               (the ranks' halves) with the loss halved: the same gradients bit for bit.
 MODEL  nanogpt (the package's GPT, no position embedding: many repeated maxima) | llama (HF, GQA 4:2)
@@ -21,7 +22,7 @@ MODEL  nanogpt (the package's GPT, no position embedding: many repeated maxima) 
 Each rank (or the single process) writes ``OUT_DIR/<mode>_<model>_rank<r>.json`` per run: the watch's
 per-step metrics, switches, alerts, state, sigma per head, the reference sigma
 of the gathered float64 weights, and how often the training steps rebuilt the weights
-(``whole_params`` that communicated) and gathered FSDP1 units.
+(``whole_params`` all-reduces) and gathered FSDP1 units.
 """
 import json
 import math
@@ -82,16 +83,15 @@ GATHERS = {"whole_params": 0, "unit_gathers": 0}
 
 
 def _count_gathers():
-    """Count, in GATHERS, the FSDP1 reads the watch makes: whole_params that communicated, unit gathers."""
+    """Count, in GATHERS, the FSDP1 reads the watch makes: whole_params all-reduces, unit gathers."""
     import instability_watch.model.sharding as sharding
     import instability_watch.observe.observation as observation
 
     whole, unit = sharding.whole_params, sharding.full_params
 
     def counted_whole(*a, **k):
-        out = whole(*a, **k)
-        GATHERS["whole_params"] += out is not None
-        return out
+        GATHERS["whole_params"] += 1
+        return whole(*a, **k)
 
     def counted_unit(u, *a, **k):
         GATHERS["unit_gathers"] += u is not None
@@ -184,7 +184,7 @@ def run(rank, mode, name, out_dir):
     model, blocks = build(name)
     if mode == "fsdp2":
         model = shard_fsdp2(model, blocks)
-    elif mode in ("fsdp1", "fsdp1fail", "fsdp1units"):
+    elif mode in ("fsdp1", "fsdp1fail", "fsdp1units", "fsdp1layers"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
@@ -239,6 +239,10 @@ def run(rank, mode, name, out_dir):
         result["resumed_switched"] = sorted([layer, head, s] for (layer, head), s in watch2.switched.items())
         watch2.detach()
     else:
+        import instability_watch.model.sharding as sharding
+
+        # fsdp1fail too: the failing read (layer 0) is followed by layer 1's all-reduce, which rank 1 must join
+        sharding.WHOLE_BYTES = 1 if mode in ("fsdp1layers", "fsdp1fail") else 256 * 2 ** 20
         GATHERS.update(whole_params=0, unit_gathers=0)
         train(name, model, watch, opt, data, 1, STEPS, shard)
         result["gathers"] = dict(GATHERS)  # the training steps' (reference_sigma below gathers units too)
