@@ -68,8 +68,8 @@ def main() -> int:
             t = time.perf_counter()
             grams = obs.grams()
             sync(device)
-            elapsed = torch.tensor([time.perf_counter() - t])
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank (gloo: a CPU tensor)
+            elapsed = torch.tensor([time.perf_counter() - t], device=device)  # NCCL takes CUDA tensors only
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank
             times.append(1e3 * elapsed.item())
         return statistics.median(times), grams
 

@@ -224,9 +224,11 @@ def main(args) -> int:
     out = Path(args.out).resolve()
     world = int(os.environ.get("WORLD_SIZE", 1))
     # every run's TrainingArguments but its length and checkpoints (DDP without the search for unused
-    # parameters, which the Trainer turns on by default: an extra graph traversal every step, both arms)
+    # parameters, which the Trainer turns on by default: an extra graph traversal every step, both arms; the
+    # Trainer's logging steps, a host sync each, away from the watch's probe steps 1, 51, 101, ...: at 50 the
+    # restart after each sync was counted against the probe step after it)
     base = dict(output_dir=str(out / "trainer"), per_device_train_batch_size=args.batch, learning_rate=3e-4,
-                warmup_steps=10, bf16=True, logging_steps=50, report_to=[], seed=0, disable_tqdm=True,
+                warmup_steps=10, bf16=True, logging_steps=45, report_to=[], seed=0, disable_tqdm=True,
                 dataloader_num_workers=0, save_only_model=False, use_cpu=not gpu, ddp_find_unused_parameters=False)
     if world > 1:
         base["ddp_backend"] = "gloo" if (args.cpu or args.share_device) else "nccl"

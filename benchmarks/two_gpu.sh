@@ -49,7 +49,8 @@ part() {  # name, command...
     local t0=$SECONDS
     echo "$(date -u +%T) start $name" >> "$out/status.txt"
     timeout "$part_s" "$@" > "$out/$name.log" 2>&1
-    echo "$(date -u +%T) $name rc $? ($((SECONDS - t0)) s)" >> "$out/status.txt"
+    local rc=$?  # before anything else: a command substitution would reset it
+    echo "$(date -u +%T) $name rc $rc ($((SECONDS - t0)) s)" >> "$out/status.txt"
 }
 gpt2() {
     part gpt2 python benchmarks/multi_gpu.py --devices "$n" --models gpt2-small --rounds "${IW_GPT2_ROUNDS:-1}" \

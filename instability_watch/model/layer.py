@@ -115,10 +115,17 @@ class AttentionLayer:
 Layers = Union[Sequence[AttentionLayer], Callable[[nn.Module], Sequence[AttentionLayer]]]
 
 
+_WRAPPED = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")  # the child a wrapper holds its module as
+
+
 def find_attention_layers(model: nn.Module) -> List[AttentionLayer]:
     """The attention layers of ``model`` that a built-in locator recognises, in module order."""
     found: List[AttentionLayer] = []
     for name, module in model.named_modules():
+        if any(child in module._modules for child in _WRAPPED):
+            # FSDP1's and activation checkpointing's wrappers hand attribute reads on to the module they wrap,
+            # so a wrapped attention module would be found twice: it is found as itself, one level down
+            continue
         for family in FAMILIES:
             hit = family.locate(module)
             if hit is not None:

@@ -132,8 +132,11 @@ def fsdp1_pieces(roots: Sequence[nn.Module]) -> Dict[int, _Piece]:
             params, infos, shapes = flat._params, flat._shard_param_infos, flat._shapes
             if params is None or not (len(params) == len(infos) == len(shapes)):
                 return {}
-            # a parameter shared within the unit (tied embeddings) appears once in ``_params``, its alias in
-            # ``_shared_params`` (not among the pieces: a module holding it gathers its unit instead)
+            # a parameter flattened from a non-contiguous tensor (in its storage order), or under an FSDP
+            # extension (tensor parallelism): its pieces do not lie in row-major order
+            if getattr(handle, "_fsdp_extension", None) is not None or not all(flat._contiguities):
+                return {}
+            # a parameter tied within the unit is the same object wherever it appears: one piece
             for param, info, shape in zip(params, infos, shapes):
                 out[id(param)] = _Piece(param, shape, info, unit.process_group)
     except (AttributeError, TypeError):  # another PyTorch's FSDP1 internals
@@ -183,11 +186,12 @@ def whole_plan(modules: Sequence[nn.Module], pieces: Dict[int, _Piece],
     return groups
 
 
-def whole_params(group: List[Tuple[int, List[Tuple[str, _Piece]]]], fill: bool = True) -> List[Dict[str, torch.Tensor]]:
+def whole_params(group: List[Tuple[int, List[Tuple[str, _Piece]]]]) -> List[Dict[str, torch.Tensor]]:
     """One group of :func:`whole_plan`: each module's weights whole, ``{name: tensor}`` (names relative to the
     module), rebuilt with one all-reduce: each rank writes its pieces into a zero buffer of the whole weights and
-    the sum is every rank's. ``fill=False`` takes part with zeros (a rank that cannot read its pieces: the others
-    are not left waiting; its copies are then wrong and must not be used). A collective.
+    the sum is every rank's. A collective. The buffer is allocated before anything else: a rank that cannot
+    allocate it fails before the all-reduce and the others wait there, as a rank that cannot gather a unit
+    would leave them waiting in ``summon_full_params``.
     """
     import torch.distributed as dist
 
@@ -195,12 +199,11 @@ def whole_params(group: List[Tuple[int, List[Tuple[str, _Piece]]]], fill: bool =
     sizes = [c.shape.numel() for c in chosen]
     first = chosen[0]
     buf = torch.zeros(sum(sizes), dtype=first.param.dtype, device=first.param.device)
-    if fill:
-        offset = 0
-        for c, size in zip(chosen, sizes):
-            if c.in_shard:
-                buf[offset + c.start: offset + c.start + c.numel] = c.param.detach()
-            offset += size
+    offset = 0
+    for c, size in zip(chosen, sizes):
+        if c.in_shard:
+            buf[offset + c.start: offset + c.start + c.numel] = c.param.detach()
+        offset += size
     dist.all_reduce(buf, group=first.group)
     out, offset = [], 0
     for _, named in group:

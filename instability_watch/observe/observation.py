@@ -346,8 +346,9 @@ class Observation:
         if plan is not None:
             out, failed = [], None
             for group in plan:
-                # every rank takes part in every group's all-reduce, also after a failure here
-                whole = whole_params(group, fill=failed is None)
+                # every rank takes part in every group's all-reduce with its pieces, also after a failure here
+                # (the others' copies need them)
+                whole = whole_params(group)
                 for (i, _), params in zip(group, whole):
                     if failed is not None:
                         continue

@@ -46,3 +46,18 @@ def test_nanogpt_w_q_is_first_third_of_c_attn():
     model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32))
     (l0, _) = find_attention_layers(model)
     torch.testing.assert_close(l0.w_q().reshape(64, 64), model.h[0].attn.c_attn.weight[:64])
+
+
+def test_an_attention_module_wrapped_for_activation_checkpointing_is_found_once():
+    """Wrappers hand attribute reads on to the module they wrap (checkpoint_wrapper; FSDP1 alike): the wrapper
+    itself must not be located as a second attention layer."""
+    from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    assert hasattr(checkpoint_wrapper(model.h[0].attn), "c_attn")  # what made the wrapper look like attention
+    for block in model.h:
+        block.attn = checkpoint_wrapper(block.attn)
+    layers = find_attention_layers(model)
+    assert [layer.name for layer in layers] == [f"h.{i}.attn._checkpoint_wrapped_module" for i in range(2)]
+    assert all(type(layer.module).__name__ == "CausalSelfAttention" for layer in layers)

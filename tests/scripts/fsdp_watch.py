@@ -13,7 +13,8 @@ MODE   fsdp2  ``fully_shard`` per block and on the root; 6 optimizer steps, a DC
        fsdp1  ``FullyShardedDataParallel`` (``use_orig_params=True``) wrapping each block: sigma from the
               attention weights rebuilt with one all-reduce per spectral step.
        fsdp1units  as fsdp1 with ``use_orig_params=False``: sigma read inside each block's gather.
-       fsdp1layers  as fsdp1 with room for one layer's weights at a time: one all-reduce per layer.
+       fsdp1layers  as fsdp1 with each attention module its own unit (its weights split between the ranks) and
+              room for one layer's weights at a time: one all-reduce per layer.
        fsdp1fail  as fsdp1layers, with layer 0's ``w_q`` failing on rank 1 from step 3 on.
        single one process, unsharded, the same global batch as two micro-batches
               (the ranks' halves) with the loss halved: the same gradients bit for bit.
@@ -188,7 +189,10 @@ def run(rank, mode, name, out_dir):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
-        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({type(blocks[0])}), device_id=torch.device("cpu"),
+        # fsdp1layers and fsdp1fail wrap each attention module as its own unit: its weights then straddle the two
+        # ranks (half of c_attn's elements in rank 1's piece), where a block puts them all in rank 0's half
+        unit = type(blocks[0].attn) if mode in ("fsdp1layers", "fsdp1fail") else type(blocks[0])
+        model = FSDP(model, auto_wrap_policy=ModuleWrapPolicy({unit}), device_id=torch.device("cpu"),
                      use_orig_params=mode != "fsdp1units")
     watch = make_watch(model)
     if mode == "fsdp1fail" and rank == 1:
