@@ -27,7 +27,7 @@ if str(EXAMPLES) not in sys.path:
 
 __all__ = [
     "DIVERGENCE_JUMP", "ExplosionDetector", "StepTimes", "bench", "block_cost", "command", "device_name",
-    "explosion_step", "header", "profile_calls", "step_cost", "sync",
+    "explosion_step", "header", "init_distributed", "profile_calls", "step_cost", "sync",
     "warm_gpu", "write_json",
 ]
 
@@ -242,6 +242,21 @@ def block_cost(steps: Sequence[Tuple[int, float]], size: int, config) -> dict:
 
     return {"size": size, "pairs": pairs, "other_ratio": spread("other_ratio"), "share": spread("share"),
             "estimate": spread("estimate")}
+
+
+def init_distributed() -> Tuple[int, int, torch.device]:
+    """A process group for a script launched by ``torchrun`` (NCCL on GPUs, gloo on CPU): ``(rank, world size,
+    this rank's device)``, the CUDA device made current."""
+    import os
+
+    import torch.distributed as dist
+
+    cuda = torch.cuda.is_available()
+    dist.init_process_group("nccl" if cuda else "gloo")
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
+    if cuda:
+        torch.cuda.set_device(device)
+    return dist.get_rank(), dist.get_world_size(), device
 
 
 def warm_gpu(seconds: float = 1.0) -> None:

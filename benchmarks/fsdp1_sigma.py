@@ -17,7 +17,6 @@ The two paths' Grams are compared (relative 1e-6).
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ import torch.distributed as dist
 import instability_watch.observe.observation as observation
 from instability_watch import InstabilityWatch, WatchConfig
 
-from _common import device_name, sync, write_json
+from _common import device_name, init_distributed, sync, write_json
 
 
 def main() -> int:
@@ -37,12 +36,7 @@ def main() -> int:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--json")
     args = ap.parse_args()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
     from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 

@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -28,7 +27,7 @@ import torch.nn as nn
 
 from instability_watch.probe.spectral import gram
 
-from _common import device_name, sync, write_json
+from _common import device_name, init_distributed, sync, write_json
 
 L, E, H = 12, 768, 12
 D = E // H
@@ -39,12 +38,7 @@ def main() -> int:
     ap.add_argument("--reps", type=int, default=15)
     ap.add_argument("--json")
     args = ap.parse_args()
-    cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
-    if cuda:
-        torch.cuda.set_device(device)
+    rank, world, device = init_distributed()
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
