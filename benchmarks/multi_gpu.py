@@ -335,8 +335,11 @@ def run_case(args, model: str, strat: str, data, out: Path) -> dict:
     fit("resumed", args.ckpt_step + 2, True, resume=str(path), config=check_cfg)
     if args.pairs:  # one fit in blocks, unwatched and watched in turn (after the checks: a failure here loses
         # only this measurement)
-        res = fit("blocks", args.block_steps * (1 + 2 * args.pairs), False, blocks=args.block_steps)
-        case["blocks"] = res["blocks"]
+        try:
+            res = fit("blocks", args.block_steps * (1 + 2 * args.pairs), False, blocks=args.block_steps)
+            case["blocks"] = res["blocks"]
+        except Exception as exc:  # noqa: BLE001 - e.g. a watch that cannot attach mid-fit: on every rank alike
+            case["blocks"] = {"error": f"{type(exc).__name__}: {exc}"}
     rank = _rank()
     if rank == 0 and not args.keep_checkpoints:  # 13 GB for llama-1b with AdamW: the next cases need the disk
         shutil.rmtree(ckpt_dir, ignore_errors=True)

@@ -101,6 +101,9 @@ def block_rows(lightning: list, hf: list) -> list:
     runs = [(f"{c['model']} (Lightning)", c["strategy"], c.get("blocks")) for r in lightning for c in r["cases"]]
     runs += [("Llama 85M (HF Trainer)", "ddp", r.get("blocks")) for r in hf]
     for name, strategy, b in runs:
+        if b and "error" in b:
+            rows.append([name, strategy, "-", 0, f"error: {b['error'][:120]}", "-", "-"])
+            continue
         if not b or not b.get("pairs"):
             continue
         share = b["share"]
