@@ -50,6 +50,7 @@ heads and how to read ``W_Q`` per head.
 """
 from __future__ import annotations
 
+import logging
 import re
 import sys
 from dataclasses import dataclass
@@ -59,6 +60,7 @@ import torch
 import torch.nn as nn
 
 from instability_watch.model.families import FAMILIES
+from instability_watch.ranks import log_rank_zero
 
 
 @dataclass
@@ -115,7 +117,8 @@ class AttentionLayer:
 Layers = Union[Sequence[AttentionLayer], Callable[[nn.Module], Sequence[AttentionLayer]]]
 
 
-_WRAPPED = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module")  # the child a wrapper holds its module as
+# the child a wrapper holds its module as: FSDP1, activation checkpointing, torch.compile (``OptimizedModule``)
+_WRAPPED = ("_fsdp_wrapped_module", "_checkpoint_wrapped_module", "_orig_mod")
 
 
 def find_attention_layers(model: nn.Module) -> List[AttentionLayer]:
@@ -123,8 +126,9 @@ def find_attention_layers(model: nn.Module) -> List[AttentionLayer]:
     found: List[AttentionLayer] = []
     for name, module in model.named_modules():
         if any(child in module._modules for child in _WRAPPED):
-            # FSDP1's and activation checkpointing's wrappers hand attribute reads on to the module they wrap,
-            # so a wrapped attention module would be found twice: it is found as itself, one level down
+            # FSDP1's, activation checkpointing's and torch.compile's wrappers hand attribute reads on to the
+            # module they wrap, so a wrapped attention module would be found twice: it is found as itself, one
+            # level down
             continue
         for family in FAMILIES:
             hit = family.locate(module)
@@ -190,7 +194,49 @@ def resolve_layers(model: nn.Module, layers: Optional[Layers]) -> List[Attention
         seen.add(id(layer.module))
     if not found:
         raise ValueError(not_found_message(model))
+    regional = compiled_regions(model, found)
+    if regional:
+        kept = [layer for layer in found if layer.name not in regional]
+        example = next(iter(regional.items()))
+        why = (f"{len(regional)} attention layers sit in modules compiled one by one (torch.compile per block or "
+               f"per layer, e.g. layer {example[0]!r} in {example[1]!r}): Dynamo runs one compiled graph for every "
+               f"such module, and the watch cannot keep the layers apart in it yet (their statistics would go to "
+               f"one layer). Compile the whole model instead (torch.compile(model)), or train uncompiled")
+        if not kept:
+            raise ValueError(why + ".")
+        log_rank_zero(logging.WARNING, "instability_watch: %s; those layers are not watched", why)
+        found = kept
     return found
+
+
+def _compiled(module: nn.Module) -> bool:
+    """``torch.compile(module)`` (an ``OptimizedModule``) or ``module.compile()`` (compiled in place)."""
+    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
+
+
+def compiled_regions(model: nn.Module, layers: Sequence[AttentionLayer]) -> Dict[str, str]:
+    """``{layer name: compiled region}`` when the layers sit in two or more modules compiled one by one below
+    ``model`` (regional compilation: ``torch.compile`` per block or per attention module); else empty.
+
+    Each such region is one compiled graph that Dynamo reuses for every instance of the block, and the watch's
+    per-layer state is read at trace time from the first one: the others' statistics would go to the first
+    layer (and its shadow pass fails autograd's version check). A whole compiled model (or one compiled
+    region holding the layers) traces each layer's forward on its own, and is watched as usual.
+    """
+    names = {id(m): n for n, m in model.named_modules()}
+    regions: Dict[str, str] = {}
+    for layer in layers:
+        path = names.get(id(layer.module))
+        if path is None:
+            continue
+        parts = path.split(".") if path else []
+        # the outermost compiled module on the way down, the model itself left out
+        for i in range(1, len(parts) + 1):
+            prefix = ".".join(parts[:i])
+            if _compiled(model.get_submodule(prefix)):
+                regions[layer.name] = prefix
+                break
+    return regions if len(set(regions.values())) > 1 else {}
 
 
 def attention_implementation(module: nn.Module) -> Optional[str]:

@@ -1,4 +1,5 @@
 """locate.py: the attention layers found in unmodified models, and W_Q per head (H, D, C) as each layout stores it."""
+import pytest
 import torch
 
 from instability_watch.model.layer import find_attention_layers
@@ -49,8 +50,8 @@ def test_nanogpt_w_q_is_first_third_of_c_attn():
 
 
 def test_an_attention_module_wrapped_for_activation_checkpointing_is_found_once():
-    """Wrappers hand attribute reads on to the module they wrap (checkpoint_wrapper; FSDP1 alike): the wrapper
-    itself must not be located as a second attention layer."""
+    """Wrappers hand attribute reads on to the module they wrap (checkpoint_wrapper; FSDP1 and torch.compile
+    alike): the wrapper itself must not be located as a second attention layer."""
     from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import checkpoint_wrapper
 
     torch.manual_seed(0)
@@ -61,3 +62,54 @@ def test_an_attention_module_wrapped_for_activation_checkpointing_is_found_once(
     layers = find_attention_layers(model)
     assert [layer.name for layer in layers] == [f"h.{i}.attn._checkpoint_wrapped_module" for i in range(2)]
     assert all(type(layer.module).__name__ == "CausalSelfAttention" for layer in layers)
+
+
+def test_an_attention_module_compiled_on_its_own_is_found_once():
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32))
+    for block in model.h:
+        block.attn = torch.compile(block.attn)  # a wrapper (OptimizedModule); nothing compiles until a call
+    assert [layer.name for layer in find_attention_layers(model)] == [f"h.{i}.attn._orig_mod" for i in range(2)]
+    # a whole compiled model: its layers once, under _orig_mod
+    whole = torch.compile(GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=2, n_head=4, n_embd=32)))
+    assert [layer.name for layer in find_attention_layers(whole)] == [f"_orig_mod.h.{i}.attn" for i in range(2)]
+
+
+def _gpt(n_layer=2):
+    torch.manual_seed(0)
+    return GPT(GPTConfig(vocab_size=61, block_size=16, n_layer=n_layer, n_head=4, n_embd=32))
+
+
+def test_attention_compiled_block_by_block_is_refused_by_name():
+    """torch.compile per block (torchtitan's way) runs one graph for every block, and the watch's per-layer
+    state would be the first block's in all of them (seen: the shadow backward failed autograd's version check):
+    refused at attach, naming a layer and its compiled block, before any training step."""
+    from instability_watch import InstabilityWatch
+
+    model = _gpt()
+    for i, block in enumerate(model.h):
+        model.h[i] = torch.compile(block)
+    with pytest.raises(ValueError, match=r"2 attention layers sit in modules compiled one by one .*'h\.0\._orig_mod\."
+                                         r"attn' in 'h\.0'.*Compile the whole model"):
+        InstabilityWatch(model)
+    model = _gpt()
+    for block in model.h:
+        block.compile()  # in place: the same, without a wrapper
+    with pytest.raises(ValueError, match="compiled one by one"):
+        InstabilityWatch(model)
+
+
+def test_a_whole_compiled_model_or_one_compiled_region_is_watched(caplog):
+    from instability_watch import InstabilityWatch
+
+    assert InstabilityWatch(torch.compile(_gpt())).layer_names == ["_orig_mod.h.0.attn", "_orig_mod.h.1.attn"]
+    model = _gpt()
+    model.h = torch.compile(model.h)  # one region holding every layer: traced layer by layer
+    assert len(InstabilityWatch(model).layer_names) == 2
+    # two blocks compiled one by one, a third not: the third is watched, the others left out with a warning
+    model = _gpt(3)
+    model.h[0], model.h[1] = torch.compile(model.h[0]), torch.compile(model.h[1])
+    with caplog.at_level("WARNING", logger="instability_watch"):
+        watch = InstabilityWatch(model)
+    assert watch.layer_names == ["h.2.attn"]
+    assert "those layers are not watched" in caplog.text and "'h.0'" in caplog.text
