@@ -197,11 +197,7 @@ def resolve_layers(model: nn.Module, layers: Optional[Layers]) -> List[Attention
     regional = compiled_regions(model, found)
     if regional:
         kept = [layer for layer in found if layer.name not in regional]
-        example = next(iter(regional.items()))
-        why = (f"{len(regional)} attention layers sit in modules compiled one by one (torch.compile per block or "
-               f"per layer, e.g. layer {example[0]!r} in {example[1]!r}): Dynamo runs one compiled graph for every "
-               f"such module, and the watch cannot keep the layers apart in it yet (their statistics would go to "
-               f"one layer). Compile the whole model instead (torch.compile(model)), or train uncompiled")
+        why = regional_message(regional)
         if not kept:
             raise ValueError(why + ".")
         log_rank_zero(logging.WARNING, "instability_watch: %s; those layers are not watched", why)
@@ -237,6 +233,15 @@ def compiled_regions(model: nn.Module, layers: Sequence[AttentionLayer]) -> Dict
                 regions[layer.name] = prefix
                 break
     return regions if len(set(regions.values())) > 1 else {}
+
+
+def regional_message(regional: Dict[str, str]) -> str:
+    """Why layers in modules compiled one by one (:func:`compiled_regions`) are not watched, and what to do."""
+    layer, region = next(iter(regional.items()))
+    return (f"{len(regional)} attention layers sit in modules compiled one by one (torch.compile per block or per "
+            f"layer, e.g. layer {layer!r} in {region!r}): Dynamo runs one compiled graph for every such module, "
+            f"and the watch cannot keep the layers apart in it yet (their statistics would go to one layer). "
+            f"Compile the whole model instead (torch.compile(model)), or train uncompiled")
 
 
 def attention_implementation(module: nn.Module) -> Optional[str]:

@@ -381,3 +381,25 @@ def test_bf16_mixed_training_is_bitwise_identical_with_the_callback(tmp_path, na
     coverage = run.meta["coverage"]
     assert all(c["observed_calls"] == 10 and c["unobserved_calls"] == {} for c in coverage)
     assert all(c["shadow_skipped"] == {"dropout": 5} for c in coverage)  # dropout 0.1: no shadow, and said so
+
+
+class _CompiledPerBlock(TinyGPT):
+    """Compiles each block on its own in configure_model, after the callback attached in setup (torchtitan's
+    regional compilation; the eager backend: what matters is the wrapper, not the code it makes)."""
+
+    def configure_model(self):
+        for i, block in enumerate(self.model.h):
+            self.model.h[i] = torch.compile(block, backend="eager")
+
+
+def test_blocks_compiled_one_by_one_after_attach_turn_the_watch_off_and_training_goes_on(tmp_path, caplog):
+    cb = InstabilityWatchCallback(WatchConfig(probe_every=1, shadow_every=1, spectral_every=1, log_every=2),
+                                  run_dir=tmp_path / "run", alerts=False, live_table=False)
+    module = _CompiledPerBlock()
+    with caplog.at_level("WARNING", logger="instability_watch"):
+        _trainer(tmp_path, max_steps=3, callbacks=[cb]).fit(module)
+    assert module.global_step == 3 and len(module.losses) == 3  # trained, unwatched
+    assert cb.watch is None
+    assert "compiled one by one" in caplog.text and "the watch is off for this run" in caplog.text
+    # nothing of the watch left on the attention modules (the compile wrappers keep their own forward)
+    assert all("forward" not in block._orig_mod.attn.__dict__ for block in module.model.h)
