@@ -151,9 +151,10 @@ def whole_plan(modules: Sequence[nn.Module], pieces: Dict[int, _Piece],
                budget: Optional[int] = None) -> Optional[List[List[Tuple[int, List[Tuple[str, _Piece]]]]]]:
     """How :func:`whole_params` rebuilds the weights (parameters of 2 or more dimensions) of ``modules``: groups of
     consecutive modules, each ``[(module index, [(name, piece), ...]), ...]``, a group's weights at most ``budget``
-    bytes (default ``WHOLE_BYTES``; or one module's). ``None`` when a weight is not among ``pieces``, the pieces do not share one process
-    group, dtype and device, or a parameter is not in its sharded state (inside a forward or a gather): the caller
-    then gathers whole units. Every rank decides alike (the same model, the same FSDP state).
+    bytes (default ``WHOLE_BYTES``; or one module's). ``None`` when a weight is not among ``pieces``, the pieces
+    do not share one process group, dtype and device, or a parameter is not in its sharded state (inside a forward
+    or a gather): the caller then gathers whole units. Every rank decides alike (the same model, the same FSDP
+    state).
     """
     named_all = []
     for module in modules:
