@@ -211,7 +211,7 @@ def _compiled(module: nn.Module) -> bool:
 
 
 def compiled_regions(model: nn.Module, layers: Sequence[AttentionLayer]) -> Dict[str, str]:
-    """``{layer name: compiled region}`` when the layers sit in two or more modules compiled one by one below
+    """``{layer name: compiled region}`` for the layers that sit in modules of one class compiled one by one below
     ``model`` (regional compilation: ``torch.compile`` per block or per attention module); else empty.
 
     Each such region is one compiled graph that Dynamo reuses for every instance of the block, and the watch's
@@ -220,7 +220,7 @@ def compiled_regions(model: nn.Module, layers: Sequence[AttentionLayer]) -> Dict
     region holding the layers) traces each layer's forward on its own, and is watched as usual.
     """
     names = {id(m): n for n, m in model.named_modules()}
-    regions: Dict[str, str] = {}
+    regions: Dict[str, Tuple[str, type]] = {}
     for layer in layers:
         path = names.get(id(layer.module))
         if path is None:
@@ -229,10 +229,15 @@ def compiled_regions(model: nn.Module, layers: Sequence[AttentionLayer]) -> Dict
         # the outermost compiled module on the way down, the model itself left out
         for i in range(1, len(parts) + 1):
             prefix = ".".join(parts[:i])
-            if _compiled(model.get_submodule(prefix)):
-                regions[layer.name] = prefix
+            region = model.get_submodule(prefix)
+            if _compiled(region):
+                regions[layer.name] = (prefix, type(getattr(region, "_orig_mod", region)))
                 break
-    return regions if len(set(regions.values())) > 1 else {}
+    # one compiled code per class: only regions of a class compiled more than once share a graph
+    per_class: Dict[type, set] = {}
+    for prefix, cls in regions.values():
+        per_class.setdefault(cls, set()).add(prefix)
+    return {name: prefix for name, (prefix, cls) in regions.items() if len(per_class[cls]) > 1}
 
 
 def regional_message(regional: Dict[str, str]) -> str:

@@ -113,3 +113,39 @@ def test_a_whole_compiled_model_or_one_compiled_region_is_watched(caplog):
         watch = InstabilityWatch(model)
     assert watch.layer_names == ["h.2.attn"]
     assert "those layers are not watched" in caplog.text and "'h.0'" in caplog.text
+
+
+def test_compiled_regions_of_different_classes_each_compile_their_own_graph():
+    """Two compiled modules of different classes, each holding layers, are two code objects: not refused, and each
+    layer's statistics land in its own probe (aot_eager: Dynamo and AOT autograd without inductor's compile time).
+    The same class compiled twice is what gets refused (the layers' rows went to the first one)."""
+    from instability_watch import InstabilityWatch, WatchConfig
+
+    class Tower(torch.nn.Module):
+        def __init__(self, n):
+            super().__init__()
+            self.h = torch.nn.ModuleList(_gpt(n).h)
+
+        def forward(self, x):
+            for block in self.h:
+                x = block(x)
+            return x
+
+    class OtherTower(Tower):
+        pass
+
+    class Two(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = torch.compile(Tower(2), backend="aot_eager")
+            self.b = torch.compile(OtherTower(1), backend="aot_eager")
+
+        def forward(self, x):
+            return self.b(self.a(x))
+
+    model = Two().train()
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=1, spectral_every=1, log_every=2))
+    assert len(watch.layer_names) == 3
+    model(torch.randn(2, 16, 32, requires_grad=True)).sum().backward()  # the shadow backward runs too
+    assert [int(p.counts[0].sum()) for p in watch.observation.bank.probes] == [2 * 16 * 4] * 3  # rows x heads
+    watch.detach()
