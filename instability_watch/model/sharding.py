@@ -173,7 +173,7 @@ def whole_plan(modules: Sequence[nn.Module], pieces: Dict[int, _Piece],
     # the sharded state: each parameter a flat view of its piece (or empty when the piece is elsewhere)
     if any(c.param.dim() != 1 or c.param.numel() != c.numel for c in chosen):
         return None
-    size = torch.empty((), dtype=dtype).element_size()
+    size = first.param.element_size()
     budget = WHOLE_BYTES if budget is None else budget
     groups, current, used = [], [], 0
     for i, named in enumerate(named_all):
