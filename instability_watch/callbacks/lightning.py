@@ -31,7 +31,7 @@ except ImportError as exc:  # lightning is an optional dependency
 from instability_watch.callbacks.common import WatchAdapter, run_dir_under, scalars
 from instability_watch.engine.readback import ReadBack
 from instability_watch.engine.watch import InstabilityWatch
-from instability_watch.model.layer import AttentionLayer, compiled_regions, regional_message
+from instability_watch.model.layer import AttentionLayer
 
 log = logging.getLogger("instability_watch")
 
@@ -172,13 +172,6 @@ class InstabilityWatchCallback(WatchAdapter, Callback):
         """Line the watch's step up with the trainer's and open the run directory (rank 0)."""
         watch = self.watch
         if watch is None:
-            return
-        regional = compiled_regions(pl_module, [site.layer for site in watch.observation.sites])
-        if regional:  # blocks compiled one by one after the watch attached (in configure_model): as at attach
-            if trainer.is_global_zero:
-                log.warning("instability_watch: %s; the watch is off for this run", regional_message(regional))
-            watch.detach(read_back=False)
-            self.watch = None
             return
         self._last_global_step = trainer.global_step
         self._loss_sum, self._loss_n = None, 0

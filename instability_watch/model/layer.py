@@ -50,7 +50,6 @@ heads and how to read ``W_Q`` per head.
 """
 from __future__ import annotations
 
-import logging
 import re
 import sys
 from dataclasses import dataclass
@@ -60,7 +59,6 @@ import torch
 import torch.nn as nn
 
 from instability_watch.model.families import FAMILIES
-from instability_watch.ranks import log_rank_zero
 
 
 @dataclass
@@ -194,59 +192,7 @@ def resolve_layers(model: nn.Module, layers: Optional[Layers]) -> List[Attention
         seen.add(id(layer.module))
     if not found:
         raise ValueError(not_found_message(model))
-    regional = compiled_regions(model, found)
-    if regional:
-        kept = [layer for layer in found if layer.name not in regional]
-        why = regional_message(regional)
-        if not kept:
-            raise ValueError(why + ".")
-        log_rank_zero(logging.WARNING, "instability_watch: %s; those layers are not watched", why)
-        found = kept
     return found
-
-
-def _compiled(module: nn.Module) -> bool:
-    """``torch.compile(module)`` (an ``OptimizedModule``) or ``module.compile()`` (compiled in place)."""
-    return type(module).__name__ == "OptimizedModule" or getattr(module, "_compiled_call_impl", None) is not None
-
-
-def compiled_regions(model: nn.Module, layers: Sequence[AttentionLayer]) -> Dict[str, str]:
-    """``{layer name: compiled region}`` for the layers that sit in modules of one class compiled one by one below
-    ``model`` (regional compilation: ``torch.compile`` per block or per attention module); else empty.
-
-    Each such region is one compiled graph that Dynamo reuses for every instance of the block, and the watch's
-    per-layer state is read at trace time from the first one: the others' statistics would go to the first
-    layer (and its shadow pass fails autograd's version check). A whole compiled model (or one compiled
-    region holding the layers) traces each layer's forward on its own, and is watched as usual.
-    """
-    names = {id(m): n for n, m in model.named_modules()}
-    regions: Dict[str, Tuple[str, type]] = {}
-    for layer in layers:
-        path = names.get(id(layer.module))
-        if path is None:
-            continue
-        parts = path.split(".") if path else []
-        # the outermost compiled module on the way down, the model itself left out
-        for i in range(1, len(parts) + 1):
-            prefix = ".".join(parts[:i])
-            region = model.get_submodule(prefix)
-            if _compiled(region):
-                regions[layer.name] = (prefix, type(getattr(region, "_orig_mod", region)))
-                break
-    # one compiled code per class: only regions of a class compiled more than once share a graph
-    per_class: Dict[type, set] = {}
-    for prefix, cls in regions.values():
-        per_class.setdefault(cls, set()).add(prefix)
-    return {name: prefix for name, (prefix, cls) in regions.items() if len(per_class[cls]) > 1}
-
-
-def regional_message(regional: Dict[str, str]) -> str:
-    """Why layers in modules compiled one by one (:func:`compiled_regions`) are not watched, and what to do."""
-    layer, region = next(iter(regional.items()))
-    return (f"{len(regional)} attention layers sit in modules compiled one by one (torch.compile per block or per "
-            f"layer, e.g. layer {layer!r} in {region!r}): Dynamo runs one compiled graph for every such module, "
-            f"and the watch cannot keep the layers apart in it yet (their statistics would go to one layer). "
-            f"Compile the whole model instead (torch.compile(model)), or train uncompiled")
 
 
 def attention_implementation(module: nn.Module) -> Optional[str]:

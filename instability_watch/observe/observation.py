@@ -17,7 +17,7 @@ import logging
 import types
 import weakref
 from dataclasses import dataclass, field
-from typing import Callable, Dict, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.nn as nn
@@ -70,22 +70,26 @@ class Site:
         return self.layer.num_heads
 
 
-# module -> observer: the installed forward looks its observer up here, so a deepcopy of an
-# observed model (an EMA or eval copy) runs its own forward on its own weights, and pickling works.
-_OBSERVED: "weakref.WeakKeyDictionary[nn.Module, Tuple[SdpaObserver, Optional[Callable]]]" = weakref.WeakKeyDictionary()
+# the attribute of a watched module that holds its observer while the module is armed: the installed forward
+# reads it from the module it runs on. Under torch.compile that read is what Dynamo follows, so the observer's
+# tensors (probe buffers, the ``stabilize`` mask) become inputs of the graph it makes and one graph compiled for
+# several modules of one class (torch.compile per block, torchtitan's regional compilation) reads each module's
+# own; a copy of an observed module (an EMA or eval copy, a pickle) holds None there and runs its own forward.
+OBSERVER_ATTR = "_instability_watch_observer"
 # module -> the observation watching it (armed or not): a module is watched by one watch at a time
 _WATCHED: "weakref.WeakKeyDictionary[nn.Module, Observation]" = weakref.WeakKeyDictionary()
 
 
 def _observed_forward(self: nn.Module, *args, **kwargs):
-    entry = _OBSERVED.get(self)
-    if entry is None:  # a copy of an observed module
+    observer = getattr(self, OBSERVER_ATTR, None)
+    if observer is None:  # a copy of an observed module
         return type(self).forward(self, *args, **kwargs)
-    observer, own = entry
+    own = observer.site._own
     if not self.training and not observer.route:
         return _forward(self, own, args, kwargs)  # evaluation: not a training step, nothing to observe
     if torch.compiler.is_compiling():
-        entered(observer.key)
+        # no per-layer constant read here (it would make a graph per layer): reasons met while tracing are the
+        # traced graph's, shared by the layers it serves (Observation.note)
         with observer:
             return _forward(self, own, args, kwargs)
     before = observer.sdpa_calls
@@ -225,10 +229,10 @@ class Observation:
             return
         module = site.layer.module
         if on:
-            _OBSERVED[module] = (site.observer, site._own)
+            setattr(module, OBSERVER_ATTR, site.observer)
             module.forward = site._bound
         else:
-            _OBSERVED.pop(module, None)
+            module.__dict__.pop(OBSERVER_ATTR, None)
             if site._own is not None:
                 module.forward = site._own
             else:

@@ -242,6 +242,14 @@ class SdpaObserver(TorchFunctionMode):
         self.sdpa_calls = 0  # eager only: attention calls seen (SDPA, FlexAttention), to find a forward without any
         self._in_other = False  # inside a FlexAttention or varlen call's statistics (their own calls pass through)
 
+    # an observer belongs to the one module it watches: a copy of that module (copy.deepcopy, a pickle) gets None
+    # in its place, and runs unwatched (observation.OBSERVER_ATTR)
+    def __deepcopy__(self, memo):
+        return None
+
+    def __reduce__(self):
+        return _no_observer, ()
+
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
         if func is _SDPA:
@@ -479,6 +487,11 @@ class SdpaObserver(TorchFunctionMode):
                                    causal=bool(call.is_causal), scale=call.scale, stabilize=self.stabilize,
                                    beta=self.beta, eps=self.eps, seed=seed,
                                    high_precision_delta=self.high_precision_delta)
+
+
+def _no_observer() -> None:
+    """What a pickled observer loads as: none (see ``SdpaObserver.__reduce__``)."""
+    return None
 
 
 def _replayed(args, kwargs) -> bool:

@@ -63,14 +63,14 @@ def test_no_graph_break_at_attention():
 # ---------------------------------------------------------------- a compiled model with the watch attached
 
 
-def _watched_gpt(cfg=None):
+def _watched_gpt(cfg=None, n_layer=2):
     """A small nanoGPT (NoPE and 8 tokens: many rows with repeated maxima) with the watch attached."""
     from instability_watch import InstabilityWatch, WatchConfig
 
     from nanogpt import GPT, GPTConfig
 
     torch.manual_seed(0)
-    model = GPT(GPTConfig(n_layer=2, n_head=4, n_embd=64, block_size=32, pos_embedding=False))
+    model = GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=64, block_size=32, pos_embedding=False))
     metrics = []
     cfg = cfg or dict(probe_every=2, shadow_every=4, spectral_every=2, log_every=4)
     watch = InstabilityWatch(model, WatchConfig(warmup_steps=100, strict=True, **cfg),
@@ -161,6 +161,45 @@ def test_compiled_watched_model_one_graph_per_kind_of_step():
     assert not torch.equal(after_c, before_c)
     watch_c.detach()
     watch_e.detach()
+
+
+@pytest.mark.parametrize("in_place", [False, True], ids=["wrapper", "in_place"])
+def test_blocks_compiled_one_by_one_are_each_watched_as_their_own_layer(in_place):
+    """Regional compilation (torch.compile per block, torchtitan's way): Dynamo compiles one graph per kind of step
+    for every block (one code object) and runs it for each; each block's statistics, shadow and switch must stay its
+    own (they once all went to the first block, and the shadow backward failed). Metrics and coverage equal the eager
+    model's, losses bitwise; the graphs are the kinds of step, not one per block; only the switched block runs on
+    our kernels."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model_e, watch_e, ms_e = _watched_gpt(n_layer=3)
+    _, losses_e = _train_gpt(model_e, model_e, watch_e, 12, switch_at=6)
+
+    model_c, watch_c, ms_c = _watched_gpt(n_layer=3)
+    counter = CompileCounterWithBackend("aot_eager")
+    for i, block in enumerate(model_c.h):
+        if in_place:
+            block.compile(backend=counter, fullgraph=True)
+        else:
+            model_c.h[i] = torch.compile(block, backend=counter, fullgraph=True)
+    frames, losses_c = _train_gpt(model_c, model_c, watch_c, 12, switch_at=6, counter=counter)
+    # the whole model's kinds of step (test above), with three blocks: plain, probe, probe + shadow, and the same
+    # three once more for the switched block 0
+    assert frames == [1, 2, 3, 3, 3, 4, 5, 5, 6, 6, 6, 6]
+    _assert_same_metrics(ms_e, ms_c)
+    assert all(torch.equal(a, b) for a, b in zip(losses_c, losses_e))
+    first = ms_c[0]["max_score"]
+    assert not np.allclose(first[0], first[1]) and not np.allclose(first[1], first[2])  # the layers' own rows
+    assert (ms_c[0]["shadow_rows"] == 64).all()
+    assert [c.to_dict() for c in watch_c.coverage()] == [c.to_dict() for c in watch_e.coverage()]
+    assert [c.observed_calls for c in watch_c.coverage()] == [6, 6, 6]
+    assert [c.kernel_calls for c in watch_c.coverage()] == [3, 0, 0]
+    assert watch_c.switched == watch_e.switched == {(0, 1): 5, (0, 2): 5}
+    watch_c.detach()
+    watch_e.detach()
+    assert all("forward" not in m.__dict__ and "_instability_watch_observer" not in m.__dict__
+               for m in model_c.modules() if type(m).__name__ == "CausalSelfAttention")
 
 
 def test_compiled_unwatched_and_watched_training_are_identical():
@@ -279,3 +318,42 @@ def test_control_delta_reaches_a_compiled_model():
         torch.testing.assert_close(grads["compiled"][name], g, atol=1e-4, rtol=1e-3, msg=name)
     with pytest.raises(TypeError, match="high_precision_delta"):
         watch.observation.route(0, high_precision_delta=1)
+
+
+@pytest.mark.parametrize("name", ["hf-llama-gqa", "hf-gpt2-default"])
+def test_hf_decoder_layers_compiled_one_by_one_train_as_unwatched(name):
+    """Hugging Face models we did not write, each decoder layer compiled on its own (aot_eager), trained under CPU
+    BF16 autocast: the losses are the unwatched run's bit for bit, every call observed, every layer its own rows
+    (GPT-2's default attention dropout: no shadow there, and said so; Llama's shadow on every layer)."""
+    from real_models import MODELS, RealModel, train
+
+    from instability_watch import WatchConfig
+
+    spec = MODELS[name]
+
+    def build():
+        model = spec.build()
+        blocks = model.model.layers if hasattr(model, "model") else model.transformer.h
+        for block in blocks:
+            block.compile(backend="aot_eager")
+        return model
+
+    compiled = RealModel(build, spec.batch, spec.loss, spec.layers, spec.heads)
+    torch._dynamo.reset()
+    _, plain, _, _ = train(compiled, 4)
+    torch._dynamo.reset()
+    cfg = WatchConfig(probe_every=1, shadow_every=1, spectral_every=1, log_every=2, warmup_steps=100)
+    _, losses, watch, metrics = train(compiled, 4, cfg)
+    assert all(torch.equal(a, b) for a, b in zip(losses, plain))
+    coverage = watch.coverage()
+    assert [c.observed_calls for c in coverage] == [4, 4] and all(c.unobserved_calls == {} for c in coverage)
+    for m in metrics:
+        assert (np.asarray(m["rows"]) > 0).all()
+        top = np.asarray(m["max_score"])
+        assert not np.allclose(top[0], top[1])
+    if name == "hf-llama-gqa":
+        assert [c.shadow_calls for c in coverage] == [4, 4]
+        assert all(np.isfinite(np.asarray(m["delta_err_sum"])).all() for m in metrics)
+    else:
+        assert all(c.shadow_skipped == {"dropout": 4} for c in coverage)
+    watch.detach()

@@ -32,8 +32,12 @@ try:  # PyTorch >= 2.10 registers the op when the module is imported
     import torch.nn.attention.varlen  # noqa: F401
 
     VARLEN_OP = torch.ops.torch_attn._varlen_attn
+    # the op's argument names, read once here: a compiled call parses its arguments at trace time, and Dynamo
+    # cannot iterate over a schema's arguments (fullgraph=True, as torchtitan compiles its blocks, would fail)
+    _VARLEN_ARGS: Tuple[str, ...] = tuple(a.name for a in VARLEN_OP.default._schema.arguments)
 except (ImportError, AttributeError, RuntimeError):  # pragma: no cover - an older PyTorch
     VARLEN_OP = None
+    _VARLEN_ARGS = ()
 
 
 @dataclass
@@ -53,7 +57,7 @@ class VarlenCall:
     @classmethod
     def parse(cls, args, kwargs) -> "VarlenCall":
         """The call's arguments, by the op's schema (``TypeError`` for a call the op would refuse)."""
-        names = [a.name for a in VARLEN_OP.default._schema.arguments]
+        names = _VARLEN_ARGS
         if len(args) > len(names):
             raise TypeError("_varlen_attn: too many arguments")
         got = dict(zip(names, args))
