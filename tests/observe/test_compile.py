@@ -293,6 +293,34 @@ def test_compiled_watched_model_on_gpu_attached_on_cpu():
     watch_e.detach()
 
 
+@pytest.mark.gpu
+def test_blocks_compiled_one_by_one_on_gpu_with_inductor():
+    """Regional compilation with inductor on a GPU (torchtitan's set-up): the kinds of step as for the whole model,
+    each block's statistics its own (rows exact, the rest within inductor's rounding of the eager model's), only
+    the switched block on our kernels."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    torch._dynamo.reset()
+    model_e, watch_e, ms_e = _watched_gpt(n_layer=3)
+    model_e.cuda()
+    _train_gpt(model_e, model_e, watch_e, 12, switch_at=6)
+    model_c, watch_c, ms_c = _watched_gpt(n_layer=3)
+    model_c.cuda()
+    counter = CompileCounterWithBackend("inductor")
+    for block in model_c.h:
+        block.compile(backend=counter, fullgraph=True)
+    frames, _ = _train_gpt(model_c, model_c, watch_c, 12, switch_at=6, counter=counter)
+    assert frames[-1] == 6 and frames[-4:] == [6] * 4
+    assert [m.step for m in ms_c] == [m.step for m in ms_e]
+    for me, mc in zip(ms_e, ms_c):
+        assert (mc["rows"] == me["rows"]).all() and (mc["shadow_rows"] == me["shadow_rows"]).all()
+        np.testing.assert_allclose(mc["max_score"], me["max_score"], rtol=2e-2)
+        assert np.abs(mc["multi_max_freq"] - me["multi_max_freq"]).mean() <= 0.05  # see the test above
+    assert [c.kernel_calls for c in watch_c.coverage()] == [3, 0, 0]
+    watch_c.detach()
+    watch_e.detach()
+
+
 def test_control_delta_reaches_a_compiled_model():
     """The paper's control on a routed layer of a compiled, watched model: every backward of that
     layer takes delta from a float32 O (counted where the op runs), the other layer's none; the
