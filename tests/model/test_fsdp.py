@@ -79,7 +79,8 @@ def _sigma_is_the_whole_weights(run):
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
     jobs = [("single", "nanogpt"), ("single", "llama"),
-            ("fsdp2", "nanogpt"), ("fsdp2", "llama"), ("fsdp1", "nanogpt"), ("fsdp1", "llama"),
+            ("fsdp2", "nanogpt"), ("fsdp2", "llama"), ("fsdp2compiled", "nanogpt"), ("fsdp2compiled", "llama"),
+            ("fsdp1", "nanogpt"), ("fsdp1", "llama"),
             ("fsdp1units", "nanogpt"), ("fsdp1layers", "nanogpt"), ("fsdp1fail", "nanogpt")]
     return _run(jobs, tmp_path_factory.mktemp("fsdp"))
 
@@ -112,6 +113,21 @@ def test_fsdp2_two_ranks_decide_alike_and_match_one_process(model, single_runs, 
     assert r0["state_at_resume"] == r1["state_at_resume"]
     assert r0["resumed_state"] == r0["final_state"] and r1["resumed_state"] == r1["final_state"]
     assert r0["resumed_switched"] == run["switched"]
+
+
+@pytest.mark.parametrize("model", ["nanogpt", "llama"])
+def test_fsdp2_with_blocks_compiled_one_by_one_matches_one_process(model, single_runs, sharded_runs):
+    """torchtitan's set-up: each block compiled on its own, then sharded per block. Both ranks decide alike, and
+    every layer's statistics, switches and sigma are those of the same training in one process, uncompiled."""
+    r0, r1 = sharded_runs["fsdp2compiled", model]
+    run = r0["run"]
+    assert r0["run"] == r1["run"] and r0["final_state"] == r1["final_state"]
+    assert run["disabled"] == {} and run["steps"] == 6 and run["switched"]
+    _same_as_single(run, single_runs[model]["run"])
+    _sigma_is_the_whole_weights(run)
+    # the switched layer ran on our kernels inside its compiled block; nothing unobserved
+    assert any(c["kernel_calls"] > 0 for c in run["coverage"])
+    assert all(c["unobserved_calls"] == {} and c["observed_calls"] == 12 for c in run["coverage"])
 
 
 @pytest.mark.parametrize("model", ["nanogpt", "llama"])

@@ -10,6 +10,8 @@ every sharded run in one process group; with ``single`` runs only, one process.
 MODE   fsdp2  ``fully_shard`` per block and on the root; 6 optimizer steps, a DCP
               checkpoint after step 4, then a fresh model, optimizer and watch
               resumed from it run steps 5-6 again.
+       fsdp2compiled  torchtitan's order: each block compiled on its own (aot_eager), then ``fully_shard`` per
+              block and on the root; 6 steps.
        fsdp1  ``FullyShardedDataParallel`` (``use_orig_params=True``) wrapping each block: sigma from the
               attention weights rebuilt with one all-reduce per spectral step.
        fsdp1units  as fsdp1 with ``use_orig_params=False``: sigma read inside each block's gather.
@@ -184,6 +186,11 @@ def run(rank, mode, name, out_dir):
     data = batches()
     model, blocks = build(name)
     if mode == "fsdp2":
+        model = shard_fsdp2(model, blocks)
+    elif mode == "fsdp2compiled":
+        torch._dynamo.reset()
+        for block in blocks:
+            block.compile(backend="aot_eager")
         model = shard_fsdp2(model, blocks)
     elif mode in ("fsdp1", "fsdp1fail", "fsdp1units", "fsdp1layers"):
         from torch.distributed.fsdp import FullyShardedDataParallel as FSDP
