@@ -264,7 +264,10 @@ def arm_markdown(a: Arm) -> str:
         late = fa[fa["onset"].notna() & (fa["onset"] >= a.explosion)]
         out.append(f"\nAlerts on heads whose onset came only at or after the explosion: {heads_alerts(late)}.\n")
     if len(sw):
-        out.append(f"\nSwitched to the stabilized kernel ({len(sw)}; alert step, kind, first probe step on it): "
+        exact = a.events["action"].astype(str).str.contains("exact delta").any()
+        target = "the exact δ (the head's layer on our kernel, δ from a float32 O)" if exact else \
+            "the stabilized kernel"
+        out.append(f"\nSwitched to {target} ({len(sw)}; alert step, kind, first probe step on it): "
                    + ", ".join(f"{r.name} {r.step:,} ({r.kind}, {fmt(r.on)})" for r in sw.itertuples()) + ".\n")
     else:
         out.append("\nSwitched: none.\n")

@@ -8,7 +8,8 @@ from dataclasses import asdict, dataclass
 class Event:
     """Something the watch did or could not do.
 
-    ``kind`` is ``"switch"`` (a head moved to the stabilized kernel),
+    ``kind`` is ``"switch"`` (a head moved to the stabilized kernel, or with ``to="exact_delta"`` its
+    layer onto our kernel with the exact ``delta``),
     ``"switch_not_applied"`` (a switched head's layer made a call our kernels
     cannot serve; that call stayed on PyTorch's SDPA; ``reason`` says why) or
     ``"qk_clip_on"`` (``qk_clip="on_alert"``: the head is clipped from the next
@@ -22,6 +23,7 @@ class Event:
     kind: str
     reason: str
     layer_name: str = ""
+    to: str = "stabilized"  # a switch's target: WatchConfig.switch_to
 
     def to_dict(self) -> dict:
         """The fields as a plain ``dict`` (JSON-ready)."""
@@ -34,5 +36,8 @@ class Event:
                     "they stay on PyTorch's attention")
         if self.kind == "qk_clip_on":
             return (f"{self.layer_name} head {self.head}: QK-clip acts on this head from the next probe step "
+                    f"({self.reason})")
+        if self.to == "exact_delta":
+            return (f"{self.layer_name} head {self.head}: its layer moved to our kernel with the exact delta "
                     f"({self.reason})")
         return f"{self.layer_name} head {self.head} moved to the stabilized kernel ({self.reason})"

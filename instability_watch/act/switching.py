@@ -53,7 +53,7 @@ class Switchboard:
         self._apply(layer, head)
         self.switched[(layer, head)] = step
         site = sites[layer]
-        self.events.append(Event(step, layer, head, "switch", reason, site.name))
+        self.events.append(Event(step, layer, head, "switch", reason, site.name, self.switch_to))
         for why in site.reasons.get(NOT_APPLIED, []):  # already known for this layer
             self.events.append(Event(step, layer, head, "switch_not_applied", why, site.name))
 

@@ -88,6 +88,8 @@ def test_switch_to_exact_delta_puts_the_layer_on_the_exact_delta(caplog):
     assert set(watch.switched) == {(0, 0), (0, 1)}
     drift_alerts = [a for a in watch.alerts if a.kind == "delta_drift"]
     assert drift_alerts and all(a.action == "switched to the exact delta" for a in drift_alerts)
+    switches = [e for e in watch.events if e.kind == "switch"]  # the run directory's event sentences say so too
+    assert switches and all("moved to our kernel with the exact delta" in e.sentence() for e in switches)
     (site,) = watch.observation.sites
     assert site.routed and site.high_precision_delta
     assert watch.observation.stabilized() == [[False] * 4]
