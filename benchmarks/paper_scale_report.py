@@ -6,7 +6,8 @@ A BUNDLE is a ``.tar.xz`` made by ``reproduce.py bundle`` or an unpacked directo
 ``config.json`` and ``train.csv``) is an arm, named after the folder (e.g. ``standard-switch``). A ``train.log``
 beside a ``.tar.xz`` (or in the directory) adds the step times the log shows. Every number comes from the files:
 
-* device, steps, tokens, wall time, steps/s (``status.json``); final loss (mean of the last 100 losses of
+* device, steps, tokens, wall time, steps/s (``status.json``; for a run cut off before it stopped, which has none,
+  steps/s and wall time from ``train.log``); final loss (mean of the last 100 losses of
   ``train.csv``); explosion and divergence steps (``reproduce.py``'s rule, recomputed: loss EMA 0.05 1 nat,
   resp. 0.2 nats, above its running minimum after the warm-up, or a non-finite loss);
 * per head (``run/metrics.csv``, ``run/events.csv``): growth of sigma(W_Q), its onset (defined below), the
@@ -86,7 +87,9 @@ def load_arms(paths: List[str], tmp: Path) -> List[Arm]:
         if not runs:
             raise SystemExit(f"error: {p} holds no run folder (one with config.json and train.csv)")
         for r in runs:
-            missing = [f for f in ("config.json", "status.json", "train.csv", "run/metrics.csv", "run/events.csv")
+            # status.json is written when the run stops: a run cut off (its machine lost) has none, and its
+            # device, wall time and speed are then read from train.log where it shows them
+            missing = [f for f in ("config.json", "train.csv", "run/metrics.csv", "run/events.csv")
                        if not (r / f).exists()]
             if missing:
                 raise SystemExit(f"error: {p}: run folder {r.name} lacks {', '.join(missing)}")
@@ -94,7 +97,8 @@ def load_arms(paths: List[str], tmp: Path) -> List[Arm]:
                 raise SystemExit(f"error: two arms named {r.name} (the second in {p})")
             run = load_run(r / "run")
             arms[r.name] = Arm(r.name, json.loads((r / "config.json").read_text()),
-                               json.loads((r / "status.json").read_text()),
+                               json.loads((r / "status.json").read_text()) if (r / "status.json").exists()
+                               else {},
                                pd.read_csv(r / "train.csv").drop_duplicates("step", keep="last").sort_values("step"),
                                run.metrics, run.events, log.read_text() if log.exists() else None)
     return list(arms.values())
@@ -158,6 +162,19 @@ def peak_logit(a: Arm, until: float = math.inf) -> str:
     return f"{r['max_score']:.3g} ({head(r['layer'], r['head'])}, step {int(r['step']):,})"
 
 
+def last_progress(a: Arm) -> Optional[Tuple[int, float]]:
+    """``(steps since the start, cumulative steps/s)`` of the log's last progress line of this arm, if any."""
+    last, start = None, 0
+    for line in (a.log or "").splitlines():
+        if f"[{a.name}]" not in line:
+            continue
+        if m := START_LINE.search(line):
+            start = int(m.group(1) or 0)
+        elif m := STEP_LINE.search(line):
+            last = (int(m.group(1)) - start, float(m.group(2)))
+    return last
+
+
 def step_times(a: Arm) -> Optional[dict]:
     """100-step intervals from the log's cumulative steps/s (elapsed = (step - start) / rate, per command)."""
     if not a.log:
@@ -208,22 +225,61 @@ def table(header: List[str], rows: List[List[str]]) -> str:
 def markdown(arms: List[Arm]) -> str:
     out = ["Arms (`status.json`, `train.csv`; explosion / divergence: loss EMA 0.05 1 / 0.2 nats above its running "
            "minimum after the warm-up, recomputed):\n"]
-    rows = []
+    rows, cut = [], []
     for a in arms:
         st = a.status
         tokens = int(st.get("tokens_per_step") or a.cfg["batch"] * a.cfg["block"])
         steps = int(a.train["step"].max())
-        rows.append([a.name, f"{st.get('processes', '?')}× {st.get('device', '?')}", f"{steps:,}",
-                     f"{steps * tokens / 1e9:.2f}B", fmt(st.get("seconds"), "{:,} s"),
-                     f"{fmt(st.get('steps_per_s'), '{}')} ({fmt(st.get('steps_per_s_warm'), '{}')} warm)",
+        if st:
+            device = f"{st.get('processes', '?')}× {st.get('device', '?')}"
+            wall, speed = fmt(st.get("seconds"), "{:,} s"), \
+                f"{fmt(st.get('steps_per_s'), '{}')} ({fmt(st.get('steps_per_s_warm'), '{}')} warm)"
+        else:  # cut off: what train.log shows (its last progress line: steps since the start / cumulative rate)
+            cut.append(a.name)
+            last = last_progress(a)
+            device = "? (cut off‡)"
+            wall = "–" if last is None else f"{last[0]:,} steps in {last[0] / last[1]:,.1f} s‡"
+            speed = "–" if last is None else f"{last[1]}‡"
+        rows.append([a.name, device, f"{steps:,}", f"{steps * tokens / 1e9:.2f}B", wall, speed,
                      fmt(st.get("max_memory_gib"), "{} GiB"), f"{a.final_loss:.4f}", fmt(a.explosion),
                      fmt(a.divergence), peak_logit(a),
                      peak_logit(a, a.explosion) if a.explosion is not None else "–"])
     out.append(table(["arm", "device", "steps", "tokens", "wall time", "steps/s", "GPU memory", "final loss",
                       "explosion", "divergence", "peak max logit", "before the explosion"], rows))
+    if cut:
+        out.append(f"\n‡ {', '.join(cut)}: cut off before it stopped (no `status.json`: the machine was lost); "
+                   "steps from `train.csv`, wall time and steps/s from `train.log`'s last progress line (since the "
+                   "run's start, compiling included); the device is not in the bundle.\n")
+    out.append(common_steps_markdown(arms))
     for a in arms:
         out.append(arm_markdown(a))
     return "\n".join(out)
+
+
+COMMON_STEPS = (3001, 4001, 4171, 4491, 5741)
+WATCHED_HEADS = ((1, 4), (1, 5), (1, 11))  # the first heads that grew in the first arm
+
+
+def common_steps_markdown(arms: List[Arm]) -> str:
+    """The arms side by side at the same probe steps: sigma(W_Q) growth over step W + 1 (the largest, its head, the
+    median; the first heads that grew in arm 1) and the largest logit up to that step. Steps an arm did not reach:
+    left out of its rows."""
+    rows = []
+    for a in arms:
+        sig = a.metrics.pivot_table(index="step", columns=["layer", "head"], values="sigma_wq", aggfunc="last")
+        base = sig.loc[a.base_step]
+        for s in COMMON_STEPS:
+            if s not in sig.index:
+                continue
+            g = sig.loc[s] / base
+            top = g.idxmax()
+            upto = a.metrics[(a.metrics["step"] <= s) & np.isfinite(a.metrics["max_score"])]["max_score"].max()
+            rows.append([a.name, f"{s:,}", f"×{g.max():.2f} ({head(*top)})", f"×{g.median():.2f}",
+                         *(f"×{g[h]:.2f}" for h in WATCHED_HEADS), f"{upto:.3g}"])
+    return ("\nThe arms at the same probe steps (σ(W_Q) over its value at the end of the warm-up; largest logit of "
+            "any head up to the step):\n\n"
+            + table(["arm", "step", "largest growth", "median growth", *(f"{head(*h)}" for h in WATCHED_HEADS),
+                     "largest logit so far"], rows))
 
 
 def arm_markdown(a: Arm) -> str:
