@@ -288,6 +288,7 @@ class Observation:
         site = self.sites[layer]
         site.routed = bool(on)
         site.high_precision_delta = high_precision_delta and site.routed
+        room_for_routed_layers(sum(s.routed for s in self.sites))
         self.arm(stats=self._stats, shadow=self._shadow)
 
     def set_stabilized(self, layer: int, head: int, on: bool = True) -> None:
@@ -386,6 +387,36 @@ class Observation:
             return merged
 
         return [layer_coverage(site.name, reasons(site), c) for site, c in zip(self.sites, calls)]
+
+
+# Each layer routed onto our kernels adds, under torch.compile, up to three variants of the compiled forward (a
+# plain step, a probe step, a probe and shadow step with that layer routed). Past Dynamo's recompile limit (8) the
+# forward runs uncompiled for the rest of the run (seen at the paper's scale: 17-19% fewer steps/s from the third
+# switched layer on), or, compiled with fullgraph=True, the step fails. The limit is raised by that much per routed
+# layer, over what it was when the first layer was routed.
+VARIANTS_PER_ROUTED_LAYER = 3
+_LIMIT_BASE: List[int] = []  # Dynamo's recompile limit before the watch first raised it (this process)
+
+
+def room_for_routed_layers(routed: int) -> None:
+    """Keep Dynamo's recompile limit at least its first value + 3 per routed layer (never lowered; said once)."""
+    config = torch._dynamo.config
+    name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
+    current = getattr(config, name, None)
+    if not isinstance(current, int):
+        return
+    if not _LIMIT_BASE:
+        _LIMIT_BASE.append(current)
+    want = _LIMIT_BASE[0] + VARIANTS_PER_ROUTED_LAYER * routed
+    if want <= current:
+        return
+    setattr(config, name, want)
+    if len(_LIMIT_BASE) == 1:
+        _LIMIT_BASE.append(want)  # said once a process
+        log_rank_zero(logging.WARNING, "instability_watch: raised torch._dynamo.config.%s from %d to %d (and by %d for "
+                      "each further switched layer): under torch.compile each layer switched onto our kernels adds "
+                      "up to %d variants of the compiled forward, and past the limit it would run uncompiled",
+                      name, current, want, VARIANTS_PER_ROUTED_LAYER, VARIANTS_PER_ROUTED_LAYER)
 
 
 def observe(model: nn.Module, layers: Sequence[AttentionLayer], *, beta: float = DEFAULT_BETA,

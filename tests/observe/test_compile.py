@@ -202,6 +202,54 @@ def test_blocks_compiled_one_by_one_are_each_watched_as_their_own_layer(in_place
                for m in model_c.modules() if type(m).__name__ == "CausalSelfAttention")
 
 
+def test_layers_switched_one_after_another_keep_the_forward_compiled(caplog, monkeypatch, request):
+    """Four layers switched one after another on a whole compiled model: each adds its three kinds of step (15
+    variants in all, past Dynamo's default limit of 8, where the forward would run uncompiled for the rest of the
+    run, as it did at the paper's scale). The watch raises the limit by three per routed layer, says so once, and
+    every variant compiles; the metrics stay the eager model's."""
+    from torch._dynamo.testing import CompileCounterWithBackend
+
+    import instability_watch.observe.observation as observation
+
+    monkeypatch.setattr(observation, "_LIMIT_BASE", [])
+    limit = torch._dynamo.config.patch(recompile_limit=8)  # put back after the test (monkeypatch would delete it)
+    limit.__enter__()
+    request.addfinalizer(lambda: limit.__exit__(None, None, None))
+    switch_at = {5: 0, 9: 1, 13: 2, 17: 3}
+
+    def train(model, forward, watch, counter=None):
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        frames = []
+        for s in range(1, 21):
+            if s in switch_at:
+                watch.switch(switch_at[s], 0)
+            x = _batch(s)
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                loss = forward(x, x)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            watch.step(loss)
+            frames.append(counter.frame_count if counter is not None else 0)
+        return frames
+
+    torch._dynamo.reset()
+    model_e, watch_e, ms_e = _watched_gpt(n_layer=4)
+    train(model_e, model_e, watch_e)
+    model_c, watch_c, ms_c = _watched_gpt(n_layer=4)
+    counter = CompileCounterWithBackend("aot_eager")
+    with caplog.at_level("WARNING", logger="instability_watch"):
+        frames = train(model_c, torch.compile(model_c, backend=counter, fullgraph=True), watch_c, counter)
+    # steps 1-4: probe+shadow, plain, probe (3 variants); after each switch the same three with one more layer routed
+    assert frames[3] == 3 and frames[-1] == 15
+    assert torch._dynamo.config.recompile_limit == 8 + 3 * 4
+    assert caplog.text.count("raised torch._dynamo.config.recompile_limit from 8 to 11") == 1
+    _assert_same_metrics(ms_e, ms_c)
+    assert [c.kernel_calls for c in watch_c.coverage()] == [8, 6, 4, 2]
+    watch_c.detach()
+    watch_e.detach()
+
+
 def test_compiled_unwatched_and_watched_training_are_identical():
     """Observing changes nothing a compiled model computes: losses bitwise equal to the unwatched model's."""
     from nanogpt import GPT, GPTConfig
