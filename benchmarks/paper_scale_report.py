@@ -6,8 +6,8 @@ A BUNDLE is a ``.tar.xz`` made by ``reproduce.py bundle`` or an unpacked directo
 ``config.json`` and ``train.csv``) is an arm, named after the folder (e.g. ``standard-switch``). A ``train.log``
 beside a ``.tar.xz`` (or in the directory) adds the step times the log shows. Every number comes from the files:
 
-* device, steps, tokens, wall time, steps/s (``status.json``; for a run cut off before it stopped, which has none,
-  steps/s and wall time from ``train.log``); final loss (mean of the last 100 losses of
+* device, steps, tokens, wall time, steps/s (``status.json``; for a run cut off before it stopped, its last
+  snapshot, or, without one, steps/s and wall time from ``train.log``); final loss (mean of the last 100 losses of
   ``train.csv``); explosion and divergence steps (``reproduce.py``'s rule, recomputed: loss EMA 0.05 1 nat,
   resp. 0.2 nats, above its running minimum after the warm-up, or a non-finite loss);
 * per head (``run/metrics.csv``, ``run/events.csv``): growth of sigma(W_Q), its onset (defined below), the
@@ -87,8 +87,8 @@ def load_arms(paths: List[str], tmp: Path) -> List[Arm]:
         if not runs:
             raise SystemExit(f"error: {p} holds no run folder (one with config.json and train.csv)")
         for r in runs:
-            # status.json is written when the run stops: a run cut off (its machine lost) has none, and its
-            # device, wall time and speed are then read from train.log where it shows them
+            # status.json is written at each printed log step ("stopped": null) and when the run stops; a run cut
+            # off before the first (or by an older runner) has none: its wall time and speed then come from train.log
             missing = [f for f in ("config.json", "train.csv", "run/metrics.csv", "run/events.csv")
                        if not (r / f).exists()]
             if missing:
@@ -230,10 +230,13 @@ def markdown(arms: List[Arm]) -> str:
         st = a.status
         tokens = int(st.get("tokens_per_step") or a.cfg["batch"] * a.cfg["block"])
         steps = int(a.train["step"].max())
-        if st:
+        if st:  # "stopped" None: the run's last snapshot while running (it was cut off after it)
+            mark = "‡" if "stopped" in st and st["stopped"] is None else ""
+            if mark:
+                cut.append(a.name)
             device = f"{st.get('processes', '?')}× {st.get('device', '?')}"
-            wall, speed = fmt(st.get("seconds"), "{:,} s"), \
-                f"{fmt(st.get('steps_per_s'), '{}')} ({fmt(st.get('steps_per_s_warm'), '{}')} warm)"
+            wall = fmt(st.get("seconds"), "{:,} s") + (f" to step {int(st['step']):,}‡" if mark else "")
+            speed = f"{fmt(st.get('steps_per_s'), '{}')} ({fmt(st.get('steps_per_s_warm'), '{}')} warm){mark}"
         else:  # cut off: what train.log shows (its last progress line: steps since the start / cumulative rate)
             cut.append(a.name)
             last = last_progress(a)
@@ -247,9 +250,10 @@ def markdown(arms: List[Arm]) -> str:
     out.append(table(["arm", "device", "steps", "tokens", "wall time", "steps/s", "GPU memory", "final loss",
                       "explosion", "divergence", "peak max logit", "before the explosion"], rows))
     if cut:
-        out.append(f"\n‡ {', '.join(cut)}: cut off before it stopped (no `status.json`: the machine was lost); "
-                   "steps from `train.csv`, wall time and steps/s from `train.log`'s last progress line (since the "
-                   "run's start, compiling included); the device is not in the bundle.\n")
+        out.append(f"\n‡ {', '.join(cut)}: cut off before it stopped (the machine was lost); steps from `train.csv`; "
+                   "wall time and steps/s from the last `status.json` written while it ran, or, where there is none, "
+                   "from `train.log`'s last progress line (since the run's start, compiling included; the device is "
+                   "then not in the bundle).\n")
     out.append(common_steps_markdown(arms))
     for a in arms:
         out.append(arm_markdown(a))

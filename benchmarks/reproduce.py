@@ -48,7 +48,9 @@ Under ``torchrun`` rank 0 writes everything (``train.csv``, the watch's run
 directory, checkpoints); at the end of each command every rank writes
 ``ranks/rank<r>.json`` (its alerts and switched heads, all of the run's: a
 resumed rank starts from the checkpoint's watch state) so that their agreement
-can be checked. ``--micro-batch`` splits each rank's share into micro-batches
+can be checked; ``status.json`` and those files are also written at each printed
+log step (``"stopped": null`` while running), so a run cut off by the loss of its
+machine keeps them. ``--micro-batch`` splits each rank's share into micro-batches
 (gradient accumulation). A resumed run checks that the corpus has the size it
 had.
 """
@@ -65,7 +67,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -361,6 +363,31 @@ def train(args) -> int:
             os.replace(out / (CHECKPOINT + ".tmp"), ckpt_path)
         _barrier(world)
 
+    def snapshot(stopped: Optional[str], t_now: float) -> dict:
+        """``status.json`` (rank 0) and each rank's decisions (``ranks/``) as of now; ``stopped`` None: still
+        running (written at each printed log step, so that a run cut off by its machine's loss keeps them)."""
+        elapsed = t_now - t0
+        status = {"step": step, "stopped": stopped, "explosion_step": exploded.step,
+                  "control_delta": control_delta, "high_precision_delta_calls": high_precision_delta_calls(),
+                  "seconds": round(elapsed, 1), "steps_per_s": round((step - start_step) / max(elapsed, 1e-9), 3),
+                  # after the first log step (compiling and the first probe done)
+                  "steps_per_s_warm": (round((step - warm_step) / (t_now - t_warm), 3)
+                                       if t_warm is not None and step > warm_step else None),
+                  "max_memory_gib": (round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
+                                     if device.startswith("cuda") else None),
+                  "tokens_per_step": cfg.batch * cfg.block, "processes": world, "micro_batch": micro,
+                  "accumulate": accumulate, "corpus": corpus,
+                  "alerts": len(watch.alerts) if watch else None,
+                  "switched": len(watch.switched) if watch else None, "device": device_name(device)}
+        if watch is not None and world > 1:  # what each rank decided, to check that they agree
+            (out / "ranks").mkdir(exist_ok=True)
+            _write_json(out / "ranks" / f"rank{rank}.json", {
+                "step": step, "alerts": [[a.step, a.layer, a.head, a.kind] for a in watch.alerts],
+                "switched": sorted([layer, head, s] for (layer, head), s in watch.switched.items())})
+        if lead:
+            _write_json(out / "status.json", status)
+        return status
+
     net.train()
     try:
         while step < args.steps:
@@ -414,10 +441,12 @@ def train(args) -> int:
                     if cfg.arm == "control" and high_precision_delta_calls() == 0:  # every rank alike
                         raise SystemExit(f"error: the control arm's backward took no delta from a float32 O in "
                                          f"{step} steps: this run would not be the control")
-                if lead and step % args.print_every < cfg.log_every:
-                    rate = (step - start_step) / (now - t0)
-                    print(f"[{out.name}] step {step} loss {rows[-1][0]:.4f} lr {lr:.2e} "
-                          f"gnorm {rows[-1][1]:.3g} {rate:.2f} steps/s", flush=True)
+                if step % args.print_every < cfg.log_every:  # every rank alike: each writes its own decisions
+                    snapshot(None, now)
+                    if lead:
+                        rate = (step - start_step) / (now - t0)
+                        print(f"[{out.name}] step {step} loss {rows[-1][0]:.4f} lr {lr:.2e} "
+                              f"gnorm {rows[-1][1]:.3g} {rate:.2f} steps/s", flush=True)
                 if exploded.step is not None and step >= exploded.step + args.after_explosion:
                     reason = "exploded"
                     break
@@ -444,33 +473,22 @@ def train(args) -> int:
         watch.flush()
     t_end = time.perf_counter()
     save()
+    status = snapshot(reason, t_end)  # before detaching: the ranks' decisions are read from the watch
     if watch is not None:
         watch.detach()
         if writer is not None:
             writer.close()
-    elapsed = t_end - t0
-    status = {"step": step, "stopped": reason, "explosion_step": exploded.step,
-              "control_delta": control_delta, "high_precision_delta_calls": high_precision_delta_calls(),
-              "seconds": round(elapsed, 1), "steps_per_s": round((step - start_step) / max(elapsed, 1e-9), 3),
-              # after the first log step (compiling and the first probe done)
-              "steps_per_s_warm": (round((step - warm_step) / (t_end - t_warm), 3)
-                                   if t_warm is not None and step > warm_step else None),
-              "max_memory_gib": (round(torch.cuda.max_memory_allocated(device) / 2**30, 2)
-                                 if device.startswith("cuda") else None),
-              "tokens_per_step": cfg.batch * cfg.block, "processes": world, "micro_batch": micro,
-              "accumulate": accumulate, "corpus": corpus,
-              "alerts": len(watch.alerts) if watch else None, "switched": len(watch.switched) if watch else None,
-              "device": device_name(device)}
-    if watch is not None and world > 1:  # what each rank decided, to check that they agree
-        (out / "ranks").mkdir(exist_ok=True)
-        (out / "ranks" / f"rank{rank}.json").write_text(json.dumps({
-            "alerts": [[a.step, a.layer, a.head, a.kind] for a in watch.alerts],
-            "switched": sorted([layer, head, s] for (layer, head), s in watch.switched.items())}))
     if lead:
-        (out / "status.json").write_text(json.dumps(status, indent=1))
         print(f"[{out.name}] stopped ({reason}) at step {step}: {status}", flush=True)
     _leave(world)
     return 0
+
+
+def _write_json(path: Path, obj) -> None:
+    """``obj`` as JSON at ``path``, whole or not at all (written beside it, then renamed)."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(obj, indent=1))
+    os.replace(tmp, path)
 
 
 def _leave(world: int) -> None:

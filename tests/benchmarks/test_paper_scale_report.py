@@ -135,6 +135,34 @@ def test_numbers_tables_and_figures(report, bundle, tmp_path, capsys):
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+@pytest.mark.parametrize("status", ["running", "none"])
+def test_a_run_cut_off_is_marked_and_timed_from_what_it_left(report, tmp_path, status):
+    """A run cut off before it stopped: its last status.json written while running ("stopped": null), or none at all
+    (then wall time and steps/s from train.log's last progress line: 120 steps at 2.40 steps/s). A switch to the
+    exact delta is named as such."""
+    run = tmp_path / "d" / "tiny-switch"
+    make_run(run)
+    if status == "none":
+        (run / "status.json").unlink()
+    else:
+        st = json.loads((run / "status.json").read_text())
+        (run / "status.json").write_text(json.dumps({**st, "stopped": None}))
+    events = run / "run" / "events.csv"
+    events.write_text(events.read_text().replace("switched to the stabilized kernel", "switched to the exact delta"))
+    (tmp_path / "d" / "train.log").write_text(LOG)
+    md = tmp_path / "t.md"
+    assert report.main([str(tmp_path / "d"), "--out", str(tmp_path / "figs"), "--markdown", str(md)]) == 0
+    text = md.read_text()
+    row = next(ln for ln in text.splitlines() if ln.startswith("| tiny-switch"))
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    if status == "none":
+        assert cells[1:6] == ["? (cut off‡)", "120", "0.00B", "120 steps in 50.0 s‡", "2.4‡"]  # tokens: the config's
+    else:
+        assert cells[1:6] == ["4× Test GPU", "120", "0.06B", "50.0 s to step 120‡", "2.4 (2.5 warm)‡"]
+    assert "‡ tiny-switch: cut off before it stopped" in text
+    assert "Switched to the exact δ (the head's layer on our kernel, δ from a float32 O) (3;" in text
+
+
 def test_errors_name_the_path(report, bundle, tmp_path):
     missing = tmp_path / "nowhere.tar.xz"
     with pytest.raises(SystemExit, match=str(missing)):

@@ -115,6 +115,29 @@ def test_resume_after_a_stop_between_log_steps(repro, tmp_path):
     pd.testing.assert_frame_equal(ta, tb)
 
 
+def test_a_run_cut_off_keeps_its_status_as_of_its_last_printed_step(repro, tmp_path, monkeypatch):
+    """A run whose process dies mid-run (its machine lost) keeps ``status.json`` as of its last printed log step,
+    marked as not stopped, with the device and speed the report reads; the finished run's replaces it."""
+    a = tmp_path / "a"
+    lr_at = repro.lr_at
+
+    def dies_at_step_13(cfg, step):
+        if step == 13:
+            raise KeyboardInterrupt("the machine is gone")
+        return lr_at(cfg, step)
+
+    monkeypatch.setattr(repro, "lr_at", dies_at_step_13)
+    with pytest.raises(KeyboardInterrupt):
+        repro.main(["train", "--out", str(a), *TINY, "--steps", "20", "--print-every", "5"])
+    status = json.loads((a / "status.json").read_text())
+    assert status["stopped"] is None and status["step"] == 10  # printed at 5 and 10
+    assert status["device"] and status["steps_per_s"] > 0 and status["tokens_per_step"] == 2 * 32
+    monkeypatch.setattr(repro, "lr_at", lr_at)
+    assert repro.main(["train", "--out", str(tmp_path / "b"), *TINY, "--steps", "20", "--print-every", "5"]) == 0
+    status = json.loads((tmp_path / "b" / "status.json").read_text())
+    assert status["stopped"] == "steps" and status["step"] == 20
+
+
 def _torchrun(out, args, steps, tmp_path):
     """``reproduce.py train`` in 2 CPU processes (torchrun, gloo), in a subprocess with a clean environment."""
     import sys
@@ -159,7 +182,7 @@ def test_two_processes_train_as_one_and_resume_exactly(repro, tmp_path):
     status = json.loads((two / "status.json").read_text())
     assert (status["processes"], status["micro_batch"], status["accumulate"]) == (2, 1, 2)
     ranks = [json.loads((two / "ranks" / f"rank{r}.json").read_text()) for r in (0, 1)]
-    assert ranks[0] == ranks[1]
+    assert ranks[0] == ranks[1] and ranks[0]["step"] == status["step"]
 
 
 def test_paper_preset_and_batch_errors(repro, tmp_path):
