@@ -239,7 +239,7 @@ def markdown(arms: List[Arm]) -> str:
             speed = f"{fmt(st.get('steps_per_s'), '{}')} ({fmt(st.get('steps_per_s_warm'), '{}')} warm){mark}"
         else:  # cut off: what train.log shows (its last progress line: steps since the start / cumulative rate)
             cut.append(a.name)
-            last = last_progress(a)
+            last = last_progress(a)  # since the last command's start (a resumed run: that command's)
             device = "? (cut off‡)"
             wall = "–" if last is None else f"{last[0]:,} steps in {last[0] / last[1]:,.1f} s‡"
             speed = "–" if last is None else f"{last[1]}‡"
@@ -252,8 +252,8 @@ def markdown(arms: List[Arm]) -> str:
     if cut:
         out.append(f"\n‡ {', '.join(cut)}: cut off before it stopped (the machine was lost); steps from `train.csv`; "
                    "wall time and steps/s from the last `status.json` written while it ran, or, where there is none, "
-                   "from `train.log`'s last progress line (since the run's start, compiling included; the device is "
-                   "then not in the bundle).\n")
+                   "from `train.log`'s last progress line (since its last command's start, compiling included; the "
+                   "device is then not in the bundle).\n")
     out.append(common_steps_markdown(arms))
     for a in arms:
         out.append(arm_markdown(a))
@@ -279,7 +279,9 @@ def common_steps_markdown(arms: List[Arm]) -> str:
             top = g.idxmax()
             upto = a.metrics[(a.metrics["step"] <= s) & np.isfinite(a.metrics["max_score"])]["max_score"].max()
             rows.append([a.name, f"{s:,}", f"×{g.max():.2f} ({head(*top)})", f"×{g.median():.2f}",
-                         *(f"×{g[h]:.2f}" for h in WATCHED_HEADS), f"{upto:.3g}"])
+                         *(f"×{g[h]:.2f}" if h in g.index else "–" for h in WATCHED_HEADS), f"{upto:.3g}"])
+    if not rows:
+        return ""
     return ("\nThe arms at the same probe steps (σ(W_Q) over its value at the end of the warm-up; largest logit of "
             "any head up to the step):\n\n"
             + table(["arm", "step", "largest growth", "median growth", *(f"{head(*h)}" for h in WATCHED_HEADS),

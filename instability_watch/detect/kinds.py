@@ -71,9 +71,9 @@ _TABLE: Tuple[AlertKind, ...] = (
         trips_when="the head's multi-max frequency (rows whose maximum score repeats within `eps`) stays above "
                    "`max(3×, +1 point)` of its warm-up level for `sustain` steps",
         meaning="more rows where BF16 rounds several `P` up to 1 together — the paper's trigger",
-        action="switch the head (`auto_switch=True` does); at the paper's scale the stabilized kernel (the default "
-               "target) did not prevent the failure, the exact δ did: use `switch_to=\"exact_delta\"` "
-               "(benchmarks/RESULTS.md, arms 1, 4 and 5)",
+        action="switch the head (`auto_switch=True` does); at the paper's scale, switching to the stabilized kernel "
+               "(the default target) did not prevent the failure, and in one run `switch_to=\"exact_delta\"` "
+               "did (benchmarks/RESULTS.md, arms 1, 4 and 5)",
         switching_helps=True,
         message="{value:.2%} of rows have a repeated maximum score (threshold {threshold:.2%}, sustained {sustain} "
                 "steps): BF16 rounds their P to 1 together and biases O",
@@ -87,9 +87,9 @@ _TABLE: Tuple[AlertKind, ...] = (
         trips_when="the per-shadow-step `Σ(δ_lp − δ_hp)` keeps one sign: a two-sided sign CUSUM exceeds `h` "
                    "(13 ≈ 26 one-signed shadow steps; about one false alarm in 10⁷ shadow steps per head)",
         meaning="the backward's `δ` is biased and the error adds up along one direction of `W_Q` (paper Fig. 5a)",
-        action="switch the head with `switch_to=\"exact_delta\"`: at the paper's scale that switch, from these "
-               "alerts on, kept every head's σ(W_Q) as in the control run (benchmarks/RESULTS.md, arm 5); the "
-               "stabilized kernel did not (arms 1, 4); keep checkpoints from before the alert",
+        action="switch the head with `switch_to=\"exact_delta\"`: at the paper's scale, in one run, that switch "
+               "from these alerts on kept every head's σ(W_Q) close to the control run's (benchmarks/RESULTS.md, "
+               "arm 5); the stabilized kernel did not (arms 1, 4); keep checkpoints from before the alert",
         switching_helps=True,
         message="sum(delta_lp - delta_hp) keeps one sign over the shadow steps (sign CUSUM {value:.1f} > "
                 "{threshold:.1f}): the backward's delta is biased, and the error adds up along one direction of W_Q",

@@ -49,6 +49,7 @@ class Reader:
             self.faults.fail("statistics", WatchError("statistics failed on another rank; turned off on every rank"))
             return None, [], []
         self.calls.add(host[:, lay.counts])
+        self.observation.claim_shared_reasons(self.calls.per_layer)  # compiled graphs' reasons, per layer
         alerts: List[Alert] = []
         clips: List[Clip] = []
         try:

@@ -46,7 +46,8 @@ def save(watch) -> dict:
         "calls": [dict(c) for c in watch.calls.per_layer],
         "coverage_checked": watch.coverage_checked,
         "alerts": [a.to_dict() for a in watch.alerts],
-        "events": [e.to_dict() for e in watch.events],
+        # without a switch's target: the state's format stays as it was; restored from "switch_to" (parse)
+        "events": [{k: v for k, v in e.to_dict().items() if k != "to"} for e in watch.events],
         "qk_clip": {"enabled": [[l, h, s] for (l, h), s in sorted(clipper.enabled.items())],
                     "counts": clipper.counts.tolist() if watch.head_counts else []},
     }
@@ -141,7 +142,7 @@ def parse(watch, state) -> dict:
     out["coverage_checked"] = bool(state.get("coverage_checked", True))
     try:
         out["alerts"] = [Alert(**a) for a in need("alerts")]
-        out["events"] = [Event(**e) for e in need("events")]
+        out["events"] = [Event(**{**e, "to": e.get("to", out["switch_to"])}) for e in need("events")]
     except TypeError as exc:
         raise ValueError(f"InstabilityWatch state: 'alerts'/'events' entries do not fit ({exc})") from None
     return out

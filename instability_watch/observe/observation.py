@@ -25,7 +25,8 @@ import torch.nn as nn
 from instability_watch.kernels.common import DEFAULT_BETA, DEFAULT_EPS
 from instability_watch.model.layer import AttentionLayer, without_sdpa
 from instability_watch.model.sharding import each_in_its_unit, fsdp1_pieces, whole_params, whole_plan, with_params
-from instability_watch.observe.coverage import NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED, LayerCoverage, layer_coverage
+from instability_watch.observe.coverage import (KIND_ROW, NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED, LayerCoverage,
+                                                layer_coverage)
 from instability_watch.observe.sdpa import SdpaObserver, entered, param_device
 from instability_watch.probe.bank import ProbeBank
 from instability_watch.probe.spectral import gram
@@ -105,6 +106,11 @@ def _observed_forward(self: nn.Module, *args, **kwargs):
                                     "FlexAttention, varlen_attn) in the layer's forward (attention computed "
                                     "another way, e.g. attn_implementation='eager')")
     return out
+
+
+# a bound method pickles as getattr(its object, its function's name): named "forward", a pickled armed module loads
+# with its class's forward (unwatched), as a deep copy runs
+_observed_forward.__name__ = "forward"
 
 
 def _forward(module: nn.Module, own: Optional[Callable], args, kwargs):
@@ -257,7 +263,7 @@ class Observation:
                               else site.stabilize.to(device))
         self._sync()
 
-    def note(self, site: Optional[Site], kind: str, reason: str) -> None:
+    def note(self, site: Optional[Site], kind: str, reason: str, *, log: bool = True) -> None:
         """``site`` met ``reason`` (of ``kind``): recorded and logged the first time, then handed to ``on_note``.
 
         ``site`` None: a call compiled once and shared by several layers (a compiled attention function inside
@@ -270,7 +276,8 @@ class Observation:
         what = {UNOBSERVED: "cannot be observed", SHADOW_SKIPPED: "get no shadow pass",
                 NOT_APPLIED: "stay on PyTorch's attention although a head is switched"}[kind]
         where = f"layer {site.name}" if site is not None else "compiled attention calls"
-        log_rank_zero(logging.WARNING, "instability_watch: %s: calls %s: %s", where, what, reason)
+        if log:
+            log_rank_zero(logging.WARNING, "instability_watch: %s: calls %s: %s", where, what, reason)
         if self.on_note is not None and site is not None:
             self.on_note(site, kind, reason)
 
@@ -378,6 +385,19 @@ class Observation:
             raise GatheredReadError(self.sites[i].name, exc, len(self.sites) - i - 1) from exc
         return out
 
+    def claim_shared_reasons(self, calls: Sequence[Dict[str, int]]) -> None:
+        """After a read-back: a layer whose calls of a kind were counted (``calls``: per layer, row -> total) but
+        which has no reason of that kind of its own takes the compiled graphs' (recorded while tracing a graph that
+        layers share, see :meth:`note`), as if it had met them: a switch not applied is then an event and its head
+        is not reported as stabilized. Not logged again (the graph's reason was)."""
+        if not self.shared_reasons:
+            return
+        for site, c in zip(self.sites, calls):
+            for kind, rs in list(self.shared_reasons.items()):
+                if c.get(KIND_ROW[kind], 0) and not site.reasons.get(kind):
+                    for reason in list(rs):
+                        self.note(site, kind, reason, log=False)
+
     def coverage(self, calls: Sequence[Dict[str, int]]) -> List[LayerCoverage]:
         """One :class:`LayerCoverage` per layer from ``calls`` (per layer: call row name -> total read back)."""
         def reasons(site: Site) -> Dict[str, List[str]]:
@@ -389,17 +409,18 @@ class Observation:
         return [layer_coverage(site.name, reasons(site), c) for site, c in zip(self.sites, calls)]
 
 
-# Each layer routed onto our kernels adds, under torch.compile, up to three variants of the compiled forward (a
-# plain step, a probe step, a probe and shadow step with that layer routed). Past Dynamo's recompile limit (8) the
-# forward runs uncompiled for the rest of the run (seen at the paper's scale: 17-19% fewer steps/s from the third
-# switched layer on), or, compiled with fullgraph=True, the step fails. The limit is raised by that much per routed
-# layer, over what it was when the first layer was routed.
-VARIANTS_PER_ROUTED_LAYER = 3
+# Each layer routed onto our kernels adds, under torch.compile, up to four variants of the compiled forward (a
+# plain step, a probe step, a probe and shadow step, and an evaluation forward, with that layer routed). Past
+# Dynamo's recompile limit (8) the forward runs uncompiled for the rest of the run (seen at the paper's scale: 17-19%
+# fewer steps/s from the third switched layer on), or, compiled with fullgraph=True, the step fails. The limit is
+# raised by that much per routed layer, over what it was when the first layer was routed (a limit set lower on
+# purpose is raised too; the log says so once).
+VARIANTS_PER_ROUTED_LAYER = 4
 _LIMIT_BASE: List[int] = []  # Dynamo's recompile limit before the watch first raised it (this process)
 
 
 def room_for_routed_layers(routed: int) -> None:
-    """Keep Dynamo's recompile limit at least its first value + 3 per routed layer (never lowered; said once)."""
+    """Keep Dynamo's recompile limit at least its first value + 4 per routed layer (never lowered; said once)."""
     config = torch._dynamo.config
     name = "recompile_limit" if hasattr(config, "recompile_limit") else "cache_size_limit"
     current = getattr(config, name, None)
@@ -413,7 +434,7 @@ def room_for_routed_layers(routed: int) -> None:
     setattr(config, name, want)
     if len(_LIMIT_BASE) == 1:
         _LIMIT_BASE.append(want)  # said once a process
-        log_rank_zero(logging.WARNING, "instability_watch: raised torch._dynamo.config.%s from %d to %d (and by %d for "
+        log_rank_zero(logging.INFO, "instability_watch: raised torch._dynamo.config.%s from %d to %d (and by %d for "
                       "each further switched layer): under torch.compile each layer switched onto our kernels adds "
                       "up to %d variants of the compiled forward, and past the limit it would run uncompiled",
                       name, current, want, VARIANTS_PER_ROUTED_LAYER, VARIANTS_PER_ROUTED_LAYER)

@@ -120,6 +120,9 @@ def test_switch_to_exact_delta_puts_the_layer_on_the_exact_delta(caplog):
     resumed.load_state_dict(state)
     (site,) = resumed.observation.sites
     assert site.high_precision_delta and resumed.observation.stabilized() == [[False] * 4]
+    # the state's format is unchanged (events without their target), which comes back from its switch_to
+    assert all("to" not in e for e in state["events"])
+    assert all(e.to == "exact_delta" for e in resumed.events if e.kind == "switch") and resumed.events
     # restored into a watch that switches the other way: its switches run that way, and it says so once
     other_model = TiedAttention()
     other = InstabilityWatch(other_model, WatchConfig(auto_switch=True, **E2E), layers=other_model.layers())
@@ -447,7 +450,13 @@ def test_deepcopy_and_pickle_of_a_watched_model():
     model(x, x)[1].backward()
     watch.step()
     assert [c.observed_calls for c in watch.coverage()] == [1, 1]
-    torch.save(model, io.BytesIO())  # picklable while attached
+    buf = io.BytesIO()
+    torch.save(model, buf)  # picklable while attached, and loads back as a model that runs unwatched
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    loaded(x, x)[1].backward()
+    assert [c.observed_calls for c in watch.coverage()] == [1, 1]
+    assert all(getattr(m, "_instability_watch_observer", None) is None for m in loaded.modules())
     with pytest.raises(ValueError, match="already watched"):
         InstabilityWatch(model, WatchConfig(strict=True))
     watch.detach()

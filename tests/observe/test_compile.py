@@ -203,10 +203,11 @@ def test_blocks_compiled_one_by_one_are_each_watched_as_their_own_layer(in_place
 
 
 def test_layers_switched_one_after_another_keep_the_forward_compiled(caplog, monkeypatch, request):
-    """Four layers switched one after another on a whole compiled model: each adds its three kinds of step (15
-    variants in all, past Dynamo's default limit of 8, where the forward would run uncompiled for the rest of the
-    run, as it did at the paper's scale). The watch raises the limit by three per routed layer, says so once, and
-    every variant compiles; the metrics stay the eager model's."""
+    """Four layers switched one after another on a whole compiled model, validated every other step: each switch
+    adds its four kinds of forward (plain, probe, probe + shadow, evaluation), 20 variants in all, past Dynamo's
+    default limit of 8, where the forward would run uncompiled for the rest of the run (as it did at the paper's
+    scale) or, with fullgraph=True as here, fail. The watch raises the limit by four per routed layer, says so once,
+    and every variant compiles; the metrics stay the eager model's."""
     from torch._dynamo.testing import CompileCounterWithBackend
 
     import instability_watch.observe.observation as observation
@@ -230,20 +231,28 @@ def test_layers_switched_one_after_another_keep_the_forward_compiled(caplog, mon
             opt.step()
             opt.zero_grad()
             watch.step(loss)
+            if s % 2 == 0:  # validation, as Lightning's loop pauses the watch around it
+                watch.pause_statistics()
+                model.eval()
+                with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+                    forward(x, x)
+                model.train()
+                watch.resume_statistics()
             frames.append(counter.frame_count if counter is not None else 0)
         return frames
 
     torch._dynamo.reset()
     model_e, watch_e, ms_e = _watched_gpt(n_layer=4)
-    train(model_e, model_e, watch_e)
     model_c, watch_c, ms_c = _watched_gpt(n_layer=4)
     counter = CompileCounterWithBackend("aot_eager")
-    with caplog.at_level("WARNING", logger="instability_watch"):
+    with caplog.at_level("INFO", logger="instability_watch"):
+        train(model_e, model_e, watch_e)
         frames = train(model_c, torch.compile(model_c, backend=counter, fullgraph=True), watch_c, counter)
-    # steps 1-4: probe+shadow, plain, probe (3 variants); after each switch the same three with one more layer routed
-    assert frames[3] == 3 and frames[-1] == 15
-    assert torch._dynamo.config.recompile_limit == 8 + 3 * 4
-    assert caplog.text.count("raised torch._dynamo.config.recompile_limit from 8 to 11") == 1
+    # steps 1-4: probe+shadow, plain, evaluation, probe (4 variants); after each switch the same four with one more
+    # layer routed
+    assert frames[3] == 4 and frames[-1] == 20
+    assert torch._dynamo.config.recompile_limit == 8 + 4 * 4
+    assert caplog.text.count("raised torch._dynamo.config.recompile_limit from 8 to 12") == 1
     _assert_same_metrics(ms_e, ms_c)
     assert [c.kernel_calls for c in watch_c.coverage()] == [8, 6, 4, 2]
     watch_c.detach()
@@ -432,4 +441,56 @@ def test_hf_decoder_layers_compiled_one_by_one_train_as_unwatched(name):
         assert all(np.isfinite(np.asarray(m["delta_err_sum"])).all() for m in metrics)
     else:
         assert all(c.shadow_skipped == {"dropout": 4} for c in coverage)
+    watch.detach()
+
+
+class _NarrowValues(nn.Module):
+    """Attention whose values are half as wide as its queries: our kernels refuse such calls (the switch is then
+    not applied, and must say so)."""
+
+    def __init__(self, d=32, heads=4):
+        super().__init__()
+        self.heads = heads
+        self.qk = nn.Linear(d, 2 * d)
+        self.v = nn.Linear(d, d // 2)
+        self.out = nn.Linear(d // 2, d)
+
+    def forward(self, x):
+        b, n, _ = x.shape
+        q, k = self.qk(x).view(b, n, 2, self.heads, -1).permute(2, 0, 3, 1, 4)
+        v = self.v(x).view(b, n, self.heads, -1).transpose(1, 2)
+        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(b, n, -1))
+
+
+@pytest.mark.parametrize("compile_as", ["whole", "regional"])
+def test_a_switch_not_applied_in_compiled_code_is_an_event_and_not_counted_stabilized(compile_as):
+    """Under torch.compile the reason a switched layer's calls stay on PyTorch's attention is met while tracing, for
+    a graph layers may share; at the read-back the layer whose fallback calls were counted takes it: the
+    switch_not_applied event is written and the head is not reported as stabilized (it was, silently)."""
+    from instability_watch import AttentionLayer, InstabilityWatch, WatchConfig
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    model = nn.Sequential(_NarrowValues(), _NarrowValues())
+    layers = [AttentionLayer(m, 4, (lambda m=m: m.qk.weight[:32].view(4, 8, 32)), name=f"attn{i}")
+              for i, m in enumerate(model)]
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, log_every=2), layers=layers)
+    watch.switch(1, 1)
+    if compile_as == "whole":
+        forward = torch.compile(model, backend="aot_eager")
+    else:
+        forward = model
+        for block in model:
+            block.compile(backend="aot_eager")
+    x = torch.randn(2, 16, 32)
+    for _ in range(2):
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            forward(x)
+        watch.step()
+    assert [(e.kind, e.layer, e.head) for e in watch.events] == [("switch", 1, 1), ("switch_not_applied", 1, 1)]
+    assert watch.last_metrics[-1]["stabilized"].tolist() == [[0.0] * 4, [0.0] * 4]
+    coverage = watch.coverage()
+    assert coverage[0].not_applied == {} and coverage[1].kernel_calls == 0
+    assert sum(coverage[1].not_applied.values()) == 2 and "unknown" not in coverage[1].not_applied
     watch.detach()
