@@ -78,3 +78,22 @@ def write_tied_run(run_dir, config, steps: int, *, listeners=(), close: bool = T
     if close:
         writer.close()
     return watch, writer
+
+
+class NarrowValues(nn.Module):
+    """Attention whose values are narrower than its queries and keys (as MLA-style layers): our kernels refuse it
+    (a switch there is not applied, and must say so)."""
+
+    def __init__(self, d: int = 32, heads: int = 4):
+        super().__init__()
+        self.heads = heads
+        self.qk = nn.Linear(d, 2 * d)
+        self.v = nn.Linear(d, d // 2)
+        self.out = nn.Linear(d // 2, d)
+
+    def forward(self, x):
+        B, N, d = x.shape
+        q, k = self.qk(x).view(B, N, 2, self.heads, -1).permute(2, 0, 3, 1, 4)
+        v = self.v(x).view(B, N, self.heads, -1).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.out(o.transpose(1, 2).reshape(B, N, -1))

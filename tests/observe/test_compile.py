@@ -444,35 +444,18 @@ def test_hf_decoder_layers_compiled_one_by_one_train_as_unwatched(name):
     watch.detach()
 
 
-class _NarrowValues(nn.Module):
-    """Attention whose values are half as wide as its queries: our kernels refuse such calls (the switch is then
-    not applied, and must say so)."""
-
-    def __init__(self, d=32, heads=4):
-        super().__init__()
-        self.heads = heads
-        self.qk = nn.Linear(d, 2 * d)
-        self.v = nn.Linear(d, d // 2)
-        self.out = nn.Linear(d // 2, d)
-
-    def forward(self, x):
-        b, n, _ = x.shape
-        q, k = self.qk(x).view(b, n, 2, self.heads, -1).permute(2, 0, 3, 1, 4)
-        v = self.v(x).view(b, n, self.heads, -1).transpose(1, 2)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(o.transpose(1, 2).reshape(b, n, -1))
-
-
 @pytest.mark.parametrize("compile_as", ["whole", "regional"])
 def test_a_switch_not_applied_in_compiled_code_is_an_event_and_not_counted_stabilized(compile_as):
     """Under torch.compile the reason a switched layer's calls stay on PyTorch's attention is met while tracing, for
     a graph layers may share; at the read-back the layer whose fallback calls were counted takes it: the
     switch_not_applied event is written and the head is not reported as stabilized (it was, silently)."""
+    from watch_models import NarrowValues
+
     from instability_watch import AttentionLayer, InstabilityWatch, WatchConfig
 
     torch._dynamo.reset()
     torch.manual_seed(0)
-    model = nn.Sequential(_NarrowValues(), _NarrowValues())
+    model = nn.Sequential(NarrowValues(), NarrowValues())
     layers = [AttentionLayer(m, 4, (lambda m=m: m.qk.weight[:32].view(4, 8, 32)), name=f"attn{i}")
               for i, m in enumerate(model)]
     watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, log_every=2), layers=layers)

@@ -15,6 +15,7 @@ from instability_watch.probe.bank import Probe
 
 from nanogpt import GPT, GPTConfig
 from real_models import MODELS, hf_llama_gqa, train
+from watch_models import NarrowValues
 
 CFG = dict(probe_every=2, shadow_every=4, spectral_every=4, log_every=10, warmup_steps=100)
 
@@ -139,27 +140,9 @@ def test_switched_layer_runs_on_our_kernels_in_the_autocast_dtype(monkeypatch):
     watch.detach()
 
 
-class _NarrowValues(torch.nn.Module):
-    """Attention whose values are narrower than its queries and keys (as MLA-style layers): our kernels refuse it."""
-
-    def __init__(self, d: int = 32, heads: int = 4):
-        super().__init__()
-        self.heads = heads
-        self.qk = torch.nn.Linear(d, 2 * d)
-        self.v = torch.nn.Linear(d, d // 2)
-        self.out = torch.nn.Linear(d // 2, d)
-
-    def forward(self, x):
-        B, N, d = x.shape
-        q, k = self.qk(x).view(B, N, 2, self.heads, -1).permute(2, 0, 3, 1, 4)
-        v = self.v(x).view(B, N, self.heads, -1).transpose(1, 2)
-        o = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
-        return self.out(o.transpose(1, 2).reshape(B, N, -1))
-
-
 def test_switch_not_applied_is_reported_with_its_reason(caplog):
     torch.manual_seed(0)
-    model = torch.nn.Sequential(_NarrowValues(), _NarrowValues())
+    model = torch.nn.Sequential(NarrowValues(), NarrowValues())
     layers = [AttentionLayer(m, 4, (lambda m=m: m.qk.weight[:32].view(4, 8, 32)), name=f"attn{i}")
               for i, m in enumerate(model)]
     watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, log_every=2), layers=layers)
