@@ -13,6 +13,8 @@
 # POLL_SECONDS (default 480) or until training has ended, and leaves in $OUT the training log, the summary and a
 # bundle of the run (reproduce.py bundle: no checkpoints, report plots), so each call's return is a copy of
 # everything so far. IW_STOP=1 asks the run to stop at its next log step (a file STOP in its directory).
+# IW_LEASE_NO_LAUNCH=1 (for every call after the first): a call that finds no run (the machine was lost and a fresh
+# one came) starts nothing and exits 3, instead of starting the arm again from step 0.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 arm=${1:?usage: paper_lease.sh ARM WATCH [POLL_SECONDS] [train options]}
@@ -30,6 +32,13 @@ log=$home/train.log
 budget=${IW_LEASE_BUDGET:-1800}
 tail_s=${IW_LEASE_TAIL:-300}
 
+if [ ! -f "$home/launched" ] && [ "${IW_LEASE_NO_LAUNCH:-0}" = 1 ]; then
+    # a polling call that finds no run: the lease's machine was lost and this is a fresh one. An arm started again
+    # here could not reach its horizon in what is left of the lease: say so and start nothing
+    echo "paper_lease.sh: no run on this machine (uptime $(cut -d. -f1 /proc/uptime)s): the lease's machine was" \
+         "lost; not launching again (IW_LEASE_NO_LAUNCH=1)" >&2
+    exit 3
+fi
 if [ ! -f "$home/launched" ]; then
     gpus=${IW_LEASE_NPROC:-$(python -c "import torch; print(torch.cuda.device_count())")}  # NPROC: a CPU try-out
     if [ "$gpus" -lt 1 ]; then echo "paper_lease.sh: no GPU on this machine" >&2; exit 2; fi

@@ -208,3 +208,14 @@ def test_site_packages_corpus():
     assert head.startswith(files[0].read_bytes()[:1000])
     with pytest.raises(ValueError, match="corpus must be one of"):
         corpus_text("openwebtext")
+
+
+def test_paper_lease_polling_call_on_a_fresh_machine_starts_nothing(tmp_path):
+    """A polling call (IW_LEASE_NO_LAUNCH=1) that finds no run on its machine (the lease's machine was lost) says so
+    and exits 3 without launching the arm again from step 0."""
+    env = child_env(tmp_path, LEASE_HOME=str(tmp_path / "lease"), IW_LEASE_NO_LAUNCH="1")
+    proc = run_process(["bash", str(BENCHMARKS / "paper_lease.sh"), "standard", "observe", "5"], env=env,
+                       capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 3, proc.stderr
+    assert "the lease's machine was lost; not launching again" in proc.stderr
+    assert not (tmp_path / "lease").exists()
