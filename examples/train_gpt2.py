@@ -10,10 +10,11 @@ The model is the nanoGPT-style GPT of ``nanogpt`` (a fused
 about the watch), wrapped in a LightningModule below. The corpus is the
 byte-level text of the Python standard library, which every machine with
 Python has: no download. Training runs in BF16 mixed precision; the
-``InstabilityWatchCallback`` routes attention through our kernels (Triton on a
-GPU, the PyTorch reference path on a CPU), prints an alert panel for every
-alert, keeps a live table of the worst heads, and writes the run directory
-that ``instability-watch report`` reads.
+``InstabilityWatchCallback`` observes the model's own attention calls (training
+is bitwise what it is without the watch until a head is switched; a switched
+layer runs on our kernels: Triton on a GPU, the PyTorch reference path on a
+CPU), prints an alert panel for every alert, keeps a live table of the worst
+heads, and writes the run directory that ``instability-watch report`` reads.
 """
 from __future__ import annotations
 
@@ -64,9 +65,10 @@ PRESETS = {
     # reference path (a PyTorch emulation of the BF16 kernel), which is the slow part.
     # The learning rate is high on purpose, and the logit and spectral thresholds tighter than
     # the defaults, so that two minutes of real training show alerts: attention logits grow
-    # (Wortsman et al.'s instability, reported, not switched) and some heads' sigma(W_Q) outgrow
-    # the others (switched). It does not reproduce the paper's rounding failure.
-    # It probes every other step (the default is every 10th) so the short run has enough observations.
+    # (Wortsman et al.'s instability, reported, not switched), and a head whose sigma(W_Q) outgrows
+    # the others would be switched (--auto-switch). It does not reproduce the paper's rounding failure.
+    # It probes every other step (the default is every 50th) so the short run has enough observations;
+    # main() prints these settings at the start.
     "cpu-demo": Preset(n_layer=4, n_head=4, n_embd=128, block=128, batch=8, accumulate=1, steps=600, lr=1e-2,
                        warmup=15, watch_warmup=20, corpus_bytes=4_000_000,
                        watch=dict(probe_every=2, shadow_every=2, spectral_every=4, log_every=10, sustain=3,
@@ -280,6 +282,13 @@ def main(argv=None) -> int:
     watch_cb = None
     if not args.no_watch:
         config = WatchConfig(warmup_steps=preset.watch_warmup, auto_switch=args.auto_switch, **preset.watch)
+        changed = {"warmup_steps": preset.watch_warmup, **preset.watch}
+        default = WatchConfig()
+        changed = {k: v for k, v in changed.items() if getattr(default, k) != v}
+        if changed and os.environ.get("LOCAL_RANK", "0") == "0":
+            print(f"{args.preset}: the watch's settings differ from its defaults for this short run: "
+                  + ", ".join(f"{k}={v:g}" if isinstance(v, float) else f"{k}={v}" for k, v in changed.items())
+                  + " (the defaults: README, Configuration)", flush=True)
         watch_cb = InstabilityWatchCallback(config, live_table=args.live_table, top=6, write_csv=not args.no_csv)
         callbacks.insert(0, watch_cb)
     trainer = pl.Trainer(

@@ -9,6 +9,7 @@ plain loops under ``torchrun`` use it too.
 """
 from __future__ import annotations
 
+import inspect
 import logging
 import math
 import os
@@ -17,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Ty
 
 from instability_watch.engine.config import WatchConfig
 from instability_watch.engine.metrics import summarize
+from instability_watch.errors import unknown_keywords
 from instability_watch.model.layer import AttentionLayer, find_attention_layers
 from instability_watch.outputs.console import ConsoleReporter
 from instability_watch.outputs.rundir import RUN_DIR_NAME, RunWriter
@@ -178,6 +180,12 @@ class WatchAdapter:
     """
 
     error: Type[Exception] = ValueError
+
+    def __new__(cls, *args, **kwargs):
+        # the callback's own name and arguments for a misspelt one (Python's error names this base class)
+        params = inspect.signature(cls.__init__).parameters
+        unknown_keywords(cls.__name__, kwargs, (p for p in params if p != "self"))
+        return super().__new__(cls)
 
     def __init__(
         self,

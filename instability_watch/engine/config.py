@@ -9,6 +9,7 @@ from instability_watch.detect.kinds import (  # STABILIZABLE: the kinds the stab
     KINDS,
     STABILIZABLE,
 )
+from instability_watch.errors import unknown_keywords
 from instability_watch.kernels.common import DEFAULT_BETA, DEFAULT_EPS, FLOAT32_MAX, MAX_BETA
 
 SWITCH_TO = ("stabilized", "exact_delta")
@@ -108,21 +109,28 @@ class WatchConfig:
     strict: bool = False
     sync_distributed: bool = True
 
+    def __new__(cls, *args, **kwargs):
+        # before the generated __init__: a misspelt field is named, with the nearest real one
+        unknown_keywords("WatchConfig", kwargs, (f.name for f in fields(cls)))
+        return super().__new__(cls)
+
     def __post_init__(self) -> None:
         def integer(name: str, low: int) -> None:
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            if not isinstance(v, int) or isinstance(v, bool):  # the wrong kind of value: TypeError, as flag()'s
+                raise TypeError(f"WatchConfig.{name} must be an int >= {low}, got {v!r}")
+            if v < low:
                 raise ValueError(f"WatchConfig.{name} must be an int >= {low}, got {v!r}")
 
         def number(name: str, low: float, inclusive: bool = True, optional: bool = False) -> None:
             v = getattr(self, name)
             if v is None and optional:
                 return
-            ok = isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
-            ok = ok and (v >= low if inclusive else v > low)
-            if not ok:
-                rel = ">=" if inclusive else ">"
-                extra = " or None" if optional else ""
+            rel = ">=" if inclusive else ">"
+            extra = " or None" if optional else ""
+            if not isinstance(v, (int, float)) or isinstance(v, bool):
+                raise TypeError(f"WatchConfig.{name} must be a finite number {rel} {low}{extra}, got {v!r}")
+            if not (math.isfinite(v) and (v >= low if inclusive else v > low)):
                 raise ValueError(f"WatchConfig.{name} must be a finite number {rel} {low}{extra}, got {v!r}")
 
         def flag(name: str) -> None:

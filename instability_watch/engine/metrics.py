@@ -49,7 +49,8 @@ def derive_metrics(
     Args:
         raw: :meth:`~instability_watch.engine.ring.RingColumns.unpack` of the step's row.
         pad: ``(L, H_max)`` True where a layer has fewer heads.
-        delta_cum: the running ``sum(delta_lp - delta_hp)`` before this step.
+        delta_cum: the running ``sum(delta_lp - delta_hp)`` before this step (NaN for a head no shadow
+            pass has measured yet).
         stabilized: ``(L, H_max)`` 1 where the head's switch is applied (the stabilized kernel, or with
             ``switch_to="exact_delta"`` its layer's exact delta).
 
@@ -72,7 +73,8 @@ def derive_metrics(
         m["delta_err_pos_frac"] = np.where(shadow, raw["delta_err_pos"] / np.maximum(raw["shadow_rows"], 1), np.nan)
     broken = shadow & ~np.isfinite(dsum) & ~(raw["nonfinite_rows"] > 0)
     good = shadow & np.isfinite(dsum)
-    delta_cum = np.where(good, delta_cum + np.where(good, dsum, 0.0), delta_cum)
+    # NaN until the head's first shadow observation (no pass ran: nothing measured, not a sum of 0)
+    delta_cum = np.where(good, np.nan_to_num(delta_cum, nan=0.0) + np.where(good, dsum, 0.0), delta_cum)
     m["delta_err_sum"] = np.where(shadow & ~broken, dsum, np.nan)
     m["delta_err_abs"] = np.where(shadow & ~broken, dabs, np.nan)
     m["delta_cum"] = np.where(pad, np.nan, delta_cum)
@@ -94,13 +96,14 @@ class MetricsBuilder:
     """Turns read-back rows into :class:`StepMetrics`, keeping the running drift sum across read-backs.
 
     Attributes:
-        delta_cum: ``(L, H)`` running ``sum(delta_lp - delta_hp)`` per head.
+        delta_cum: ``(L, H)`` running ``sum(delta_lp - delta_hp)`` per head (NaN before its first shadow
+            observation).
         pad: ``(L, H)`` True where a layer has fewer heads than the widest.
     """
 
     def __init__(self, head_counts: Sequence[int]) -> None:
         self.shape = head_shape(head_counts)
-        self.delta_cum = np.zeros(self.shape)
+        self.delta_cum = np.full(self.shape, np.nan)  # NaN until a head's first shadow observation
         self.pad = np.zeros(self.shape, dtype=bool)
         for i, h in enumerate(head_counts):
             self.pad[i, h:] = True
@@ -134,7 +137,7 @@ class CallTotals:
 def summarize(metrics: Sequence[StepMetrics], switched: int, alerts: int) -> Dict[str, float]:
     """A few aggregate scalars of a read-back's last step, for loggers (``{}`` without steps): the largest
     multi-max frequency, logit, ``|delta_cum|`` and sigma(W_Q), the non-finite rows, and the counts of
-    switched heads and alerts so far."""
+    switched heads and alerts so far (``delta_cum_absmax`` and ``sigma_wq_max`` only once measured)."""
     if not metrics:
         return {}
     m = metrics[-1]
@@ -142,11 +145,12 @@ def summarize(metrics: Sequence[StepMetrics], switched: int, alerts: int) -> Dic
         out = {
             "multi_max_freq_max": float(np.nanmax(m["multi_max_freq"])) if np.isfinite(m["multi_max_freq"]).any() else math.nan,
             "max_score_max": float(np.nanmax(m["max_score"])) if np.isfinite(m["max_score"]).any() else math.nan,
-            "delta_cum_absmax": float(np.nanmax(np.abs(m["delta_cum"]))),
             "nonfinite_rows": float(np.nansum(m["nonfinite_rows"])),
             "switched_heads": float(switched),
             "alerts": float(alerts),
         }
+    if np.isfinite(m["delta_cum"]).any():  # left out until a shadow pass has measured a head
+        out["delta_cum_absmax"] = float(np.nanmax(np.abs(m["delta_cum"])))
     sig = [x["sigma_wq"] for x in metrics if np.isfinite(x["sigma_wq"]).any()]
     if sig:
         out["sigma_wq_max"] = float(np.nanmax(sig[-1]))

@@ -37,7 +37,8 @@ def save(watch) -> dict:
         "heads": list(watch.head_counts),
         "switched": [[l, h, s] for (l, h), s in sorted(watch.switched.items())],
         "switch_to": watch.config.switch_to,
-        "delta_cum": watch.builder.delta_cum.tolist() if watch.head_counts else [],
+        # plain finite numbers: a head not measured yet (NaN in the metrics) is kept as 0.0 (read back as NaN)
+        "delta_cum": np.nan_to_num(watch.builder.delta_cum, nan=0.0).tolist() if watch.head_counts else [],
         "detectors": {k: d.state_dict() for k, d in watch.detectors.items()},
         "spectral": watch.spectral.state_dict(),
         "pending_steps": list(ring.pending),
@@ -156,7 +157,7 @@ def restore(watch, parsed: dict) -> None:
         log_rank_zero(logging.WARNING, "instability_watch: the state's %d switched heads were switched to %s; this "
                       "watch's WatchConfig.switch_to is %r, so from now on they run that way",
                       len(parsed["switched"]), parsed["switch_to"], watch.config.switch_to)
-    watch.builder.delta_cum = parsed["delta_cum"]
+    watch.builder.delta_cum = np.where(parsed["delta_cum"] == 0.0, np.nan, parsed["delta_cum"])  # 0.0: not measured
     for kind, d in watch.detectors.items():
         if kind in parsed["detectors"]:
             d.load_state_dict(parsed["detectors"][kind])

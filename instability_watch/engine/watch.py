@@ -32,6 +32,7 @@ part is reported once with its traceback and turned off, unless ``strict=True``.
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Dict, List, Optional, Sequence, Tuple
 
 import numpy as np
@@ -56,8 +57,9 @@ from instability_watch.model.families import qk_projections
 from instability_watch.model.layer import Layers, resolve_layers
 from instability_watch.observe.coverage import NOT_APPLIED, LayerCoverage
 from instability_watch.observe.observation import Site, observe
+from instability_watch.observe.sdpa import MHA_HIDDEN
 from instability_watch.probe.spectral import SpectralNorms
-from instability_watch.ranks import distributed
+from instability_watch.ranks import distributed, log_rank_zero
 
 
 def _old_signature(listener, exc: BaseException) -> BaseException:
@@ -137,6 +139,7 @@ class InstabilityWatch:
         self.coverage_checked = False
         self.spectral = SpectralNorms()
         self._armed: Tuple[bool, bool] = (False, False)
+        self._detached_at: Optional[int] = None  # the step of the user's detach(), until step() has said so
         self._check = StepCallCheck.of(model, check_step_calls)
         try:
             found = resolve_layers(model, layers)
@@ -255,6 +258,7 @@ class InstabilityWatch:
         """
         if not self.attached:
             return
+        self._detached_at = self.step_count
         try:
             if read_back:
                 self.read_back()
@@ -336,6 +340,11 @@ class InstabilityWatch:
         self.step_count += 1
         s = self.step_count
         if not self.attached:
+            if self._detached_at is not None:  # the user's detach(): said once, not silently nothing
+                log_rank_zero(logging.WARNING, "instability_watch: step() after detach() (at step %d): nothing is "
+                              "observed from here on; create a new InstabilityWatch to watch again",
+                              self._detached_at)
+                self._detached_at = None
             return []
         self._check.count()
         if self.cadence.recorded(s):
@@ -412,6 +421,13 @@ class InstabilityWatch:
             return  # no watched layer ran yet: look again after the next probe step
         self.coverage_checked = True
         listed = "; ".join(f"{r} ({n} calls)" for r, n in reasons.items())
+        if set(reasons) == {MHA_HIDDEN}:
+            # nothing the user can change in the call: watch what can be watched, and say so plainly
+            log_rank_zero(logging.WARNING, "instability_watch observed no attention call on the first probe step "
+                          "(%s): only sigma(W_Q) is tracked (spectral_growth alerts); multi-max, logits and the "
+                          "shadow delta need the layers' attention as an F.scaled_dot_product_attention call",
+                          listed)
+            return
         raise ValueError(f"instability_watch observed no attention call on the first probe step: {listed}")
 
     # ------------------------------------------------------------------ acting, by hand

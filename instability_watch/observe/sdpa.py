@@ -49,6 +49,7 @@ from instability_watch.observe.coverage import KIND_ROW, NOT_APPLIED, SHADOW_SKI
 from instability_watch.probe.fields import COUNT_ROW
 
 _SDPA = F.scaled_dot_product_attention
+MHA_HIDDEN = "nn.MultiheadAttention hides its SDPA call in F.multi_head_attention_forward"
 _MHA_FORWARD = F.multi_head_attention_forward
 
 
@@ -261,7 +262,8 @@ class SdpaObserver(TorchFunctionMode):
         if func is VARLEN_OP and VARLEN_OP is not None:
             return self._varlen(func, args, kwargs)
         if func is _MHA_FORWARD and self.stats:
-            self.count(UNOBSERVED, "nn.MultiheadAttention hides its SDPA call in F.multi_head_attention_forward")
+            self.sdpa_calls += 1  # an attention call met, its reason counted (not "no attention call" too)
+            self.count(UNOBSERVED, MHA_HIDDEN)
         return func(*args, **kwargs)
 
     # -- bookkeeping: the reason noted once; on probe steps, a device add for the count

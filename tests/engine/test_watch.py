@@ -356,7 +356,8 @@ def test_nan_metric_is_reported_not_fatal(caplog):
     assert sum("non-finite delta_err_sum" in r.getMessage() for r in caplog.records) == 1
     m = watch.last_metrics[-1]
     assert np.isnan(m["delta_err_sum"][0]).all() and np.isfinite(m["delta_err_sum"][1]).all()
-    assert np.isfinite(m["delta_cum"]).all()
+    # layer 0's sums were never measured (each one broken): its running sum stays empty, layer 1's is kept
+    assert np.isnan(m["delta_cum"][0]).all() and np.isfinite(m["delta_cum"][1]).all()
 
     model = _nano()
     watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=2, shadow_every=1, strict=True))
@@ -567,3 +568,32 @@ def test_ddp_two_ranks_decide_the_same_and_a_failing_rank_does_not_hang(tmp_path
             assert r0["disabled"] == r1["disabled"] == []
         else:  # rank 1 failed at step 12: both turn statistics off at the step-15 read-back, nobody hangs
             assert r0["disabled"] == r1["disabled"] == ["statistics"]
+
+
+def test_a_head_no_shadow_pass_measured_has_no_running_drift_sum_not_a_sum_of_zero():
+    """Calls with dropout get no shadow pass: their heads' ``delta_cum`` is empty (it was 0.0, which read as "no
+    drift"); the state keeps plain finite numbers and a resumed watch still reads the head as unmeasured."""
+    torch.manual_seed(0)
+    dropped = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16, dropout=0.1))
+    cfg = WatchConfig(probe_every=1, shadow_every=1, log_every=2)
+    watch = InstabilityWatch(dropped, cfg)
+    _steps(dropped, watch, 4)
+    assert all(np.isnan(m["delta_cum"]).all() for m in watch.last_metrics)
+    state = watch.state_dict()
+    assert state["delta_cum"] == [[0.0, 0.0], [0.0, 0.0]]
+    json.dumps(state, allow_nan=False)  # plain finite numbers
+    watch.detach()
+    again = InstabilityWatch(dropped, cfg)
+    again.load_state_dict(state)
+    assert np.isnan(again.builder.delta_cum).all()
+    again.detach()
+
+    measured = InstabilityWatch(model := _nano(), cfg)  # no dropout: measured from the first shadow step
+    _steps(model, measured, 2)
+    assert np.isfinite(measured.last_metrics[-1]["delta_cum"]).all()
+    moved = measured.state_dict()["delta_cum"]
+    measured.detach()
+    resumed = InstabilityWatch(_nano(), cfg)
+    resumed.load_state_dict({**measured.state_dict(), "delta_cum": moved})
+    np.testing.assert_array_equal(resumed.builder.delta_cum, np.asarray(moved))
+    resumed.detach()

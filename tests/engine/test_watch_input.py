@@ -232,3 +232,38 @@ def test_device_memory_is_bounded_whatever_log_every():
     assert [m.step for m in metrics] == list(range(1, RING_ROWS_MAX + 4))  # nothing lost, nothing twice
     with pytest.raises(Exception):  # frozen: a changed setting cannot reach step()
         watch.config.log_every = 0
+
+
+@pytest.mark.parametrize("kw, kind, match", [
+    (dict(probe_evry=10), TypeError, r"WatchConfig got the unknown keyword argument 'probe_evry' \(did you mean "
+                                     r"'probe_every'\?\); it takes probe_every, shadow_every, .*, sync_distributed$"),
+    (dict(probe_every="50"), TypeError, r"WatchConfig.probe_every must be an int >= 1, got '50'"),
+    (dict(probe_every=0), ValueError, r"WatchConfig.probe_every must be an int >= 1, got 0"),
+    (dict(logit_min="500"), TypeError, r"WatchConfig.logit_min must be a finite number >= 0.0, got '500'"),
+    (dict(logit_min=float("inf")), ValueError, r"WatchConfig.logit_min must be a finite number >= 0.0, got inf"),
+])
+def test_a_misspelt_field_is_named_with_the_nearest_one_and_a_wrong_kind_of_value_is_a_type_error(kw, kind, match):
+    with pytest.raises(kind, match=match):
+        WatchConfig(**kw)
+
+
+def test_a_misspelt_callback_argument_names_the_callback_and_what_it_takes():
+    from instability_watch import InstabilityWatchCallback
+
+    with pytest.raises(TypeError, match=r"^InstabilityWatchCallback got the unknown keyword argument 'run_directory' "
+                                        r"\(did you mean 'run_dir'\?\); it takes config, layers, run_dir, "):
+        InstabilityWatchCallback(run_directory="x")
+    cb = InstabilityWatchCallback(WatchConfig(), run_dir="x", top=3)  # right names still build it
+    assert cb.top == 3
+
+
+def test_step_after_detach_says_so_once(caplog):
+    model, watch, _ = _watched()
+    _forward(model)
+    watch.step()
+    watch.detach()
+    with caplog.at_level(logging.WARNING, logger="instability_watch"):
+        assert watch.step() == [] and watch.step() == []
+    said = [r.getMessage() for r in caplog.records if "after detach()" in r.getMessage()]
+    assert said == ["instability_watch: step() after detach() (at step 1): nothing is observed from here on; "
+                    "create a new InstabilityWatch to watch again"]

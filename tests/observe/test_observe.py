@@ -11,6 +11,7 @@ from torch.overrides import TorchFunctionMode
 from instability_watch import InstabilityWatch, WatchConfig
 from instability_watch.kernels import stats as st
 from instability_watch.model.layer import AttentionLayer, find_attention_layers
+from instability_watch.observe.sdpa import MHA_HIDDEN
 from instability_watch.probe.bank import Probe
 
 from nanogpt import GPT, GPTConfig
@@ -211,7 +212,7 @@ def test_eval_mode_calls_are_not_observed():
     watch.detach()
 
 
-def test_multihead_attention_is_located_and_reported_unobservable():
+def test_multihead_attention_is_located_and_reported_unobservable(caplog):
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(16, 2, batch_first=True)
     model = nn.Sequential(mha)
@@ -228,10 +229,16 @@ def test_multihead_attention_is_located_and_reported_unobservable():
             return self.mha(x, x, x, need_weights=False)[0]
 
     wrapped = Wrap()
-    watch = InstabilityWatch(wrapped, WatchConfig(probe_every=1))
-    wrapped(torch.randn(2, 5, 16)).sum().backward()
-    with pytest.raises(ValueError, match="nn.MultiheadAttention hides its SDPA call"):
-        watch.step()
+    watch = InstabilityWatch(wrapped, WatchConfig(probe_every=1, spectral_every=1, log_every=1))
+    with caplog.at_level(logging.WARNING, logger="instability_watch"):
+        for _ in range(2):  # training goes on: sigma(W_Q) is what can be watched, said once
+            wrapped(torch.randn(2, 5, 16)).sum().backward()
+            watch.step()
+    said = [r.getMessage() for r in caplog.records if "only sigma(W_Q) is tracked" in r.getMessage()]
+    assert len(said) == 1 and "nn.MultiheadAttention hides its SDPA call" in said[0]
+    # one reason per call (not also "no attention call the watch can see")
+    assert watch.coverage()[0].unobserved_calls == {MHA_HIDDEN: 2}
+    assert np.isfinite(watch.last_metrics[-1]["sigma_wq"]).all() and watch.disabled == {}
     watch.detach()
 
 

@@ -331,11 +331,13 @@ def test_plots_mark_events_and_label_the_most_extreme_heads(real_run):
     fig = report.metric_figure(run, None, "delta_cum", "t", "y", top=1)
     ax, ax_loss = fig.axes[:2]
     labels = ax.get_legend_handles_labels()[1]
-    # the head with the largest |delta_cum| first, then the other head that alerted (and switched)
+    # the head with the largest |delta_cum| first, then the other head that alerted (and switched); both
+    # alerted, and each label says so
     extreme = run.metrics.assign(a=run.metrics["delta_cum"].abs()).groupby("head")["a"].max()
     first = int(extreme.idxmax())
     assert first in (0, 1)
-    assert labels == [f"tied h{first}", f"tied h{1 - first} (alert)", "alert: delta_drift", "switch to stabilized"]
+    assert labels == [f"tied h{first} (alert)", f"tied h{1 - first} (alert)", "alert: delta_drift",
+                      "switch to stabilized"]
     # 2 coloured + 2 gray head lines + one alert line and one switch line at step 27
     lines = ax.get_lines()
     assert len(lines) == 6
@@ -380,6 +382,26 @@ def test_each_plot_colours_the_heads_most_extreme_in_its_metric(tmp_path):
         assert len(gray) == 6 - 2 and all(ln.get_label().startswith("_") for ln in gray), column
     assert [label for _, label in report.highlighted_heads(run, "max_score", 3)] == [
         "b h1", "a h2", "b h2", "a h0 (alert)"]  # ties by layer, head
+
+
+def test_an_alerted_head_says_so_among_the_top_heads_and_the_alerted_heads_left_gray_are_counted(tmp_path):
+    """The most extreme head alerted too: labelled "(alert)" there (it was not); alerted heads beyond the extra
+    colours are counted in the legend (they were gray and unnamed)."""
+    rows = []
+    for step in range(1, 11):
+        for layer in (0, 1):
+            for head in range(3):
+                rows.append({"step": step, "layer": layer, "layer_name": "ab"[layer], "head": head, "loss": 1.0,
+                             "multi_max_freq": 0.0, "max_score": 5.0 + 3 * layer + head, "delta_cum": 0.0,
+                             "sigma_wq": float("nan")})
+    alerts = [alert(4, 1, "b", 2, "logit_growth"), alert(5, 0, "a", 0, "logit_growth"),
+              alert(6, 0, "a", 1, "logit_growth"), alert(7, 1, "b", 0, "logit_growth")]
+    run = report.digest_run(write_synthetic_run(tmp_path / "run", rows, alerts, layers=["a", "b"], heads=[3, 3]))
+    # b h2 is the largest logit and the first alert: one entry, labelled; then one extra colour (top=1)
+    assert [label for _, label in report.highlighted_heads(run, "max_score", 1)] == ["b h2 (alert)", "a h0 (alert)"]
+    fig = report.metric_figure(run, None, "max_score", "t", "y", top=1)
+    labels = [t.get_text() for t in fig.axes[0].get_legend().get_texts()]
+    assert "2 more heads alerted or switched (gray)" in labels and "b h2 (alert)" in labels
 
 
 def test_plot_series_are_bucketed_keeping_peaks_and_last_values(tmp_path):

@@ -70,9 +70,15 @@ def highlighted_heads(run: AnyRun, column: str, top: int,
     seen = np.flatnonzero(~np.isnan(extreme))
     # most extreme first; ties by layer, head
     order = seen[np.lexsort((heads["head"].to_numpy()[seen], heads["layer"].to_numpy()[seen], -extreme[seen]))]
-    chosen = [(int(i), _head_label(heads["layer_name"].iat[i], int(heads["head"].iat[i]))) for i in order[:top]]
     summary = head_summary(d) if summary is None else summary
     flagged = summary[(summary["alerts"] > 0) | summary["switched_at"].notna()]
+    flag = {(int(r.layer), int(r.head)): "alert" if r.alerts else "switched" for r in flagged.itertuples(index=False)}
+
+    def label(i: int) -> str:  # an alerted or switched head says so wherever it is in the legend
+        key = (int(heads["layer"].iat[i]), int(heads["head"].iat[i]))
+        return _head_label(heads["layer_name"].iat[i], key[1]) + (f" ({flag[key]})" if key in flag else "")
+
+    chosen = [(int(i), label(int(i))) for i in order[:top]]
     if len(flagged) and len(heads):
         row_of = {(int(l), int(h)): i for i, (l, h) in enumerate(zip(heads["layer"], heads["head"]))}
         taken = {i for i, _ in chosen}
@@ -81,11 +87,18 @@ def highlighted_heads(run: AnyRun, column: str, top: int,
             i = row_of.get((int(r.layer), int(r.head)))
             if i is None or i in taken or extra >= top or np.isnan(extreme[i]):
                 continue
-            what = "alert" if r.alerts else "switched"
-            chosen.append((i, f"{_head_label(r.layer_name, int(r.head))} ({what})"))
+            chosen.append((i, label(i)))
             taken.add(i)
             extra += 1
     return chosen
+
+
+def _flagged_in_gray(d, summary: pd.DataFrame, coloured: set, column: str) -> int:
+    """How many heads that alerted or were switched (with data in ``column``) the plot leaves gray."""
+    flagged = summary[(summary["alerts"] > 0) | summary["switched_at"].notna()]
+    row_of = {(int(l), int(h)): i for i, (l, h) in enumerate(zip(d.heads["layer"], d.heads["head"]))}
+    rows = (row_of.get((int(r.layer), int(r.head))) for r in flagged.itertuples(index=False))
+    return sum(1 for i in rows if i is not None and i not in coloured and not np.isnan(d.extreme[column][i]))
 
 
 def _mark_events(axes: Sequence["Axes"], run: RunDigest, *, legend: bool) -> None:
@@ -157,8 +170,10 @@ def metric_figure(run: AnyRun, summary: Optional[pd.DataFrame], column: str, tit
     ax, ax_loss = fig.subplots(2, 1, sharex=True, gridspec_kw={"height_ratios": [3, 1]})
     fig.suptitle(f"{title}\n{d.run_dir}", fontsize="medium")
 
+    summary = head_summary(d) if summary is None else summary
     chosen = highlighted_heads(d, column, top, summary)
     coloured = {i for i, _ in chosen}
+    gray_flagged = _flagged_in_gray(d, summary, coloured, column)
     drawn = 0
     for i in range(len(d.heads)):
         if i not in coloured:
@@ -173,6 +188,8 @@ def metric_figure(run: AnyRun, summary: Optional[pd.DataFrame], column: str, tit
             ax.plot(x, y, color=HEAD_COLORS[n % len(HEAD_COLORS)], linewidth=1.6, zorder=3,
                     marker="o" if few else None, markersize=3, label=label)
             drawn += 1
+    if gray_flagged:  # the legend says how many alerted heads it had no colour for
+        ax.plot([], [], color=GRAY, linewidth=0.6, label=f"{gray_flagged} more heads alerted or switched (gray)")
     if not drawn:
         ax.text(0.5, 0.5, f"no data: {column} was not observed in this run", transform=ax.transAxes,
                 ha="center", va="center", color="tab:gray")
