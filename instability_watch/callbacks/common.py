@@ -184,7 +184,8 @@ class WatchAdapter:
     def __new__(cls, *args, **kwargs):
         # the callback's own name and arguments for a misspelt one (Python's error names this base class)
         params = inspect.signature(cls.__init__).parameters
-        unknown_keywords(cls.__name__, kwargs, (p for p in params if p != "self"))
+        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):  # a subclass's **kwargs: its own business
+            unknown_keywords(cls.__name__, kwargs, (p for p in params if p != "self"))
         return super().__new__(cls)
 
     def __init__(
