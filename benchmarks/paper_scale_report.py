@@ -384,6 +384,18 @@ def series(a: Arm, key: str) -> pd.DataFrame:
     return p.replace([np.inf, -np.inf], np.nan)
 
 
+# what each arm of issue 41 is, for the figures' panel titles (other runs: their name alone)
+ARM_NOTES = {
+    "standard-observe": "cuDNN, no remedy",
+    "control-observe": "exact δ in every layer",
+    "kernel-observe": "our kernel, rounded δ",
+    "stabilized-observe": "stabilized shift everywhere",
+    "standard-switch": "alerted heads → stabilized",
+    "standard-switch_exact": "alerted layers → exact δ",
+    "standard-clip_alert": "alerted heads QK-clipped",
+}
+
+
 def figures(arms: List[Arm], out: Path) -> List[Path]:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -398,9 +410,14 @@ def figures(arms: List[Arm], out: Path) -> List[Path]:
         # log y where the values span two decades or more; symlog where signed values span three
         log = len(pos) >= 0.99 * len(vals) > 0 and pos.max() / pos.min() >= 100
         symlog = not log and len(mag) and mag.max() / np.median(mag) >= 1000
-        fig = Figure(figsize=(max(10.0, 1.0 + 4.5 * len(arms)), 4.2), dpi=100)
+        cols = min(len(arms), 3)  # rows of at most three arms: readable where the figure is shown narrow
+        rows = math.ceil(len(arms) / cols)
+        fig = Figure(figsize=(max(10.0, 1.0 + 4.5 * cols), 0.4 + 3.8 * rows), dpi=100)
         FigureCanvasAgg(fig)
-        axes = fig.subplots(1, len(arms), sharey=True, sharex=True, squeeze=False)[0]
+        grid = fig.subplots(rows, cols, sharey=True, sharex=True, squeeze=False)
+        axes = grid.ravel()[: len(arms)]
+        for ax in grid.ravel()[len(arms):]:
+            ax.set_visible(False)
         for ax, a, d in zip(axes, arms, data):
             colour = dict(zip(a.top, COLOURS))
             if key == "loss":
@@ -423,7 +440,7 @@ def figures(arms: List[Arm], out: Path) -> List[Path]:
                            zorder=3, label="first QK-clip")
             if a.explosion is not None:
                 ax.axvline(a.explosion, color="red", ls="--", lw=1, label=f"explosion {a.explosion:,}")
-            ax.set_title(a.name, fontsize=10)
+            ax.set_title(f"{a.name}: {ARM_NOTES[a.name]}" if a.name in ARM_NOTES else a.name, fontsize=10)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, loc="upper left", ncol=2 if key != "loss" else 1)
@@ -431,7 +448,8 @@ def figures(arms: List[Arm], out: Path) -> List[Path]:
             axes[0].set_yscale("log", nonpositive="mask")
         elif symlog:
             axes[0].set_yscale("symlog", linthresh=10.0 ** math.ceil(math.log10(np.median(mag))), linscale=0.5)
-        axes[0].set_ylabel(label)
+        for row in grid:
+            row[0].set_ylabel(label)
         note = "" if key == "loss" else f" (colour: the {TOP} heads whose σ(W_Q) grew most; gray: the others)"
         fig.suptitle(f"{label}{note}" + ("; y: symlog, linear near 0" if symlog else ""), fontsize=10)
         fig.tight_layout()

@@ -61,9 +61,10 @@ class WatchConfig:
             standard kernel with the backward's ``delta`` from a float32 ``O``
             (the paper's control; about one attention forward more per backward
             of that layer). At the paper's scale the exact ``delta`` in every
-            layer prevented the failure and the stabilized kernel did not
-            (benchmarks/RESULTS.md, issue 41's arms); switching to it at an alert
-            has not been tried there yet.
+            layer prevented the failure and the stabilized kernel did not, and
+            switching alerted layers to it prevented it in place where the same
+            run unswitched exploded (benchmarks/RESULTS.md, issue 41's arms 2, 4,
+            5 and 6; one run each).
         beta, eps: the stabilized kernel's shift factor and tie tolerance.
         qk_clip: ``None`` (off), ``"on_alert"`` or ``"always"``: after the optimizer
             step of each probe step, rescale ``W_q``/``W_k`` of the heads whose
