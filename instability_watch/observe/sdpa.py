@@ -28,8 +28,11 @@ The observer reads only its own attributes, which
 """
 from __future__ import annotations
 
+import functools
+import inspect
 import itertools
 import math
+import threading
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -49,7 +52,42 @@ from instability_watch.observe.coverage import KIND_ROW, NOT_APPLIED, SHADOW_SKI
 from instability_watch.probe.fields import COUNT_ROW
 
 _SDPA = F.scaled_dot_product_attention
-MHA_HIDDEN = "nn.MultiheadAttention hides its SDPA call in F.multi_head_attention_forward"
+MHA_HIDDEN = "nn.MultiheadAttention hides its SDPA call in F.multi_head_attention_forward under torch.compile"
+MHA_WEIGHTS = ("nn.MultiheadAttention called with need_weights=True (its default) computes the attention without "
+               "SDPA: call it with need_weights=False (as nn.TransformerEncoderLayer does) to have it observed")
+
+
+# ----------------------------------------------------------------------------- nn.MultiheadAttention's SDPA call
+#
+# F.multi_head_attention_forward is a torch function of its own: the observer's mode sees it, and while its handler
+# runs the mode is off, so the SDPA call inside it would pass unseen. For the length of that one call the module
+# global it reads, torch.nn.functional.scaled_dot_product_attention, is _mha_sdpa, which hands the call to this
+# thread's observer (any other thread's calls go to PyTorch's SDPA unchanged); the global is put back after.
+
+_MHA = threading.local()
+_MHA_PATCH = {"depth": 0, "original": None}
+_MHA_LOCK = threading.Lock()
+
+
+def _mha_sdpa(*args, **kwargs):
+    """``F.scaled_dot_product_attention`` while an observed ``nn.MultiheadAttention`` call runs."""
+    observer = getattr(_MHA, "observer", None)
+    if observer is None:  # another thread's call, or one outside the observed call: PyTorch's, as it was
+        return _SDPA(*args, **kwargs)
+    return observer._sdpa(args, kwargs)
+
+
+def _mha_need_weights(args, kwargs) -> bool:
+    try:
+        bound = _mha_signature().bind(*args, **kwargs)
+    except TypeError:
+        return False  # PyTorch reports the bad call
+    return bool(bound.arguments.get("need_weights", True))
+
+
+@functools.lru_cache(maxsize=1)
+def _mha_signature():
+    return inspect.signature(_MHA_FORWARD)
 _MHA_FORWARD = F.multi_head_attention_forward
 
 
@@ -261,10 +299,40 @@ class SdpaObserver(TorchFunctionMode):
             return self._flex(func, args, kwargs)
         if func is VARLEN_OP and VARLEN_OP is not None:
             return self._varlen(func, args, kwargs)
-        if func is _MHA_FORWARD and self.stats:
-            self.sdpa_calls += 1  # an attention call met, its reason counted (not "no attention call" too)
-            self.count(UNOBSERVED, MHA_HIDDEN)
+        if func is _MHA_FORWARD:
+            return self._mha(func, args, kwargs)
         return func(*args, **kwargs)
+
+    def _mha(self, func, args, kwargs):
+        """An ``nn.MultiheadAttention`` call: its SDPA call observed (and routed) like any other, or the reason
+        it cannot be counted."""
+        if not (self.stats or self.shadow or self.route):
+            return func(*args, **kwargs)
+        why = MHA_HIDDEN if torch.compiler.is_compiling() else (
+            MHA_WEIGHTS if _mha_need_weights(args, kwargs) else None)
+        if why is not None:
+            if not torch.compiler.is_compiling():
+                self.sdpa_calls += 1  # an attention call met, its reason counted (not "no attention call" too)
+            if self.route:
+                self.count(NOT_APPLIED, why)
+            if self.stats or self.shadow:
+                self.count(UNOBSERVED, why)
+            return func(*args, **kwargs)
+        previous = getattr(_MHA, "observer", None)
+        _MHA.observer = self
+        with _MHA_LOCK:
+            if _MHA_PATCH["depth"] == 0:
+                _MHA_PATCH["original"] = F.scaled_dot_product_attention
+                F.scaled_dot_product_attention = _mha_sdpa
+            _MHA_PATCH["depth"] += 1
+        try:
+            return func(*args, **kwargs)
+        finally:
+            _MHA.observer = previous
+            with _MHA_LOCK:
+                _MHA_PATCH["depth"] -= 1
+                if _MHA_PATCH["depth"] == 0:
+                    F.scaled_dot_product_attention = _MHA_PATCH["original"]
 
     # -- bookkeeping: the reason noted once; on probe steps, a device add for the count
     def count(self, kind: str, reason: str) -> None:

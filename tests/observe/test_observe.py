@@ -1,5 +1,6 @@
 """Observing unmodified models: training unchanged, every call covered, switches applied or reported."""
 import logging
+import math
 
 import numpy as np
 import pytest
@@ -11,12 +12,15 @@ from torch.overrides import TorchFunctionMode
 from instability_watch import InstabilityWatch, WatchConfig
 from instability_watch.kernels import stats as st
 from instability_watch.model.layer import AttentionLayer, find_attention_layers
-from instability_watch.observe.sdpa import MHA_HIDDEN
+from instability_watch.observe import sdpa as sdpa_module
+from instability_watch.observe.sdpa import MHA_WEIGHTS
 from instability_watch.probe.bank import Probe
 
 from nanogpt import GPT, GPTConfig
 from real_models import MODELS, hf_llama_gqa, train
 from watch_models import NarrowValues
+
+SDPA = F.scaled_dot_product_attention
 
 CFG = dict(probe_every=2, shadow_every=4, spectral_every=4, log_every=10, warmup_steps=100)
 
@@ -212,13 +216,75 @@ def test_eval_mode_calls_are_not_observed():
     watch.detach()
 
 
-def test_multihead_attention_is_located_and_reported_unobservable(caplog):
+def _encoder(seed=0):
+    torch.manual_seed(seed)
+    layer = nn.TransformerEncoderLayer(32, 4, 64, batch_first=True, dropout=0.0)
+    return nn.Sequential(nn.TransformerEncoder(layer, 2, enable_nested_tensor=False), nn.Linear(32, 1))
+
+
+def test_multihead_attention_in_pytorchs_transformer_encoder_is_observed_like_sdpa():
+    """nn.TransformerEncoder (PyTorch's code: need_weights=False, a key padding mask): every call observed and
+    shadowed, the first layer's statistics equal a float64 computation from its in_proj weights, training bitwise
+    the unwatched model's, and F.scaled_dot_product_attention PyTorch's own again after each call."""
+    model, plain = _encoder(), _encoder()
+    (layer, _) = find_attention_layers(model)
+    mha = model[0].layers[0].self_attn
+    assert layer.num_heads == 4
+    torch.testing.assert_close(layer.w_q().reshape(32, 32), mha.in_proj_weight[:32])
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=1, log_every=3, warmup_steps=0))
+    opts = [torch.optim.SGD(m.parameters(), lr=0.1) for m in (model, plain)]
+    pad = torch.zeros(2, 8, dtype=torch.bool)
+    pad[1, 5:] = True  # the second sequence has 5 tokens
+    for step in range(3):
+        x = torch.randn(2, 8, 32, generator=torch.Generator().manual_seed(step))
+        if step == 2:  # the last step's statistics, against the weights it ran with
+            w, b = mha.in_proj_weight.detach().double(), mha.in_proj_bias.detach().double()
+            q, k = ((x.double() @ w[i * 32:(i + 1) * 32].T + b[i * 32:(i + 1) * 32]).view(2, 8, 4, 8).transpose(1, 2)
+                    for i in (0, 1))
+            s = (q @ k.transpose(-1, -2) / math.sqrt(8)).masked_fill(pad[:, None, None, :], float("-inf"))
+            expected = s.amax(dim=(0, 2, 3)).numpy()
+        losses = []
+        for m, opt in zip((model, plain), opts):
+            loss = m[1](m[0](x, src_key_padding_mask=pad)).pow(2).mean()
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses.append(loss.detach())
+        assert torch.equal(losses[0], losses[1]), step
+        assert F.scaled_dot_product_attention is SDPA
+        watch.step(losses[0])
+    for c in watch.coverage():
+        assert (c.observed_calls, c.unobserved_calls, c.shadow_calls, c.shadow_skipped) == (3, {}, 3, {}), c
+    m = watch.last_metrics[-1]
+    assert (m["rows"] == 16).all()
+    np.testing.assert_allclose(m["max_score"][0], expected, rtol=1e-5)
+    assert np.isfinite(m["delta_err_sum"]).all()
+    watch.detach()
+
+
+def test_a_switched_multihead_attention_layer_runs_on_our_kernels():
+    model = _encoder()
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=1, warmup_steps=0))
+    watch.switch(1, 2)
+    x = torch.randn(2, 8, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        loss = model(x).pow(2).mean()
+    loss.backward()
+    watch.step(loss)
+    cov = watch.coverage()
+    assert cov[1].kernel_calls == 1 and cov[1].not_applied == {} and cov[0].kernel_calls == 0
+    assert all(p.grad is not None and torch.isfinite(p.grad).all() for p in model.parameters())
+    watch.detach()
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        unwatched = model(x).pow(2).mean()
+    torch.testing.assert_close(loss, unwatched, rtol=2e-2, atol=1e-3)
+
+
+def test_multihead_attention_with_its_weights_is_located_and_said_once(caplog):
+    """need_weights=True (the module's default) computes the attention without SDPA: sigma(W_Q) tracked, the reason
+    said once with what to do, training goes on."""
     torch.manual_seed(0)
     mha = nn.MultiheadAttention(16, 2, batch_first=True)
-    model = nn.Sequential(mha)
-    (layer,) = find_attention_layers(model)
-    assert layer.num_heads == 2
-    torch.testing.assert_close(layer.w_q().reshape(16, 16), mha.in_proj_weight[:16])
 
     class Wrap(nn.Module):
         def __init__(self):
@@ -226,20 +292,26 @@ def test_multihead_attention_is_located_and_reported_unobservable(caplog):
             self.mha = mha
 
         def forward(self, x):
-            return self.mha(x, x, x, need_weights=False)[0]
+            return self.mha(x, x, x)[0]  # need_weights left at True
 
     wrapped = Wrap()
     watch = InstabilityWatch(wrapped, WatchConfig(probe_every=1, spectral_every=1, log_every=1))
     with caplog.at_level(logging.WARNING, logger="instability_watch"):
-        for _ in range(2):  # training goes on: sigma(W_Q) is what can be watched, said once
+        for _ in range(2):
             wrapped(torch.randn(2, 5, 16)).sum().backward()
             watch.step()
     said = [r.getMessage() for r in caplog.records if "only sigma(W_Q) is tracked" in r.getMessage()]
-    assert len(said) == 1 and "nn.MultiheadAttention hides its SDPA call" in said[0]
+    assert len(said) == 1 and "need_weights=False" in said[0]
     # one reason per call (not also "no attention call the watch can see")
-    assert watch.coverage()[0].unobserved_calls == {MHA_HIDDEN: 2}
+    assert watch.coverage()[0].unobserved_calls == {MHA_WEIGHTS: 2}
     assert np.isfinite(watch.last_metrics[-1]["sigma_wq"]).all() and watch.disabled == {}
     watch.detach()
+
+
+def test_sdpa_calls_outside_an_observed_multihead_call_go_to_pytorch_unchanged():
+    """Another thread's calls while the global is swapped find no observer of their own: PyTorch's SDPA, bitwise."""
+    q, k, v = torch.randn(3, 1, 2, 5, 4).unbind(0)
+    assert torch.equal(sdpa_module._mha_sdpa(q, k, v, is_causal=True), SDPA(q, k, v, is_causal=True))
 
 
 class _Custom(nn.Module):
