@@ -187,3 +187,35 @@ def test_switched_compiled_flex_calls_run_on_our_kernels_within_twice_flex_error
     exact = run(lambda a, b, c: flash_attention(a, b, c, attn_mask=keep, backend="reference"), torch.float64)
     for a, b, e in zip(ours, theirs, exact):
         assert (a - e).abs().max() <= 2 * (b - e).abs().max() + 1e-3
+
+
+def test_pytorch_transformer_encoder_on_the_gpu_is_observed_and_a_switched_layer_runs_our_kernels():
+    """nn.MultiheadAttention's SDPA call under BF16 autocast on CUDA: every call observed and shadowed (training
+    bitwise the unwatched model's until the switch), then layer 1 on our Triton kernels."""
+    def build():
+        torch.manual_seed(0)
+        layer = nn.TransformerEncoderLayer(256, 4, 512, batch_first=True, dropout=0.0, device=DEV)
+        return nn.TransformerEncoder(layer, 2, enable_nested_tensor=False)
+
+    model, plain = build(), build()
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=1, log_every=2, warmup_steps=0))
+    x = torch.randn(4, 512, 256, device=DEV)
+    mask = nn.Transformer.generate_square_subsequent_mask(512, device=DEV)
+    for step in range(4):
+        if step == 2:
+            watch.switch(1, 3)
+        losses = []
+        for m in (model, plain):
+            with torch.autocast("cuda", dtype=torch.bfloat16):
+                loss = m(x, mask=mask, is_causal=True).float().pow(2).mean()
+            loss.backward()
+            losses.append(loss.detach())
+        if step < 2:
+            assert torch.equal(losses[0], losses[1]), step
+        else:
+            torch.testing.assert_close(losses[0], losses[1], rtol=1e-2, atol=1e-4)
+        watch.step(losses[0])
+    cov = watch.coverage()
+    assert all(c.observed_calls == 4 and not c.unobserved_calls and c.shadow_calls == 4 for c in cov), cov
+    assert cov[1].kernel_calls == 2 and not cov[1].not_applied and cov[0].kernel_calls == 0
+    watch.detach()
