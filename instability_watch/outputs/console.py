@@ -110,7 +110,8 @@ class AlertPanel:
 class HeadTable:
     """A compact table of the ``top`` worst heads of the latest read-back.
 
-    The state column says ``stabilized@STEP`` for a switched head and lists the
+    The state column says ``stabilized@STEP`` (``exact-δ@STEP`` with ``switch_to="exact_delta"``) for a switched
+    head and lists the
     kinds that alerted. A head's score is the largest of its metrics relative to the median head:
     multi-max frequency, largest logit, ``|sum(delta_lp - delta_hp)|`` so far
     and sigma(W_Q) growth since first observed. Heads with alerts come first.
@@ -215,8 +216,9 @@ class HeadTracker:
                 kinds = alerts.get((layer, head), [])
                 stab = (layer, head) in record.switched
                 state = []
-                if stab:
-                    state.append(f"stabilized@{record.switched[(layer, head)]}")
+                if stab:  # what the switch did: the stabilized kernel, or the layer's exact delta
+                    what = "exact-δ" if record.config.switch_to == "exact_delta" else "stabilized"
+                    state.append(f"{what}@{record.switched[(layer, head)]}")
                 if kinds:
                     state.append(",".join(ALERT_KINDS[k].short if k in ALERT_KINDS else k for k in dict.fromkeys(kinds)))
                 out.append({

@@ -1,6 +1,7 @@
 """Alert panels and the worst-heads table, rendered into string consoles."""
 from __future__ import annotations
 
+import dataclasses
 import io
 
 import lightning.pytorch as pl
@@ -110,3 +111,19 @@ def test_lightning_rich_progress_bar_with_live_table(tmp_path):
     assert "instability_watch · step 27 · delta_drift" in out
     assert "worst heads at step 30" in out
     assert trainer.global_step == 30
+
+
+def test_a_switch_to_the_exact_delta_says_so_in_the_panel_and_the_table():
+    c = _console()
+    torch.manual_seed(0)
+    model = TiedAttention()
+    reporter = ConsoleReporter(c, live_table=True, top=3)
+    watch = InstabilityWatch(model, dataclasses.replace(CFG, switch_to="exact_delta"), layers=model.layers(),
+                             listeners=[reporter])
+    train_tied(model, watch, 0, 30)
+    watch.detach()
+    reporter.close()
+    out = _text(c)
+    assert out.count("switched to the exact delta") == 2 and "switched to the stabilized kernel" not in out
+    table = out[out.rindex("worst heads at step 30"):]
+    assert table.count("exact-δ@27") == 2 and "stabilized@" not in table
