@@ -28,11 +28,11 @@ The observer reads only its own attributes, which
 """
 from __future__ import annotations
 
-import functools
 import inspect
 import itertools
 import math
-import threading
+import sys
+import types
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -52,43 +52,65 @@ from instability_watch.observe.coverage import KIND_ROW, NOT_APPLIED, SHADOW_SKI
 from instability_watch.probe.fields import COUNT_ROW
 
 _SDPA = F.scaled_dot_product_attention
-MHA_HIDDEN = "nn.MultiheadAttention hides its SDPA call in F.multi_head_attention_forward under torch.compile"
+_MHA_FORWARD = F.multi_head_attention_forward
+MHA_COMPILED = ("nn.MultiheadAttention under torch.compile: its SDPA call, inside F.multi_head_attention_forward, "
+                "cannot be reached in compiled code (it is observed in eager code)")
 MHA_WEIGHTS = ("nn.MultiheadAttention called with need_weights=True (its default) computes the attention without "
                "SDPA: call it with need_weights=False (as nn.TransformerEncoderLayer does) to have it observed")
 
 
 # ----------------------------------------------------------------------------- nn.MultiheadAttention's SDPA call
 #
-# F.multi_head_attention_forward is a torch function of its own: the observer's mode sees it, and while its handler
-# runs the mode is off, so the SDPA call inside it would pass unseen. For the length of that one call the module
-# global it reads, torch.nn.functional.scaled_dot_product_attention, is _mha_sdpa, which hands the call to this
-# thread's observer (any other thread's calls go to PyTorch's SDPA unchanged); the global is put back after.
-
-_MHA = threading.local()
-_MHA_PATCH = {"depth": 0, "original": None}
-_MHA_LOCK = threading.Lock()
+# F.multi_head_attention_forward is a torch function of its own: the observer's mode sees it first, and while the
+# mode's handler runs the mode is off, so the SDPA call inside would pass unseen. In eager code the handler runs
+# instead a copy of that function (the same code, torch.nn.functional's globals) whose torch-function check answers
+# False, so the copy does not come back to the handler, and whose SDPA call enters the mode again, so the observer
+# sees it like any other. Nothing of PyTorch's is changed. Under torch.compile (Dynamo ties a function's globals to
+# its module) the call is counted unobserved, with its reason.
 
 
-def _mha_sdpa(*args, **kwargs):
-    """``F.scaled_dot_product_attention`` while an observed ``nn.MultiheadAttention`` call runs."""
-    observer = getattr(_MHA, "observer", None)
-    if observer is None:  # another thread's call, or one outside the observed call: PyTorch's, as it was
-        return _SDPA(*args, **kwargs)
-    return observer._sdpa(args, kwargs)
+def _no_torch_function(*_) -> bool:
+    return False
+
+
+def _mha_for(observer: "SdpaObserver") -> Callable:
+    """``F.multi_head_attention_forward``'s code for ``observer``'s layer, with torch.nn.functional's globals but
+    two: ``has_torch_function`` answers False (the copy does not come back to the handler), and
+    ``scaled_dot_product_attention`` makes the SDPA call (PyTorch's, or what the user put in its place) with the
+    observer's mode on, so the observer sees it like any other."""
+    f = _MHA_FORWARD
+    copy = types.FunctionType(f.__code__, {}, f.__name__, f.__defaults__, f.__closure__)
+    copy.__kwdefaults__ = f.__kwdefaults__
+    names = copy.__globals__
+
+    def sdpa(*args, **kwargs):
+        with observer:
+            return names["_user_sdpa"](*args, **kwargs)
+
+    names["_observer_sdpa"] = sdpa
+    _refresh(copy)
+    return copy
+
+
+def _refresh(copy: Callable) -> None:
+    """The copy's globals as torch.nn.functional's are now (a name the user replaced there is replaced for the
+    copy too)."""
+    names = copy.__globals__
+    sdpa = names["_observer_sdpa"]
+    names.update(vars(sys.modules[_MHA_FORWARD.__module__]))
+    names["_user_sdpa"] = names["scaled_dot_product_attention"]
+    names["has_torch_function"] = _no_torch_function
+    names["scaled_dot_product_attention"] = sdpa
+    names["_observer_sdpa"] = sdpa
+
+
+_MHA_NEED_WEIGHTS = list(inspect.signature(_MHA_FORWARD).parameters).index("need_weights")
 
 
 def _mha_need_weights(args, kwargs) -> bool:
-    try:
-        bound = _mha_signature().bind(*args, **kwargs)
-    except TypeError:
-        return False  # PyTorch reports the bad call
-    return bool(bound.arguments.get("need_weights", True))
-
-
-@functools.lru_cache(maxsize=1)
-def _mha_signature():
-    return inspect.signature(_MHA_FORWARD)
-_MHA_FORWARD = F.multi_head_attention_forward
+    if "need_weights" in kwargs:
+        return bool(kwargs["need_weights"])
+    return bool(args[_MHA_NEED_WEIGHTS]) if len(args) > _MHA_NEED_WEIGHTS else True
 
 
 # ----------------------------------------------------------------------------- one SDPA call
@@ -280,6 +302,7 @@ class SdpaObserver(TorchFunctionMode):
         self.on_error: Optional[Callable[[str, BaseException], None]] = None
         self.sdpa_calls = 0  # eager only: attention calls seen (SDPA, FlexAttention), to find a forward without any
         self._in_other = False  # inside a FlexAttention or varlen call's statistics (their own calls pass through)
+        self._mha_forward: Optional[Callable] = None  # nn.MultiheadAttention's function for this layer (eager only)
 
     # an observer belongs to the one module it watches: a copy of that module (copy.deepcopy, a pickle) gets None
     # in its place, and runs unwatched (observation.OBSERVER_ATTR)
@@ -305,34 +328,23 @@ class SdpaObserver(TorchFunctionMode):
 
     def _mha(self, func, args, kwargs):
         """An ``nn.MultiheadAttention`` call: its SDPA call observed (and routed) like any other, or the reason
-        it cannot be counted."""
+        it cannot be."""
         if not (self.stats or self.shadow or self.route):
             return func(*args, **kwargs)
-        why = MHA_HIDDEN if torch.compiler.is_compiling() else (
-            MHA_WEIGHTS if _mha_need_weights(args, kwargs) else None)
+        compiling = torch.compiler.is_compiling()
+        why = MHA_COMPILED if compiling else MHA_WEIGHTS if _mha_need_weights(args, kwargs) else None
         if why is not None:
-            if not torch.compiler.is_compiling():
+            if not compiling:
                 self.sdpa_calls += 1  # an attention call met, its reason counted (not "no attention call" too)
             if self.route:
                 self.count(NOT_APPLIED, why)
             if self.stats or self.shadow:
                 self.count(UNOBSERVED, why)
             return func(*args, **kwargs)
-        previous = getattr(_MHA, "observer", None)
-        _MHA.observer = self
-        with _MHA_LOCK:
-            if _MHA_PATCH["depth"] == 0:
-                _MHA_PATCH["original"] = F.scaled_dot_product_attention
-                F.scaled_dot_product_attention = _mha_sdpa
-            _MHA_PATCH["depth"] += 1
-        try:
-            return func(*args, **kwargs)
-        finally:
-            _MHA.observer = previous
-            with _MHA_LOCK:
-                _MHA_PATCH["depth"] -= 1
-                if _MHA_PATCH["depth"] == 0:
-                    F.scaled_dot_product_attention = _MHA_PATCH["original"]
+        if self._mha_forward is None:
+            self._mha_forward = _mha_for(self)
+        _refresh(self._mha_forward)
+        return self._mha_forward(*args, **kwargs)
 
     # -- bookkeeping: the reason noted once; on probe steps, a device add for the count
     def count(self, kind: str, reason: str) -> None:

@@ -477,3 +477,47 @@ def test_a_switch_not_applied_in_compiled_code_is_an_event_and_not_counted_stabi
     assert coverage[0].not_applied == {} and coverage[1].kernel_calls == 0
     assert sum(coverage[1].not_applied.values()) == 2 and "unknown" not in coverage[1].not_applied
     watch.detach()
+
+
+def test_pytorch_transformer_compiled_fullgraph_is_located_said_once_and_trains_as_unwatched(caplog):
+    """nn.Transformer (PyTorch's nn.MultiheadAttention) under torch.compile(fullgraph=True): its SDPA call cannot
+    be reached in compiled code, so each call is counted unobserved with that reason, sigma(W_Q) is tracked, one
+    warning says so, nothing breaks the graph, and the losses are bitwise the unwatched compiled model's."""
+    import logging
+
+    from instability_watch import InstabilityWatch, WatchConfig
+    from instability_watch.observe.sdpa import MHA_COMPILED
+
+    def build():
+        torch.manual_seed(0)
+        return nn.Transformer(d_model=32, nhead=4, num_encoder_layers=1, num_decoder_layers=1, dim_feedforward=64,
+                              dropout=0.0, batch_first=True)
+
+    src, tgt = torch.randn(2, 10, 32, generator=seeded("mha", 0)), torch.randn(2, 7, 32, generator=seeded("mha", 1))
+    mask = nn.Transformer.generate_square_subsequent_mask(7)
+    losses = {}
+    for mode in ("watched", "unwatched"):
+        torch._dynamo.reset()
+        model = build()
+        watch = InstabilityWatch(model, WatchConfig(probe_every=2, spectral_every=2, log_every=4, warmup_steps=0)) \
+            if mode == "watched" else None
+        forward = torch.compile(model, backend="aot_eager", fullgraph=True)
+        opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        losses[mode] = []
+        with caplog.at_level(logging.WARNING, logger="instability_watch"):
+            for _ in range(4):
+                loss = forward(src, tgt, tgt_mask=mask, tgt_is_causal=True).pow(2).mean()
+                loss.backward()
+                opt.step()
+                opt.zero_grad()
+                losses[mode].append(loss.detach())
+                if watch is not None:
+                    watch.step(loss)
+        if watch is not None:
+            cov = watch.coverage()
+            assert [c.observed_calls for c in cov] == [0, 0, 0]
+            assert [c.unobserved_calls for c in cov] == [{MHA_COMPILED: 2}] * 3
+            assert np.isfinite(watch.last_metrics[-1]["sigma_wq"]).all() and watch.disabled == {}
+            watch.detach()
+    assert sum("only sigma(W_Q) is tracked" in r.getMessage() for r in caplog.records) == 1
+    assert all(torch.equal(a, b) for a, b in zip(losses["watched"], losses["unwatched"]))
