@@ -69,6 +69,26 @@ MHA_WEIGHTS = ("nn.MultiheadAttention called with need_weights=True (its default
 # its module) the call is counted unobserved, with its reason.
 
 
+_TENSOR_UNFLATTEN = torch.Tensor.unflatten
+
+
+def _unflatten(func, args, kwargs):
+    """``Tensor.unflatten`` reached through the mode in compiled code: Dynamo cannot trace that method's
+    ``super().unflatten`` (a layer doing ``x.unflatten(...)`` would fail under fullgraph, else break the graph), so
+    the same op, ``torch.unflatten``; a named shape goes to the method."""
+    try:
+        t, dim, sizes = _unflatten_args(*args, **kwargs)
+    except TypeError:
+        return func(*args, **kwargs)
+    if isinstance(sizes, dict) or (isinstance(sizes, (tuple, list)) and sizes and isinstance(sizes[0], (tuple, list))):
+        return func(*args, **kwargs)
+    return torch.unflatten(t, dim, sizes)
+
+
+def _unflatten_args(self, dim, sizes):
+    return self, dim, sizes
+
+
 def _no_torch_function(*_) -> bool:
     return False
 
@@ -324,6 +344,8 @@ class SdpaObserver(TorchFunctionMode):
             return self._varlen(func, args, kwargs)
         if func is _MHA_FORWARD:
             return self._mha(func, args, kwargs)
+        if func is _TENSOR_UNFLATTEN and torch.compiler.is_compiling():
+            return _unflatten(func, args, kwargs)
         return func(*args, **kwargs)
 
     def _mha(self, func, args, kwargs):

@@ -521,3 +521,46 @@ def test_pytorch_transformer_compiled_fullgraph_is_located_said_once_and_trains_
             watch.detach()
     assert sum("only sigma(W_Q) is tracked" in r.getMessage() for r in caplog.records) == 1
     assert all(torch.equal(a, b) for a, b in zip(losses["watched"], losses["unwatched"]))
+
+
+def test_a_layer_that_unflattens_compiles_fullgraph_with_the_watch():
+    """Tensor.unflatten inside an observed layer under torch.compile(fullgraph=True): it failed ("Attempted to call a
+    super() attribute") when reached through the watch's mode; now the same op runs, the losses as unwatched."""
+    from instability_watch import InstabilityWatch, WatchConfig
+    from instability_watch.model.layer import AttentionLayer
+
+    class Unflattening(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.qkv = nn.Linear(16, 48, bias=False)
+
+        def forward(self, x):  # (B, N, 16)
+            q, k, v = (t.unflatten(-1, (2, 8)).transpose(1, 2) for t in self.qkv(x).chunk(3, dim=-1))
+            return nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).transpose(1, 2).flatten(2)
+
+    def build():
+        torch.manual_seed(0)
+        return Unflattening()
+
+    x = torch.randn(2, 8, 16, generator=seeded("unflatten"))
+    losses = {}
+    for mode in ("watched", "unwatched"):
+        torch._dynamo.reset()
+        model = build()
+        watch = None
+        if mode == "watched":
+            layer = AttentionLayer(model, 2, w_q=lambda: model.qkv.weight[:16].reshape(2, 8, 16))
+            watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=1, log_every=2, warmup_steps=0),
+                                     layers=[layer])
+        forward = torch.compile(model, backend="aot_eager", fullgraph=True)
+        losses[mode] = []
+        for _ in range(2):
+            loss = forward(x).pow(2).mean()
+            loss.backward()
+            losses[mode].append(loss.detach())
+            if watch is not None:
+                watch.step(loss)
+        if watch is not None:
+            assert [c.observed_calls for c in watch.coverage()] == [2]
+            watch.detach()
+    assert all(torch.equal(a, b) for a, b in zip(losses["watched"], losses["unwatched"]))
