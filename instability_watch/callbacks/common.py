@@ -9,6 +9,7 @@ plain loops under ``torchrun`` use it too.
 """
 from __future__ import annotations
 
+import functools
 import inspect
 import logging
 import math
@@ -181,13 +182,6 @@ class WatchAdapter:
 
     error: Type[Exception] = ValueError
 
-    def __new__(cls, *args, **kwargs):
-        # the callback's own name and arguments for a misspelt one (Python's error names this base class)
-        params = inspect.signature(cls.__init__).parameters
-        if not any(p.kind is p.VAR_KEYWORD for p in params.values()):  # a subclass's **kwargs: its own business
-            unknown_keywords(cls.__name__, kwargs, (p for p in params if p != "self"))
-        return super().__new__(cls)
-
     def __init__(
         self,
         config: Optional[Union[WatchConfig, Dict[str, Any]]] = None,
@@ -269,3 +263,19 @@ class WatchAdapter:
             return
         self._finished = True
         finish(self.watch, self.reporter, self.writer, strict=self.config.strict, crashed=crashed)
+
+
+def _checked_init(init):
+    """``WatchAdapter.__init__`` with a misspelt argument named first, with the callback's own name and what it
+    takes (Python's error names this base class); ``functools.wraps`` keeps the signature for ``inspect``."""
+    params = [p for p in inspect.signature(init).parameters if p != "self"]
+
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        unknown_keywords(type(self).__name__, kwargs, params)
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+WatchAdapter.__init__ = _checked_init(WatchAdapter.__init__)

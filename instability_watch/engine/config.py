@@ -1,6 +1,7 @@
 """``WatchConfig``: every knob of the watch, validated when it is built."""
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Optional, Tuple
@@ -110,11 +111,6 @@ class WatchConfig:
     strict: bool = False
     sync_distributed: bool = True
 
-    def __new__(cls, *args, **kwargs):
-        # before the generated __init__: a misspelt field is named, with the nearest real one
-        unknown_keywords("WatchConfig", kwargs, (f.name for f in fields(cls)))
-        return super().__new__(cls)
-
     def __post_init__(self) -> None:
         def integer(name: str, low: int) -> None:
             v = getattr(self, name)
@@ -203,3 +199,17 @@ class WatchConfig:
             if isinstance(d[f.name], tuple):
                 d[f.name] = list(d[f.name])
         return d
+
+
+def _checked_init(init):
+    """The dataclass's generated ``__init__``, a misspelt field named first with the nearest real one (Python's
+    error names neither); ``functools.wraps`` keeps the fields' signature for ``inspect`` (LightningCLI, IDEs)."""
+    @functools.wraps(init)
+    def __init__(self, *args, **kwargs):
+        unknown_keywords(type(self).__name__, kwargs, (f.name for f in fields(self)))
+        init(self, *args, **kwargs)
+
+    return __init__
+
+
+WatchConfig.__init__ = _checked_init(WatchConfig.__init__)

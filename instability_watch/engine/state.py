@@ -37,8 +37,9 @@ def save(watch) -> dict:
         "heads": list(watch.head_counts),
         "switched": [[l, h, s] for (l, h), s in sorted(watch.switched.items())],
         "switch_to": watch.config.switch_to,
-        # plain finite numbers: a head not measured yet (NaN in the metrics) is kept as 0.0 (read back as NaN)
-        "delta_cum": np.nan_to_num(watch.builder.delta_cum, nan=0.0).tolist() if watch.head_counts else [],
+        # plain Python types: a head no shadow pass has measured yet (NaN in the metrics) is None
+        "delta_cum": [[None if np.isnan(x) else float(x) for x in row] for row in watch.builder.delta_cum]
+        if watch.head_counts else [],
         "detectors": {k: d.state_dict() for k, d in watch.detectors.items()},
         "spectral": watch.spectral.state_dict(),
         "pending_steps": list(ring.pending),
@@ -106,7 +107,7 @@ def parse(watch, state) -> dict:
     try:
         out["delta_cum"] = np.asarray(need("delta_cum"), dtype=np.float64).reshape(shape)
     except (TypeError, ValueError):
-        raise ValueError(f"InstabilityWatch state: 'delta_cum' must be {shape} numbers") from None
+        raise ValueError(f"InstabilityWatch state: 'delta_cum' must be {shape} numbers (or None)") from None
     detectors = need("detectors")
     if not isinstance(detectors, dict):
         raise ValueError("InstabilityWatch state: 'detectors' must be a dict")
@@ -157,7 +158,7 @@ def restore(watch, parsed: dict) -> None:
         log_rank_zero(logging.WARNING, "instability_watch: the state's %d switched heads were switched to %s; this "
                       "watch's WatchConfig.switch_to is %r, so from now on they run that way",
                       len(parsed["switched"]), parsed["switch_to"], watch.config.switch_to)
-    watch.builder.delta_cum = np.where(parsed["delta_cum"] == 0.0, np.nan, parsed["delta_cum"])  # 0.0: not measured
+    watch.builder.delta_cum = parsed["delta_cum"]  # None (not measured yet) read as NaN
     for kind, d in watch.detectors.items():
         if kind in parsed["detectors"]:
             d.load_state_dict(parsed["detectors"][kind])

@@ -57,7 +57,7 @@ from instability_watch.model.families import qk_projections
 from instability_watch.model.layer import Layers, resolve_layers
 from instability_watch.observe.coverage import NOT_APPLIED, LayerCoverage
 from instability_watch.observe.observation import Site, observe
-from instability_watch.observe.sdpa import MHA_COMPILED, MHA_WEIGHTS
+from instability_watch.observe.mha import MHA_REASONS
 from instability_watch.probe.spectral import SpectralNorms
 from instability_watch.ranks import distributed, log_rank_zero
 
@@ -404,6 +404,10 @@ class InstabilityWatch:
         """
         return self.observation.coverage(self.calls.per_layer)
 
+    def _tracks_sigma(self) -> bool:
+        """sigma(W_Q) is measured and a detector reads it (what is left to watch where no call is observed)."""
+        return bool(self.config.spectral_every) and "spectral_growth" in self.config.detectors
+
     def _check_coverage(self) -> None:
         """After the first probe step: nothing observable is an error naming the reasons."""
         if "statistics" in self.faults:  # turned off by a failure (reported): nothing to judge
@@ -421,7 +425,7 @@ class InstabilityWatch:
             return  # no watched layer ran yet: look again after the next probe step
         self.coverage_checked = True
         listed = "; ".join(f"{r} ({n} calls)" for r, n in reasons.items())
-        if set(reasons) <= {MHA_COMPILED, MHA_WEIGHTS}:
+        if set(reasons) <= set(MHA_REASONS) and self._tracks_sigma():
             # nn.MultiheadAttention located, its calls not observable: watch what can be watched, and say so
             log_rank_zero(logging.WARNING, "instability_watch observed no attention call on the first probe step "
                           "(%s): only sigma(W_Q) is tracked (spectral_growth alerts); multi-max, logits and the "

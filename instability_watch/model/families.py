@@ -335,7 +335,7 @@ FAMILIES = (
     Family("litgpt", _locate_litgpt, _qk_litgpt),
     Family("timm", _locate_timm, _qk_timm),
     Family("torchtitan", _locate_torchtitan),  # no QK projections yet: QK-clip refuses it, by name
-    Family("mha", _locate_mha),  # nn.MultiheadAttention: no QK projections (its attention cannot be observed either)
+    Family("mha", _locate_mha),  # nn.MultiheadAttention: no QK projections (its calls: observe/mha.py)
 )
 _BY_NAME = {f.name: f for f in FAMILIES}
 

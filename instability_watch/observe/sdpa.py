@@ -28,11 +28,8 @@ The observer reads only its own attributes, which
 """
 from __future__ import annotations
 
-import inspect
 import itertools
 import math
-import sys
-import types
 import weakref
 from dataclasses import dataclass
 from typing import Callable, Optional, Tuple
@@ -49,90 +46,10 @@ from instability_watch.kernels.stats.flex import (FLEX_OP, FlexCall, flex_shadow
                                                   keep_mask, op_outputs, switch_refusal)
 from instability_watch.kernels.stats.varlen import VARLEN_OP, VarlenCall, varlen_shadow, varlen_stats
 from instability_watch.observe.coverage import KIND_ROW, NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED
+from instability_watch.observe.mha import MHA_FORWARD, TENSOR_UNFLATTEN, mha_call, unflatten
 from instability_watch.probe.fields import COUNT_ROW
 
 _SDPA = F.scaled_dot_product_attention
-_MHA_FORWARD = F.multi_head_attention_forward
-MHA_COMPILED = ("nn.MultiheadAttention under torch.compile: its SDPA call, inside F.multi_head_attention_forward, "
-                "cannot be reached in compiled code (it is observed in eager code)")
-MHA_WEIGHTS = ("nn.MultiheadAttention called with need_weights=True (its default) computes the attention without "
-               "SDPA: call it with need_weights=False (as nn.TransformerEncoderLayer does) to have it observed")
-
-
-# ----------------------------------------------------------------------------- nn.MultiheadAttention's SDPA call
-#
-# F.multi_head_attention_forward is a torch function of its own: the observer's mode sees it first, and while the
-# mode's handler runs the mode is off, so the SDPA call inside would pass unseen. In eager code the handler runs
-# instead a copy of that function (the same code, torch.nn.functional's globals) whose torch-function check answers
-# False, so the copy does not come back to the handler, and whose SDPA call enters the mode again, so the observer
-# sees it like any other. Nothing of PyTorch's is changed. Under torch.compile (Dynamo ties a function's globals to
-# its module) the call is counted unobserved, with its reason.
-
-
-_TENSOR_UNFLATTEN = torch.Tensor.unflatten
-
-
-def _unflatten(func, args, kwargs):
-    """``Tensor.unflatten`` reached through the mode in compiled code: Dynamo cannot trace that method's
-    ``super().unflatten`` (a layer doing ``x.unflatten(...)`` would fail under fullgraph, else break the graph), so
-    the same op, ``torch.unflatten``; a named shape goes to the method."""
-    try:
-        t, dim, sizes = _unflatten_args(*args, **kwargs)
-    except TypeError:
-        return func(*args, **kwargs)
-    if isinstance(sizes, dict) or (isinstance(sizes, (tuple, list)) and sizes and isinstance(sizes[0], (tuple, list))):
-        return func(*args, **kwargs)
-    return torch.unflatten(t, dim, sizes)
-
-
-def _unflatten_args(self, dim, sizes):
-    return self, dim, sizes
-
-
-def _no_torch_function(*_) -> bool:
-    return False
-
-
-def _mha_for(observer: "SdpaObserver") -> Callable:
-    """``F.multi_head_attention_forward``'s code for ``observer``'s layer, with torch.nn.functional's globals but
-    two: ``has_torch_function`` answers False (the copy does not come back to the handler), and
-    ``scaled_dot_product_attention`` makes the SDPA call (PyTorch's, or what the user put in its place) with the
-    observer's mode on, so the observer sees it like any other."""
-    f = _MHA_FORWARD
-    copy = types.FunctionType(f.__code__, {}, f.__name__, f.__defaults__, f.__closure__)
-    copy.__kwdefaults__ = f.__kwdefaults__
-    names = copy.__globals__
-
-    def sdpa(*args, **kwargs):
-        with observer:
-            return names["_user_sdpa"](*args, **kwargs)
-
-    names["_observer_sdpa"] = sdpa
-    _refresh(copy)
-    return copy
-
-
-def _refresh(copy: Callable) -> None:
-    """The copy's globals as torch.nn.functional's are now (a name the user replaced there is replaced for the
-    copy too)."""
-    names = copy.__globals__
-    sdpa = names["_observer_sdpa"]
-    names.update(vars(sys.modules[_MHA_FORWARD.__module__]))
-    names["_user_sdpa"] = names["scaled_dot_product_attention"]
-    names["has_torch_function"] = _no_torch_function
-    names["scaled_dot_product_attention"] = sdpa
-    names["_observer_sdpa"] = sdpa
-
-
-_MHA_NEED_WEIGHTS = list(inspect.signature(_MHA_FORWARD).parameters).index("need_weights")
-
-
-def _mha_need_weights(args, kwargs) -> bool:
-    if "need_weights" in kwargs:
-        return bool(kwargs["need_weights"])
-    return bool(args[_MHA_NEED_WEIGHTS]) if len(args) > _MHA_NEED_WEIGHTS else True
-
-
 # ----------------------------------------------------------------------------- one SDPA call
 
 
@@ -322,7 +239,7 @@ class SdpaObserver(TorchFunctionMode):
         self.on_error: Optional[Callable[[str, BaseException], None]] = None
         self.sdpa_calls = 0  # eager only: attention calls seen (SDPA, FlexAttention), to find a forward without any
         self._in_other = False  # inside a FlexAttention or varlen call's statistics (their own calls pass through)
-        self._mha_forward: Optional[Callable] = None  # nn.MultiheadAttention's function for this layer (eager only)
+        self.mha_forward: Optional[Callable] = None  # nn.MultiheadAttention's function for this layer (observe.mha)
 
     # an observer belongs to the one module it watches: a copy of that module (copy.deepcopy, a pickle) gets None
     # in its place, and runs unwatched (observation.OBSERVER_ATTR)
@@ -342,31 +259,11 @@ class SdpaObserver(TorchFunctionMode):
             return self._flex(func, args, kwargs)
         if func is VARLEN_OP and VARLEN_OP is not None:
             return self._varlen(func, args, kwargs)
-        if func is _MHA_FORWARD:
-            return self._mha(func, args, kwargs)
-        if func is _TENSOR_UNFLATTEN and torch.compiler.is_compiling():
-            return _unflatten(func, args, kwargs)
+        if func is MHA_FORWARD:
+            return mha_call(self, func, args, kwargs)
+        if func is TENSOR_UNFLATTEN and torch.compiler.is_compiling():
+            return unflatten(func, args, kwargs)
         return func(*args, **kwargs)
-
-    def _mha(self, func, args, kwargs):
-        """An ``nn.MultiheadAttention`` call: its SDPA call observed (and routed) like any other, or the reason
-        it cannot be."""
-        if not (self.stats or self.shadow or self.route):
-            return func(*args, **kwargs)
-        compiling = torch.compiler.is_compiling()
-        why = MHA_COMPILED if compiling else MHA_WEIGHTS if _mha_need_weights(args, kwargs) else None
-        if why is not None:
-            if not compiling:
-                self.sdpa_calls += 1  # an attention call met, its reason counted (not "no attention call" too)
-            if self.route:
-                self.count(NOT_APPLIED, why)
-            if self.stats or self.shadow:
-                self.count(UNOBSERVED, why)
-            return func(*args, **kwargs)
-        if self._mha_forward is None:
-            self._mha_forward = _mha_for(self)
-        _refresh(self._mha_forward)
-        return self._mha_forward(*args, **kwargs)
 
     # -- bookkeeping: the reason noted once; on probe steps, a device add for the count
     def count(self, kind: str, reason: str) -> None:

@@ -267,3 +267,20 @@ def test_step_after_detach_says_so_once(caplog):
     said = [r.getMessage() for r in caplog.records if "after detach()" in r.getMessage()]
     assert said == ["instability_watch: step() after detach() (at step 1): nothing is observed from here on; "
                     "create a new InstabilityWatch to watch again"]
+
+
+def test_the_config_and_the_callbacks_keep_their_signatures_for_lightning_cli():
+    """The misspelt-name check must not hide the fields: inspect (IDEs, help()) and jsonargparse (LightningCLI)
+    read them; with a __new__ doing that check both saw (*args, **kwargs)."""
+    import inspect
+
+    from jsonargparse import ArgumentParser
+
+    from instability_watch import InstabilityWatchCallback
+
+    assert list(inspect.signature(WatchConfig).parameters)[:3] == ["probe_every", "shadow_every", "spectral_every"]
+    assert list(inspect.signature(InstabilityWatchCallback).parameters)[:3] == ["config", "layers", "run_dir"]
+    parser = ArgumentParser()
+    parser.add_class_arguments(WatchConfig, "watch")
+    config = parser.instantiate_classes(parser.parse_args(["--watch.probe_every=10", "--watch.shadow_every=10"]))
+    assert config.watch == WatchConfig(probe_every=10, shadow_every=10)

@@ -486,7 +486,7 @@ def test_pytorch_transformer_compiled_fullgraph_is_located_said_once_and_trains_
     import logging
 
     from instability_watch import InstabilityWatch, WatchConfig
-    from instability_watch.observe.sdpa import MHA_COMPILED
+    from instability_watch.observe.mha import MHA_COMPILED
 
     def build():
         torch.manual_seed(0)

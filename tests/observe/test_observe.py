@@ -12,7 +12,7 @@ from torch.overrides import TorchFunctionMode
 from instability_watch import InstabilityWatch, WatchConfig
 from instability_watch.kernels import stats as st
 from instability_watch.model.layer import AttentionLayer, find_attention_layers
-from instability_watch.observe.sdpa import MHA_WEIGHTS
+from instability_watch.observe.mha import MHA_WEIGHTS
 from instability_watch.probe.bank import Probe
 
 from nanogpt import GPT, GPTConfig
@@ -325,6 +325,13 @@ def test_multihead_attention_with_its_weights_is_located_and_said_once(caplog):
     assert watch.coverage()[0].unobserved_calls == {MHA_WEIGHTS: 2}
     assert np.isfinite(watch.last_metrics[-1]["sigma_wq"]).all() and watch.disabled == {}
     watch.detach()
+    # with sigma(W_Q) off nothing at all would be watched: an error naming the reason, as for any such model
+    for off in (dict(spectral_every=0), dict(spectral_every=1, detectors=("multi_max", "logit_growth"))):
+        watch = InstabilityWatch(wrapped, WatchConfig(probe_every=1, log_every=1, **off))
+        wrapped(torch.randn(2, 5, 16)).sum().backward()
+        with pytest.raises(ValueError, match="observed no attention call on the first probe step: nn.Multihead"):
+            watch.step()
+        watch.detach()
 
 
 class _Custom(nn.Module):
