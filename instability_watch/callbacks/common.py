@@ -9,8 +9,6 @@ plain loops under ``torchrun`` use it too.
 """
 from __future__ import annotations
 
-import functools
-import inspect
 import logging
 import math
 import os
@@ -19,7 +17,7 @@ from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Ty
 
 from instability_watch.engine.config import WatchConfig
 from instability_watch.engine.metrics import summarize
-from instability_watch.errors import unknown_keywords
+from instability_watch.errors import checking_keywords
 from instability_watch.model.layer import AttentionLayer, find_attention_layers
 from instability_watch.outputs.console import ConsoleReporter
 from instability_watch.outputs.rundir import RUN_DIR_NAME, RunWriter
@@ -265,17 +263,4 @@ class WatchAdapter:
         finish(self.watch, self.reporter, self.writer, strict=self.config.strict, crashed=crashed)
 
 
-def _checked_init(init):
-    """``WatchAdapter.__init__`` with a misspelt argument named first, with the callback's own name and what it
-    takes (Python's error names this base class); ``functools.wraps`` keeps the signature for ``inspect``."""
-    params = [p for p in inspect.signature(init).parameters if p != "self"]
-
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        unknown_keywords(type(self).__name__, kwargs, params)
-        init(self, *args, **kwargs)
-
-    return __init__
-
-
-WatchAdapter.__init__ = _checked_init(WatchAdapter.__init__)
+WatchAdapter.__init__ = checking_keywords(WatchAdapter.__init__)

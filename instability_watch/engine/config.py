@@ -1,7 +1,6 @@
 """``WatchConfig``: every knob of the watch, validated when it is built."""
 from __future__ import annotations
 
-import functools
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Optional, Tuple
@@ -10,7 +9,7 @@ from instability_watch.detect.kinds import (  # STABILIZABLE: the kinds the stab
     KINDS,
     STABILIZABLE,
 )
-from instability_watch.errors import unknown_keywords
+from instability_watch.errors import checking_keywords
 from instability_watch.kernels.common import DEFAULT_BETA, DEFAULT_EPS, FLOAT32_MAX, MAX_BETA
 
 SWITCH_TO = ("stabilized", "exact_delta")
@@ -201,15 +200,4 @@ class WatchConfig:
         return d
 
 
-def _checked_init(init):
-    """The dataclass's generated ``__init__``, a misspelt field named first with the nearest real one (Python's
-    error names neither); ``functools.wraps`` keeps the fields' signature for ``inspect`` (LightningCLI, IDEs)."""
-    @functools.wraps(init)
-    def __init__(self, *args, **kwargs):
-        unknown_keywords(type(self).__name__, kwargs, (f.name for f in fields(self)))
-        init(self, *args, **kwargs)
-
-    return __init__
-
-
-WatchConfig.__init__ = _checked_init(WatchConfig.__init__)
+WatchConfig.__init__ = checking_keywords(WatchConfig.__init__)

@@ -56,8 +56,8 @@ from instability_watch.errors import WatchError
 from instability_watch.model.families import qk_projections
 from instability_watch.model.layer import Layers, resolve_layers
 from instability_watch.observe.coverage import NOT_APPLIED, LayerCoverage
-from instability_watch.observe.observation import Site, observe
 from instability_watch.observe.mha import MHA_REASONS
+from instability_watch.observe.observation import Site, observe
 from instability_watch.probe.spectral import SpectralNorms
 from instability_watch.ranks import distributed, log_rank_zero
 

@@ -111,8 +111,7 @@ class HeadTable:
     """A compact table of the ``top`` worst heads of the latest read-back.
 
     The state column says ``stabilized@STEP`` (``exact-δ@STEP`` with ``switch_to="exact_delta"``) for a switched
-    head and lists the
-    kinds that alerted. A head's score is the largest of its metrics relative to the median head:
+    head and lists the kinds that alerted. A head's score is the largest of its metrics relative to the median head:
     multi-max frequency, largest logit, ``|sum(delta_lp - delta_hp)|`` so far
     and sigma(W_Q) growth since first observed. Heads with alerts come first.
 
