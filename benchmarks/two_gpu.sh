@@ -3,7 +3,7 @@
 # OUT (default runs/two_gpu). The settings are fixed here, before a run; RESULTS.md quotes them.
 #
 #   bash benchmarks/two_gpu.sh [OUT]          (or detached over a device lease: benchmarks/two_gpu_lease.sh)
-#   IW_PARTS="hf gpt2" bash benchmarks/two_gpu.sh    (these parts, in this order; default: sigma example llama hf gpt2)
+#   IW_PARTS="hf gpt2" bash benchmarks/two_gpu.sh    (these parts, in this order; default: example llama gpt2 hf sigma)
 #
 # gpt2: multi_gpu.py, gpt2-small: ddp, fsdp2, fsdp1; IW_GPT2_ROUNDS (default 1; 5 on 2026-11-27) rounds of an
 #    unwatched and a watched fit (order alternating), 220 steps each, timed from step 20, with each step's duration
@@ -16,7 +16,8 @@
 #    150 steps.
 # sigma: the spectral read on sharded weights, timed: fsdp1_sigma.py (FSDP1: one all-reduce or per-unit gathers) and
 #    sharded_sigma.py (FSDP2: gather W or the Grams), GPT-2 small's shapes, torchrun over the GPUs.
-# llama: multi_gpu.py, llama-1b: ddp, fsdp2, fsdp1; 3 rounds of 60 steps timed from 10; checkpoint at 52.
+# llama: multi_gpu.py, llama-1b: ddp, fsdp2, fsdp1; 2 rounds (3 until 2026-11-28) of 60 steps timed from 10;
+#    checkpoint at 52.
 # Each part has a time limit (IW_PART_S, default 900 s); a part cut short keeps what it wrote (results.json after
 # every case). status.txt gets one line per part.
 set -uo pipefail
@@ -28,7 +29,7 @@ export NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVL
 out=${1:-runs/two_gpu}
 n=${IW_DEVICES:-2}
 part_s=${IW_PART_S:-900}
-parts=${IW_PARTS:-sigma example llama hf gpt2}
+parts=${IW_PARTS:-example llama gpt2 hf sigma}
 for p in $parts; do
     case $p in
         gpt2|hf|example|llama|sigma) ;;
@@ -74,7 +75,7 @@ sigma() {
         --json "$out/sharded_sigma.json"
 }
 llama() {
-    part llama python benchmarks/multi_gpu.py --devices "$n" --models llama-1b --rounds 3 --steps 60 --skip 10 \
+    part llama python benchmarks/multi_gpu.py --devices "$n" --models llama-1b --rounds 2 --steps 60 --skip 10 \
         --ckpt-step 52 --out "$out/llama"
 }
 for p in $parts; do $p; done
