@@ -26,12 +26,101 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(1, str(EXAMPLES))
 
 __all__ = [
-    "DIVERGENCE_JUMP", "ExplosionDetector", "StepTimes", "bench", "block_cost", "command", "device_name",
-    "explosion_step", "header", "init_distributed", "profile_calls", "step_cost", "sync",
-    "warm_gpu", "write_json",
+    "BWD_GRID", "DIVERGENCE_JUMP", "ExplosionDetector", "FWD_GRID", "StepTimes", "WIDE_GRID", "bench", "block_cost",
+    "command", "device_name", "explosion_step", "header", "init_distributed", "keep", "profile_calls", "step_cost",
+    "sweep_launch_configs", "sync", "warm_gpu", "write_json",
 ]
 
 DIVERGENCE_JUMP = 0.2  # nats: the "divergence" mark of reproduce.py's summary (the explosion rule, smaller jump)
+
+
+# ---------------------------------------------------------------------------
+# launch-config sweeps: the grids tried (tile sizes, warps, pipeline stages[, register cap]) and a sweep of one
+# kernel's table entry through any timed call (benchmarks/attention.py on dense calls, varlen_speed.py and
+# flex_switch_speed.py on packed and masked ones)
+
+
+FWD_GRID = [
+    (bm, bn, w, st, maxnreg)
+    for bm, bn in [(64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
+    for w, st in [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4)]
+    for maxnreg in (None, 128)
+]
+BWD_GRID = [
+    (bm, bn, w, st)
+    for bm, bn in [(32, 64), (32, 128), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
+    for w, st in [(4, 2), (4, 3), (8, 2), (8, 3)]
+]
+# D = 256: the tiles above mostly exceed registers or shared memory; narrower ones, fewer stages
+WIDE_GRID = [
+    (bm, bn, w, st)
+    for bm, bn in [(16, 32), (16, 64), (32, 32), (32, 64), (64, 32), (64, 64), (128, 32)]
+    for w, st in [(4, 1), (4, 2), (8, 1), (8, 2)]
+]
+
+
+def keep(cfg, head_dim):
+    """Drop configurations that cannot fit or that the H100 never favours."""
+    bm, bn, w, st = cfg[:4]
+    if head_dim >= 256:
+        return len(cfg) == 4 or not cfg[4]
+    if len(cfg) > 4 and cfg[4] and (head_dim > 64 or w == 8):
+        return False  # the register cap only matters where 4 programs of 4 warps can share an SM
+    if head_dim >= 128 and bm * bn >= 128 * 128 and st > 2:
+        return False  # shared memory: two 128x128 tiles per stage
+    if bm == 64 and bn == 64 and w == 8:
+        return False  # too little work per warp
+    return True
+
+
+def sweep_launch_configs(kernel: str, head_dim: int, timed, *, dtype: torch.dtype = torch.bfloat16,
+                         grid: Optional[Sequence[tuple]] = None, top: int = 5, log=None) -> dict:
+    """Time ``timed()`` (milliseconds) with each configuration of ``grid`` in the launch table's entry of
+    ``kernel`` at ``head_dim``'s tile (for ``"fwd"`` also the watched forward's), the table's own entry first;
+    the table is restored afterwards. A configuration whose call fails (too much shared memory, say) is logged
+    and skipped.
+
+    ``grid`` None: :data:`WIDE_GRID` at a head-dim tile of 256, else :data:`FWD_GRID` (forward) or
+    :data:`BWD_GRID`, less what :func:`keep` drops. Returns ``{"table": [config, ms], "best": [[config, ms],
+    ...]}`` (the ``top`` fastest, configurations as tuples ``(block_m, block_n, num_warps, num_stages,
+    maxnreg)``)."""
+    from instability_watch.kernels import configs
+
+    tile = configs.head_dim_tile(head_dim)
+    cls = configs.FLOAT32 if dtype == torch.float32 else configs.TENSOR_CORES
+    if (kernel, cls) not in configs.LAUNCH_TABLE or tile not in configs.LAUNCH_TABLE[(kernel, cls)]:
+        raise ValueError(f"kernel {kernel!r} has no launch-table entry at head-dim tile {tile} for {dtype}")
+    keys = [(kernel, cls)] + ([("fwd_watched", cls)] if kernel == "fwd" else [])
+    saved = {key: configs.LAUNCH_TABLE[key][tile] for key in keys}
+    if grid is None:
+        if tile >= 256:
+            grid = [c + (None,) for c in WIDE_GRID] if kernel == "fwd" else WIDE_GRID
+        else:
+            grid = FWD_GRID if kernel == "fwd" else BWD_GRID
+        grid = [c for c in grid if keep(c, tile)]
+    table = saved[keys[0]]
+    candidates = [table] + [c for c in map(configs.LaunchConfig.of, grid) if c != table]
+    timings = []
+    try:
+        for cfg in candidates:
+            for key in keys:
+                configs.LAUNCH_TABLE[key][tile] = cfg
+            as_tuple = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+            try:
+                ms = float(timed())
+            except Exception as exc:  # noqa: BLE001 - a configuration that does not fit is skipped, said
+                if log:
+                    log(f"  {kernel} {as_tuple}: {type(exc).__name__}: {str(exc)[:160]}")
+                continue
+            if log:
+                log(f"  {kernel} {as_tuple}: {ms:.3f} ms{'  (the table)' if cfg is table else ''}")
+            timings.append((ms, as_tuple, cfg is table))
+    finally:
+        for key, cfg in saved.items():
+            configs.LAUNCH_TABLE[key][tile] = cfg
+    own = next(([list(c), ms] for ms, c, is_table in timings if is_table), None)
+    best = sorted(timings, key=lambda t: t[0])[:top]
+    return {"table": own, "best": [[list(c), ms] for ms, c, _ in best]}
 
 
 # ---------------------------------------------------------------------------

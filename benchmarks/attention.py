@@ -27,7 +27,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from instability_watch import Probe, flash_attention
 from instability_watch.kernels.attention import triton as ta
 
-from _common import bench, header, warm_gpu, write_json
+from _common import BWD_GRID, FWD_GRID, WIDE_GRID, bench, header, keep, warm_gpu, write_json
 
 SHAPES = {
     "gpt2": dict(B=16, H=12, N=1024, D=64, causal=True),
@@ -167,39 +167,6 @@ def print_table(results):
 
 # ---------------------------------------------------------------------------
 # Launch-config sweeps
-
-
-FWD_GRID = [
-    (bm, bn, w, st, maxnreg)
-    for bm, bn in [(64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
-    for w, st in [(4, 2), (4, 3), (4, 4), (8, 2), (8, 3), (8, 4)]
-    for maxnreg in (None, 128)
-]
-BWD_GRID = [
-    (bm, bn, w, st)
-    for bm, bn in [(32, 64), (32, 128), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
-    for w, st in [(4, 2), (4, 3), (8, 2), (8, 3)]
-]
-# D = 256: the tiles above mostly exceed registers or shared memory; narrower ones, fewer stages
-WIDE_GRID = [
-    (bm, bn, w, st)
-    for bm, bn in [(16, 32), (16, 64), (32, 32), (32, 64), (64, 32), (64, 64), (128, 32)]
-    for w, st in [(4, 1), (4, 2), (8, 1), (8, 2)]
-]
-
-
-def keep(cfg, head_dim):
-    """Drop configurations that cannot fit or that the H100 never favours."""
-    bm, bn, w, st = cfg[:4]
-    if head_dim >= 256:
-        return len(cfg) == 4 or not cfg[4]
-    if len(cfg) > 4 and cfg[4] and (head_dim > 64 or w == 8):
-        return False  # the register cap only matters where 4 programs of 4 warps can share an SM
-    if head_dim >= 128 and bm * bn >= 128 * 128 and st > 2:
-        return False  # shared memory: two 128x128 tiles per stage
-    if bm == 64 and bn == 64 and w == 8:
-        return False  # too little work per warp
-    return True
 
 
 def sweep(kind, shape_names, variant="standard", dropout_p=0.0):

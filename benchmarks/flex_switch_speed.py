@@ -10,6 +10,11 @@ flex / switched (> 1: ours faster).
 
 Run:  python benchmarks/flex_switch_speed.py [--seq 4096] [--batch 4] [--heads 16] [--kv-heads 4]
                                             [--head-dim 128] [--window 1024] [--rounds 5] [--json out.json]
+                                            [--sweep dkdv --sweep dq ...]
+
+``--sweep KERNEL`` (fwd, dkdv or dq; repeatable) then tries the launch-config grid of ``_common`` for that
+kernel on each mask's switched call (fwd: the forward alone; dkdv, dq: forward + backward), the table's own entry
+first, and prints the fastest five of each.
 """
 from __future__ import annotations
 
@@ -18,7 +23,7 @@ import statistics
 
 import torch
 
-from _common import cuda_ms, device_name, profile_calls, write_json
+from _common import cuda_ms, device_name, profile_calls, sweep_launch_configs, write_json
 
 
 def main() -> int:
@@ -36,6 +41,8 @@ def main() -> int:
     ap.add_argument("--profile", metavar="DIR",
                     help="also profile 5 forward + backward calls of each variant (torch.profiler) and write each "
                          "one's kernel table to DIR: where the time goes, ours against FlexAttention's")
+    ap.add_argument("--sweep", action="append", choices=["fwd", "dkdv", "dq"], default=[],
+                    help="also sweep this kernel's launch configs on each mask's switched call (repeatable)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("flex_switch_speed.py needs a CUDA GPU (FlexAttention trains on CUDA only)")
@@ -89,7 +96,7 @@ def main() -> int:
         block = fa.create_block_mask(mask_mods["causal"], None, None, N, N, device=dev)
         watch.step(switched(q, k, v, block).float().mean())
 
-    table, raw = {}, {}
+    table, raw, sweeps = {}, {}, {}
     for mask in args.masks.split(","):
         block = fa.create_block_mask(mask_mods[mask], None, None, N, N, device=dev)
         torch._dynamo.reset()
@@ -114,12 +121,22 @@ def main() -> int:
             for name, fn in variants.items():
                 profile_calls(fn, do, args.profile, f"{mask} {name}")
         table[mask] = {name: {kind: statistics.median(ms) for kind, ms in by.items()} for name, by in results.items()}
+        for kernel in args.sweep:
+            print(f"sweep: {mask} {kernel}", flush=True)
+            if kernel == "fwd":
+                def timed(fn=run_switched(False)):
+                    with torch.no_grad():
+                        return cuda_ms(fn, args.iters)
+            else:
+                def timed(fn=run_switched(False)):
+                    return cuda_ms(fn, args.iters, do)
+            sweeps.setdefault(mask, {})[kernel] = sweep_launch_configs(kernel, D, timed, log=print)
     (cov,) = watch.coverage()
     watch.detach()
     if args.json:
         write_json(args.json, {"device": device_name(dev), "torch": torch.__version__, "documents": lengths,
                                "shape": [B, H, KV, N, D], "window": w, "rounds": raw, "median_ms": table,
-                               "not_applied": cov.not_applied})
+                               "not_applied": cov.not_applied, "sweeps": sweeps})
     print(f"B {B}, N {N}, H {H}/{KV}, D {D}, window {w}, {len(lengths)} documents, {device_name(dev)}")
     if cov.not_applied:
         print(f"NOT APPLIED (the switched rows below are FlexAttention's): {cov.not_applied}")
@@ -129,6 +146,13 @@ def main() -> int:
         for name, t in by.items():
             print(f"{mask:<10} {name:<32} {t['fwd']:8.3f} {t['fwd+bwd']:11.3f} {base['fwd'] / t['fwd']:14.3f} "
                   f"{base['fwd+bwd'] / t['fwd+bwd']:14.3f}")
+    for mask, by in sweeps.items():
+        for kernel, sw in by.items():
+            kind = "fwd" if kernel == "fwd" else "fwd+bwd"
+            ref = table[mask]["flex"][kind]
+            own = f"{sw['table'][1]:.3f} ms" if sw["table"] else "failed"
+            print(f"sweep {mask} {kernel} ({kind}; flex {ref:.3f} ms): the table's {own}; fastest "
+                  + ", ".join(f"{tuple(c[:4])} {ms:.3f} ms ({ref / ms:.2f}x)" for c, ms in sw["best"]))
     return 0
 
 

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Issue 43's GPU checks in one device call: the entry-point GPU tests (and issue 41's check that a compiled switched
 # head loses its bias), then the speed of our kernels over packed documents against varlen_attn and of switched flex
-# calls against compiled FlexAttention (each profiled: a kernel table per variant), and (time allowing) the watch's
-# cost on packed models. Each part has its own time limit; logs and JSON go to $OUT; a short table comes last.
+# calls against compiled FlexAttention (each profiled: a kernel table per variant), (time allowing) the watch's
+# cost on packed models, and a sweep of the backward kernels' launch configs on the packed call (IW_SWEEP_S, default
+# 240 s; 0: none). Each part has its own time limit; logs and JSON go to $OUT; a short table comes last.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
@@ -21,10 +22,15 @@ run varlen_speed 90 python benchmarks/varlen_speed.py --rounds 3 --json "$out/va
 run flex_switch_speed 165 python benchmarks/flex_switch_speed.py --rounds 3 --json "$out/flex_switch_speed.json" --profile "$out/profile"
 run overhead ${IW_OVERHEAD_S:-100} python benchmarks/observer_overhead.py --models ${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen} --rounds 2 \
     --json "$out/overhead.json"
+if [ "${IW_SWEEP_S:-240}" -gt 0 ]; then
+    run varlen_sweep "${IW_SWEEP_S:-240}" python benchmarks/varlen_speed.py --rounds 1 --sweep dkdv --sweep dq \
+        --json "$out/varlen_sweep.json"
+fi
 echo "=== tests"; tail -n 15 "$out/tests.log"
 echo "=== varlen_speed"; grep -h "^profile" "$out/varlen_speed.log"; tail -n 6 "$out/varlen_speed.log" | grep -v "^profile"
 echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"; tail -n 12 "$out/flex_switch_speed.log"
 echo "=== overhead"; tail -n 12 "$out/overhead.log"
+[ -f "$out/varlen_sweep.log" ] && { echo "=== varlen_sweep"; grep -h "^sweep " "$out/varlen_sweep.log"; }
 echo "=== status"; cat "$out/status.txt"
 # the profiles as one file (the device tool brings back a limited number of files)
 if [ -d "$out/profile" ]; then tar -czf "$out/profiles.tgz" -C "$out" profile && rm -rf "$out/profile"; fi

@@ -6,7 +6,11 @@ timed with CUDA events over ``--iters`` calls after a warm-up, in ``--rounds`` i
 the median per variant and the ratio varlen_attn / ours (> 1: ours faster).
 
 Run:  python benchmarks/varlen_speed.py [--tokens 16384] [--heads 16] [--kv-heads 4] [--head-dim 128]
-                                       [--rounds 5] [--json out.json]
+                                       [--rounds 5] [--json out.json] [--sweep dkdv --sweep dq ...]
+
+``--sweep KERNEL`` (fwd, dkdv or dq; repeatable) then tries the launch-config grid of ``_common`` for that
+kernel on this packed call (fwd: the forward alone; dkdv, dq: forward + backward; dkdv both with one program per
+KV head and per query head), the table's own entry first, and prints the fastest five of each.
 """
 from __future__ import annotations
 
@@ -15,7 +19,7 @@ import statistics
 
 import torch
 
-from _common import cuda_ms, device_name, profile_calls, write_json
+from _common import cuda_ms, device_name, profile_calls, sweep_launch_configs, write_json
 
 
 def main() -> int:
@@ -31,6 +35,8 @@ def main() -> int:
     ap.add_argument("--json")
     ap.add_argument("--profile", metavar="DIR",
                     help="also profile 5 forward + backward calls of each variant (torch.profiler) into DIR")
+    ap.add_argument("--sweep", action="append", choices=["fwd", "dkdv", "dq"], default=[],
+                    help="also sweep this kernel's launch configs on the packed call (repeatable)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("varlen_speed.py needs a CUDA GPU (varlen_attn has no CPU kernel)")
@@ -91,15 +97,35 @@ def main() -> int:
     if args.profile:
         for name, fn in variants.items():
             profile_calls(fn, do, args.profile, name)
+    sweeps = {}
+    for kernel in args.sweep:
+        for expand in ((False, True) if kernel == "dkdv" and KV < H else (False,)):
+            name = kernel + (", dK/dV per query head" if expand else "")
+            print(f"sweep: {name}", flush=True)
+            if kernel == "fwd":
+                def timed(fn=ours()):
+                    with torch.no_grad():
+                        return cuda_ms(fn, args.iters)
+            else:
+                def timed(fn=ours(expand=expand)):
+                    return cuda_ms(fn, args.iters, do)
+            sweeps[name] = sweep_launch_configs(kernel, D, timed, log=print)
+        ta.GQA_EXPAND = False
     if args.json:
         write_json(args.json, {"device": device_name(dev), "torch": torch.__version__, "documents": lengths,
-                               "shape": [T, H, KV, D], "rounds": results, "median_ms": table})
+                               "shape": [T, H, KV, D], "rounds": results, "median_ms": table, "sweeps": sweeps})
     print(f"{len(lengths)} documents, {T} tokens, H {H}/{KV}, D {D}, {device_name(dev)}")
     print(f"{'variant':<30} {'fwd ms':>8} {'fwd+bwd ms':>11} {'ratio fwd':>10} {'ratio f+b':>10}")
     base = table["varlen_attn"]
     for name, t in table.items():
         print(f"{name:<30} {t['fwd']:8.3f} {t['fwd+bwd']:11.3f} {base['fwd'] / t['fwd']:10.3f} "
               f"{base['fwd+bwd'] / t['fwd+bwd']:10.3f}")
+    what = {"fwd": "fwd", "dkdv": "fwd+bwd", "dq": "fwd+bwd"}
+    for name, sw in sweeps.items():
+        ref = base[what[name.split(",")[0]]]
+        own = f"{sw['table'][1]:.3f} ms" if sw["table"] else "failed"
+        print(f"sweep {name} ({what[name.split(',')[0]]}; varlen_attn {ref:.3f} ms): the table's {own}; fastest "
+              + ", ".join(f"{tuple(c[:4])} {ms:.3f} ms ({ref / ms:.2f}x)" for c, ms in sw["best"]))
     return 0
 
 

@@ -1,0 +1,66 @@
+"""benchmarks/_common.py's sweep_launch_configs: a kernel's launch-table entry swept through a timed call (the
+varlen and flex speed scripts' ``--sweep``), on a call whose "time" the test derives from the entry it reads."""
+from __future__ import annotations
+
+import importlib
+
+import pytest
+
+from helpers import REPO
+from instability_watch.kernels import configs
+
+TC = configs.TENSOR_CORES
+
+
+@pytest.fixture(scope="module")
+def common():
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(REPO / "benchmarks"))
+        return importlib.import_module("_common")
+
+
+def test_every_config_is_timed_in_the_table_the_fastest_are_returned_and_the_table_is_restored(common):
+    before = {key: dict(entry) for key, entry in configs.LAUNCH_TABLE.items()}
+    seen = []
+
+    def timed():  # "milliseconds": what the dQ kernel's entry at tile 128 says, as a launch would read it
+        cfg = configs.LAUNCH_TABLE[("dq", TC)][128]
+        seen.append(cfg)
+        if cfg.block_n == 32:
+            raise RuntimeError("out of resources: shared memory")
+        return cfg.block_m * 10 + cfg.num_warps + cfg.num_stages / 10
+
+    logged = []
+    out = common.sweep_launch_configs("dq", 100, timed, log=logged.append)  # head dim 100: tile 128
+    grid = [configs.LaunchConfig.of(c) for c in common.BWD_GRID if common.keep(c, 128)]
+    table = before[("dq", TC)][128]
+    assert seen[0] == table  # the table's own entry first
+    assert set(seen) == set(grid) | {table} and len(seen) == len(set(seen))
+    assert out["table"] == [[table.block_m, table.block_n, table.num_warps, table.num_stages, None],
+                            table.block_m * 10 + table.num_warps + table.num_stages / 10]
+    assert out["best"][0] == [[32, 64, 4, 2, None], 324.2]
+    assert [ms for _, ms in out["best"]] == sorted(ms for _, ms in out["best"]) and len(out["best"]) == 5
+    assert all(c[1] != 32 for c, _ in out["best"])  # the configurations that failed are left out, and said
+    assert any("(128, 32, 4, 2, None): RuntimeError: out of resources" in line for line in logged)
+    assert {key: dict(entry) for key, entry in configs.LAUNCH_TABLE.items()} == before
+
+
+def test_a_forward_sweep_sets_the_watched_forward_too_and_a_failing_call_restores_the_table(common):
+    before = {key: dict(entry) for key, entry in configs.LAUNCH_TABLE.items()}
+    pairs = []
+
+    def timed():
+        pairs.append((configs.LAUNCH_TABLE[("fwd", TC)][64], configs.LAUNCH_TABLE[("fwd_watched", TC)][64]))
+        if len(pairs) == 3:
+            raise KeyboardInterrupt  # not a configuration's failure: the sweep stops, the table is restored
+        return 1.0
+
+    with pytest.raises(KeyboardInterrupt):
+        common.sweep_launch_configs("fwd", 64, timed, grid=[(64, 64, 4, 2), (128, 64, 8, 3), (128, 128, 8, 2)])
+    assert all(a == b for a, b in pairs[1:]) and pairs[1][0] == configs.LaunchConfig(64, 64, 4, 2)
+    assert {key: dict(entry) for key, entry in configs.LAUNCH_TABLE.items()} == before
+
+
+def test_a_kernel_without_an_entry_is_named(common):
+    with pytest.raises(ValueError, match="kernel 'dk' has no launch-table entry at head-dim tile 128"):
+        common.sweep_launch_configs("dk", 128, lambda: 1.0)
