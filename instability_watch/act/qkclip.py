@@ -163,12 +163,14 @@ class QKClipper:
 
     # -- the read-back
 
-    def enable(self, layer: int, head: int, step: int, reason: str) -> None:
-        """``"on_alert"``: act on this head from the next probe step on (sticky; an event)."""
+    def enable(self, layer: int, head: int, step: int, reason: str, alert_step: Optional[int] = None) -> None:
+        """``"on_alert"``: act on this head from the first probe step after ``step`` on (sticky; an event);
+        ``alert_step``: the measured step of the alert that called for it."""
         if (layer, head) in self.enabled:
             return
         self.enabled[(layer, head)] = step
-        self.events.append(Event(step, layer, head, "qk_clip_on", reason, self.layer_names[layer]))
+        self.events.append(Event(step, layer, head, "qk_clip_on", reason, self.layer_names[layer],
+                                 alert_step=alert_step))
         if self._mask is not None:  # called inside a read-back (synchronised already)
             self._mask = self._mask_host().to(self._mask.device)
 

@@ -7,7 +7,7 @@ reason). Switches are sticky.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import numpy as np
 
@@ -24,7 +24,7 @@ class Switchboard:
         switch_to: ``"stabilized"`` or ``"exact_delta"`` (``WatchConfig.switch_to``).
 
     Attributes:
-        switched: ``{(layer, head): step}`` of the switched heads.
+        switched: ``{(layer, head): step}`` of the switched heads, each from the step after ``step``.
     """
 
     def __init__(self, observation, events: List[Event], switch_to: str = "stabilized") -> None:
@@ -36,9 +36,11 @@ class Switchboard:
     def __contains__(self, head: Tuple[int, int]) -> bool:
         return head in self.switched
 
-    def switch(self, layer: int, head: int, reason: str, step: int) -> None:
+    def switch(self, layer: int, head: int, reason: str, step: int, alert_step: Optional[int] = None) -> None:
         """Switch one head (sticky; recorded as an event): onto the stabilized kernel, or with
-        ``switch_to="exact_delta"`` its layer onto our kernel with the exact ``delta``.
+        ``switch_to="exact_delta"`` its layer onto our kernel with the exact ``delta``. ``step``: the step at
+        whose end it is decided (the next one runs switched); ``alert_step``: the measured step of the alert that
+        called for it, if any.
 
         Raises:
             ValueError: ``layer`` or ``head`` is out of range.
@@ -53,7 +55,7 @@ class Switchboard:
         self._apply(layer, head)
         self.switched[(layer, head)] = step
         site = sites[layer]
-        self.events.append(Event(step, layer, head, "switch", reason, site.name, self.switch_to))
+        self.events.append(Event(step, layer, head, "switch", reason, site.name, self.switch_to, alert_step))
         for why in site.reasons.get(NOT_APPLIED, []):  # already known for this layer
             self.events.append(Event(step, layer, head, "switch_not_applied", why, site.name))
 

@@ -24,6 +24,7 @@ class Reader:
         self.builder, self.calls, self.detectors = builder, calls, detectors
         self.switchboard, self.clipper, self.layer_names, self.alerts = switchboard, clipper, layer_names, alerts
         self.observation, self.distributed = observation, distributed
+        self.deciding_at = 0  # the step of the current read-back: its actions are in force from the next step
 
     def read(self, step_count: int) -> Tuple[Optional[List[StepMetrics]], List[Alert], List[Clip]]:
         """Read back the steps pending through ``step_count`` (one host sync), run the detectors and act:
@@ -31,6 +32,7 @@ class Reader:
         (nothing pending, or a part failed: then ``alerts`` holds those raised before the failure)."""
         if step_count <= self.ring.read_through:
             return None, [], []
+        self.deciding_at = step_count  # what an alert read now calls for is in force from the next step
         is_dist = self.distributed()
         steps = list(self.ring.pending)
         recorded = "statistics" not in self.faults
@@ -93,9 +95,9 @@ class Reader:
             for layer, head, value, threshold, message in detector.update(m.step, m.values[detector.metric]):
                 act, action = action_for(kind, (layer, head), self.config, self.switchboard.switched)
                 if act == "clip" and self.config.qk_clip == "on_alert":
-                    self.clipper.enable(layer, head, m.step, kind)
+                    self.clipper.enable(layer, head, self.deciding_at, kind, alert_step=m.step)
                 elif act == "switch":
-                    self.switchboard.switch(layer, head, kind, m.step)
+                    self.switchboard.switch(layer, head, kind, self.deciding_at, alert_step=m.step)
                 alert = Alert(m.step, layer, head, kind, value, threshold, message, self.layer_names[layer], action)
                 new.append(alert)
                 log_rank_zero(logging.INFO, "instability_watch: step %d, %s head %d: %s alert: %s [%s]",

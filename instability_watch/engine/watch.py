@@ -82,7 +82,7 @@ class InstabilityWatch:
 
     Args:
         model: the model; its code and its attention calls are not changed.
-        config: a :class:`WatchConfig` (defaults if ``None``).
+        config: a :class:`WatchConfig` (defaults if ``None``), or a dict of its fields.
         layers: which layers to watch: ``None`` for the built-in locators
             (:mod:`~instability_watch.model.families`), or :class:`AttentionLayer`
             descriptions (or a function of the model returning them).
@@ -123,8 +123,11 @@ class InstabilityWatch:
                  listeners: Sequence[Listener] = (), check_step_calls: bool = True) -> None:
         if config is None:
             config = WatchConfig()
+        elif isinstance(config, dict):  # as the callbacks take it
+            config = WatchConfig(**config)
         if not isinstance(config, WatchConfig):
-            raise TypeError(f"config must be an instability_watch.WatchConfig, got {type(config).__name__}")
+            raise TypeError(f"config must be an instability_watch.WatchConfig, a dict of its fields or None, got "
+                            f"{type(config).__name__}")
         if not isinstance(model, nn.Module):
             raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
         self.config, self.model = config, model
@@ -442,7 +445,8 @@ class InstabilityWatch:
 
         The head's layer then runs every call on our kernels (standard for its
         other heads). A call they cannot serve stays on PyTorch's attention, and a
-        ``switch_not_applied`` event says why.
+        ``switch_not_applied`` event says why. ``step``, the event's step, is the last step run
+        (``step_count``) unless given: the switch is in force from the next one.
         """
         if "attach" in self.faults:
             raise WatchError("the watch is not attached (see watch.disabled)")

@@ -168,7 +168,9 @@ def test_on_alert_clips_only_heads_that_raised_logit_growth_from_the_next_probe_
     assert watch.last_clips == []  # enabled from the next probe step on
     assert (0, 2) in watch.clip_enabled
     ev = [e for e in watch.events if e.kind == "qk_clip_on"]
-    assert [(e.step, e.layer, e.head) for e in ev] == [(3, l, h) for (l, h, k) in alerts if k == "logit_growth"]
+    # decided at the read-back of step 3 (every probe step here), which found the alert of step 3
+    assert [(e.step, e.alert_step, e.layer, e.head) for e in ev] == [
+        (3, 3, l, h) for (l, h, k) in alerts if k == "logit_growth"]
     assert watch.alerts[0].action.startswith("QK-clip on")
     probe_step(model, watch, x, "cpu")
     assert {(c.layer, c.head) for c in watch.last_clips} == set(watch.clip_enabled)

@@ -50,6 +50,13 @@ def test_end_to_end_near_ties_alert_switch_and_drift_flattens():
     assert all(a.action == "switched to the stabilized kernel" for a in drift_alerts)
     assert set(watch.switched) == {(0, 0), (0, 1)}
     assert [(e.kind, e.head, e.reason) for e in watch.events] == [("switch", 0, "delta_drift"), ("switch", 1, "delta_drift")]
+    # a switch is decided at the read-back that finds its alert: the event's step is that read-back's (a multiple of
+    # log_every), its alert_step the alert's own; the head runs switched from the next step, not before
+    alert_at = {a.head: a.step for a in drift_alerts}
+    for e in watch.events:
+        assert e.alert_step == alert_at[e.head] and e.step % 5 == 0 and 0 <= e.step - e.alert_step < 5
+        assert watch.switched[(0, e.head)] == e.step
+        assert f"from the next step (delta_drift alert at step {e.alert_step})" in e.sentence()
     switch_step = max(watch.switched.values())
     assert switch_step <= 30
     before = drift[:switch_step, :2]
@@ -64,12 +71,13 @@ def test_end_to_end_near_ties_alert_switch_and_drift_flattens():
     assert (np.abs(cum[-1, :2] - cum[switch_step + 5, :2]) < 0.1 * np.abs(cum[switch_step, :2])).all()
     stab = np.array([m["stabilized"][0] for m in metrics])
     assert (stab[-1] == [1, 1, 0, 0]).all() and (stab[0] == 0).all()
+    for e in watch.events:  # the metrics' column: 0 through the deciding read-back's step, 1 from the next step
+        assert (stab[:e.step, e.head] == 0).all() and (stab[e.step:, e.head] == 1).all()
     assert watch.observation.stabilized() == [[True, True, False, False]]
     # measured from PyTorch's own SDPA until the switch, from our stabilized kernel after it
     (cov,) = watch.coverage()
     assert cov.observed_calls == cov.shadow_calls == 80 and cov.unobserved_calls == {}
-    first_read_back = -(-min(watch.switched.values()) // 5) * 5  # a switch acts from the read-back after its alert
-    assert cov.kernel_calls == 80 - first_read_back
+    assert cov.kernel_calls == 80 - min(watch.switched.values())  # our kernels from the step after the switch
 
 
 def test_switch_to_exact_delta_puts_the_layer_on_the_exact_delta(caplog):
@@ -422,8 +430,14 @@ def test_statistics_failure_leaves_the_users_output(monkeypatch, caplog):
 
 
 def test_engine_argument_errors():
-    with pytest.raises(TypeError, match="config must be an instability_watch.WatchConfig"):
-        InstabilityWatch(_nano(), config={"log_every": 1})
+    with pytest.raises(TypeError, match="config must be an instability_watch.WatchConfig, a dict of its fields or "
+                                        "None, got list"):
+        InstabilityWatch(_nano(), config=[("log_every", 1)])
+    watch = InstabilityWatch(_nano(), config={"log_every": 1, "probe_every": 1})  # a dict, as the callbacks take it
+    assert watch.config == WatchConfig(log_every=1, probe_every=1)
+    watch.detach()
+    with pytest.raises(TypeError, match="did you mean 'probe_every'"):
+        InstabilityWatch(_nano(), config={"probe_evry": 1})
     with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
         InstabilityWatch("model")
     watch = InstabilityWatch(_nano())

@@ -63,7 +63,7 @@ def test_reporter_prints_a_panel_per_alert_and_the_worst_heads_table():
     lines = [ln for ln in table.splitlines() if ln.startswith("tied")]
     assert len(lines) == 3
     assert {ln.split("│")[1].strip() for ln in lines[:2]} == {"0", "1"}
-    assert all("stabilized@27" in ln and "δ-drift" in ln for ln in lines[:2])
+    assert all("stabilized@30" in ln and "δ-drift" in ln for ln in lines[:2])  # decided at the read-back of 30
     assert lines[2].rstrip().endswith("ok")
     assert "1 more heads not shown" in table
 
@@ -76,7 +76,7 @@ def test_live_table_on_a_terminal_and_nested_under_a_progress_bar():
         _run(reporter)
         assert not c._live_stack or c._live_stack[0] is progress.live
     out = _text(c)
-    assert "worst heads at step 30" in out and "stabilized@27" in out
+    assert "worst heads at step 30" in out and "stabilized@30" in out
     assert "instability_watch · step 27 · delta_drift" in out
 
 
@@ -126,4 +126,4 @@ def test_a_switch_to_the_exact_delta_says_so_in_the_panel_and_the_table():
     out = _text(c)
     assert out.count("switched to the exact delta") == 2 and "switched to the stabilized kernel" not in out
     table = out[out.rindex("worst heads at step 30"):]
-    assert table.count("exact-δ@27") == 2 and "stabilized@" not in table
+    assert table.count("exact-δ@30") == 2 and "stabilized@" not in table

@@ -106,7 +106,7 @@ def test_head_summary_alerts_and_switches_on_a_real_run(real_run):
     by_head = summary.set_index("head")
     for head in (0, 1):
         assert by_head.loc[head, "first_delta_drift"] == 27
-        assert by_head.loc[head, "switched_at"] == 27
+        assert by_head.loc[head, "switched_at"] == 30  # decided at the read-back of step 30
         assert by_head.loc[head, "alerts"] == 1
     for head in (2, 3):
         assert by_head.loc[head, "first_delta_drift"] is pd.NA
@@ -338,16 +338,17 @@ def test_plots_mark_events_and_label_the_most_extreme_heads(real_run):
     assert first in (0, 1)
     assert labels == [f"tied h{first} (alert)", f"tied h{1 - first} (alert)", "alert: delta_drift",
                       "switch to stabilized"]
-    # 2 coloured + 2 gray head lines + one alert line and one switch line at step 27
+    # 2 coloured + 2 gray head lines + one alert line (step 27) and one switch line (step 30)
     lines = ax.get_lines()
     assert len(lines) == 6
     gray = [ln for ln in lines if ln.get_color() == report.GRAY]
     assert len(gray) == 2
     marks = [ln for ln in lines if ln.get_label() in ("alert: delta_drift", "switch to stabilized")]
-    assert [ln.get_xdata()[0] for ln in marks] == [27, 27]
+    assert [ln.get_xdata()[0] for ln in marks] == [27, 30]  # the switch decided at the read-back of step 30
     assert [ln.get_linestyle() for ln in marks] == ["-", "--"]
     # the loss panel carries the same marks, and shares the x axis
-    assert sum(1 for ln in ax_loss.get_lines() if list(ln.get_xdata()) == [27, 27]) == 2
+    vertical = [ln.get_xdata() for ln in ax_loss.get_lines()]
+    assert sorted(x[0] for x in vertical if len(x) == 2 and x[0] == x[1]) == [27, 30]
     assert ax.get_shared_x_axes().joined(ax, ax_loss)
 
 
