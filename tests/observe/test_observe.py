@@ -84,6 +84,50 @@ def test_nothing_is_installed_between_probe_steps():
     assert all("forward" not in m.__dict__ for m in modules)
 
 
+def _ops_per_step(watched: bool, steps: int = 7):
+    """The ATen ops each training step dispatches (forward, backward, the optimizer, ``watch.step``), in order."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Ops(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=2, n_head=2, n_embd=32, block_size=16))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    watch = InstabilityWatch(model, WatchConfig(probe_every=3, shadow_every=3, spectral_every=3, log_every=300,
+                                                warmup_steps=2)) if watched else None
+    x = torch.randint(0, 256, (2, 16), generator=torch.Generator().manual_seed(1))
+    per_step = []
+    for _ in range(steps):
+        with Ops() as mode:
+            loss = model(x, x)[1]
+            loss.backward()
+            opt.step()
+            opt.zero_grad()
+            if watch is not None:
+                watch.step(loss)
+        per_step.append(mode.ops)
+    if watch is not None:
+        watch.detach()
+    return per_step
+
+
+def test_steps_between_probe_steps_dispatch_exactly_the_unwatched_ops():
+    """The hot path's promise, on the device's side: a step that is neither a probe, spectral nor read-back step
+    runs the very ops of the unwatched model, no more (so whatever a GPU times there is not the watch's)."""
+    plain, watched = _ops_per_step(False), _ops_per_step(True)
+    for step in (2, 3, 5, 6):  # watch.step(s) arms step s + 1: steps 3 and 6 end by arming a probe step
+        assert watched[step - 1] == plain[step - 1], f"step {step}"
+    for step in (1, 4, 7):  # probe (and spectral, shadow) steps do the watch's work
+        assert len(watched[step - 1]) > len(plain[step - 1]), f"step {step}"
+
+
 def test_float32_qk_under_autocast_are_observed_as_bf16():
     """HF Llama hands float32 q, k to SDPA under autocast; the statistics are those of the BF16 inputs SDPA uses."""
     torch.manual_seed(0)
