@@ -18,8 +18,8 @@ run() {  # name, seconds, command...
     echo "$name rc $? ($((SECONDS - t0)) s)" | tee -a "$out/status.txt"
 }
 run tests 240 python -m pytest -q -p no:cacheprovider tests/observe/test_entry_points_gpu.py tests/observe/test_switch_acts.py tests/callbacks/test_hf_trainer_gpu.py "tests/observe/test_compile.py::test_blocks_compiled_one_by_one_on_gpu_with_inductor" -rs
-run varlen_speed 90 python benchmarks/varlen_speed.py --rounds 3 --json "$out/varlen_speed.json" --profile "$out/profile"
-run flex_switch_speed 165 python benchmarks/flex_switch_speed.py --rounds 3 --json "$out/flex_switch_speed.json" --profile "$out/profile"
+run varlen_speed 130 python benchmarks/varlen_speed.py --rounds 3 --json "$out/varlen_speed.json" --profile "$out/profile"
+run flex_switch_speed 210 python benchmarks/flex_switch_speed.py --rounds 3 --json "$out/flex_switch_speed.json" --profile "$out/profile"
 run overhead ${IW_OVERHEAD_S:-100} python benchmarks/observer_overhead.py --models ${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen} --rounds 2 \
     --json "$out/overhead.json"
 if [ "${IW_SWEEP_S:-240}" -gt 0 ]; then

@@ -70,9 +70,10 @@ def main() -> int:
                                max_len, window_size=(-1, 0))
     import instability_watch.kernels.attention.triton as ta
 
-    def ours(expand: bool = False, **kw):
+    def ours(expand: bool = False, fused=None, **kw):
         def call():
-            ta.GQA_EXPAND = expand  # read by this call's backward (the variants set it each call)
+            ta.GQA_EXPAND = expand  # read by this call's backward (the variants set them each call)
+            ta.FUSED_BACKWARD = fused
             return flash_attention_varlen(q, k, v, cu, causal=True, **kw)
         return call
 
@@ -81,6 +82,8 @@ def main() -> int:
         "ours": ours(),
         "ours, every head stabilized": ours(stabilize=stab),
         "ours, dK/dV per query head": ours(expand=True),  # GQA_EXPAND: off by default until measured
+        "ours, fused backward": ours(fused=True),  # FUSED_BACKWARD: dropout calls only by default
+        "ours, fused, per query head": ours(expand=True, fused=True),
     }
 
     results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}
@@ -110,7 +113,7 @@ def main() -> int:
                 def timed(fn=ours(expand=expand)):
                     return cuda_ms(fn, args.iters, do)
             sweeps[name] = sweep_launch_configs(kernel, D, timed, log=print)
-        ta.GQA_EXPAND = False
+        ta.GQA_EXPAND, ta.FUSED_BACKWARD = False, None
     if args.json:
         write_json(args.json, {"device": device_name(dev), "torch": torch.__version__, "documents": lengths,
                                "shape": [T, H, KV, D], "rounds": results, "median_ms": table, "sweeps": sweeps})

@@ -216,3 +216,27 @@ def test_the_exact_delta_over_documents_and_with_the_log_sum_exp():
         sums.append(probe.delta_err_sum.clone())
     assert sums[0].abs().max() > 0
     torch.testing.assert_close(sums[1], sums[0], rtol=1e-3, atol=1e-6)
+
+
+@pytest.mark.parametrize("window", [(-1, 0), (9, 0), (-1, -1)])
+def test_the_fused_backward_over_documents_equals_the_two_kernels(window, monkeypatch):
+    """``FUSED_BACKWARD`` (the benchmarks' variant: one dK/dV kernel adding dQ by atomics) on packed calls: the
+    gradients of the two-kernel backward up to the order of float32 sums, the output bit for bit; the fused
+    kernel is what ran."""
+    import instability_watch.kernels.attention.triton as ta
+
+    q, k, v, do = _inputs(("fused", window), dtype=torch.float32)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    fused_launches = []
+    launch = ta.launch_dkdv
+    monkeypatch.setattr(ta, "launch_dkdv", lambda grid, t, s, meta: fused_launches.append(meta["FUSED_DQ"])
+                        or launch(grid, t, s, meta))
+    outs = {}
+    for fused in (False, True):
+        monkeypatch.setattr(ta, "FUSED_BACKWARD", fused)
+        outs[fused] = _fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu, window=window, backend="triton"),
+                               q, k, v, do)
+    assert fused_launches == [False, True]
+    assert torch.equal(outs[False][0], outs[True][0])
+    for two, one in zip(outs[False][1:], outs[True][1:]):
+        assert one.abs().max() > 0 and max_err(one, two) <= 1e-5 * two.abs().max()

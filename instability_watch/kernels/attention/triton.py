@@ -63,6 +63,11 @@ TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track t
 # The dK/dV kernel's grouped-query mode (attention_backward_lse2's ``gqa_expand``): off until measured on the GPU
 # (benchmarks/varlen_speed.py and flex_switch_speed.py time it as a variant).
 GQA_EXPAND = False
+# The fused backward (one dK/dV kernel adding dQ by atomics) where ``fused=None`` leaves the choice: None takes the
+# rule (calls with dropout at D <= 128); True or False, every call that can (not shadow steps, a mask's gradient or
+# deterministic algorithms). For the benchmarks' variants: measured faster on dense calls with dropout only, not yet
+# on packed or masked calls (benchmarks/varlen_speed.py and flex_switch_speed.py time it).
+FUSED_BACKWARD: Optional[bool] = None
 
 
 class _MaskArgs:
@@ -453,8 +458,8 @@ def attention_backward_lse2(
             delta.sub_(dlse)
     shadow = shadow and counts is not None
     if fused is None:
-        fused = (seed is not None and head_dim <= 128
-                 and not (shadow or mask_grad or torch.are_deterministic_algorithms_enabled()))
+        fused = (seed is not None and head_dim <= 128 if FUSED_BACKWARD is None else FUSED_BACKWARD) and not (
+            shadow or mask_grad or torch.are_deterministic_algorithms_enabled())
     elif fused and (shadow or mask_grad):
         raise ValueError("fused=True: the fused backward computes neither the shadow statistics nor a mask's gradient")
     if fused and gluon:
