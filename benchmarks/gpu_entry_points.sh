@@ -1,13 +1,26 @@
 #!/usr/bin/env bash
-# Issue 43's GPU checks in one device call: the entry-point GPU tests (and issue 41's check that a compiled switched
-# head loses its bias), then the speed of our kernels over packed documents against varlen_attn and of switched flex
-# calls against compiled FlexAttention (each profiled: a kernel table per variant), (time allowing) the watch's
-# cost on packed models, and a sweep of the backward kernels' launch configs on the packed call (IW_SWEEP_S, default
-# 240 s; 0: none). Each part has its own time limit; logs and JSON go to $OUT; a short table comes last.
+# Issue 43's GPU checks: the entry-point GPU tests (and issue 41's check that a compiled switched head loses its
+# bias), the speed of our kernels over packed documents against varlen_attn and of switched flex calls against
+# compiled FlexAttention (each profiled: a kernel table per variant), the watch's cost on packed models, and a sweep
+# of the backward kernels' launch configs on the packed call. Each part has its own time limit; logs and JSON go to
+# $OUT; a short table of the parts run comes last. All parts take about 15 minutes, more than one device call
+# (10): run them in two calls on one warm machine,
+#
+#   IW_EP_PARTS="tests varlen flex" bash benchmarks/gpu_entry_points.sh      (about 9.5 minutes at most)
+#   IW_EP_PARTS="overhead sweep" bash benchmarks/gpu_entry_points.sh         (about 6 minutes at most)
+#
+# (default: all five, in this order; IW_SWEEP_S and IW_OVERHEAD_S change those parts' limits).
 set -uo pipefail
 cd "$(dirname "$0")/.."
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 out=${OUT:-/tmp/gpu_entry_points}
+parts=${IW_EP_PARTS:-tests varlen flex overhead sweep}
+for p in $parts; do
+    case $p in
+        tests|varlen|flex|overhead|sweep) ;;
+        *) echo "gpu_entry_points.sh: IW_EP_PARTS takes tests, varlen, flex, overhead and sweep, got '$p'" >&2; exit 2 ;;
+    esac
+done
 mkdir -p "$out"
 nvidia-smi --query-gpu=name --format=csv,noheader | head -1
 python -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"
@@ -17,19 +30,27 @@ run() {  # name, seconds, command...
     timeout "$secs" "$@" > "$out/$name.log" 2>&1
     echo "$name rc $? ($((SECONDS - t0)) s)" | tee -a "$out/status.txt"
 }
-run tests 240 python -m pytest -q -p no:cacheprovider tests/observe/test_entry_points_gpu.py tests/observe/test_switch_acts.py tests/callbacks/test_hf_trainer_gpu.py "tests/observe/test_compile.py::test_blocks_compiled_one_by_one_on_gpu_with_inductor" -rs
-run varlen_speed 130 python benchmarks/varlen_speed.py --rounds 3 --json "$out/varlen_speed.json" --profile "$out/profile"
-run flex_switch_speed 210 python benchmarks/flex_switch_speed.py --rounds 3 --json "$out/flex_switch_speed.json" --profile "$out/profile"
-run overhead ${IW_OVERHEAD_S:-100} python benchmarks/observer_overhead.py --models ${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen} --rounds 2 \
-    --json "$out/overhead.json"
-if [ "${IW_SWEEP_S:-240}" -gt 0 ]; then
-    run varlen_sweep "${IW_SWEEP_S:-240}" python benchmarks/varlen_speed.py --rounds 1 --sweep dkdv --sweep dq \
-        --json "$out/varlen_sweep.json"
-fi
-echo "=== tests"; tail -n 15 "$out/tests.log"
-echo "=== varlen_speed"; grep -h "^profile" "$out/varlen_speed.log"; tail -n 6 "$out/varlen_speed.log" | grep -v "^profile"
-echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"; tail -n 12 "$out/flex_switch_speed.log"
-echo "=== overhead"; tail -n 12 "$out/overhead.log"
+for p in $parts; do
+    case $p in
+        tests) run tests 240 python -m pytest -q -p no:cacheprovider tests/observe/test_entry_points_gpu.py \
+                   tests/observe/test_switch_acts.py tests/callbacks/test_hf_trainer_gpu.py \
+                   "tests/observe/test_compile.py::test_blocks_compiled_one_by_one_on_gpu_with_inductor" -rs ;;
+        varlen) run varlen_speed 130 python benchmarks/varlen_speed.py --rounds 3 --json "$out/varlen_speed.json" \
+                    --profile "$out/profile" ;;
+        flex) run flex_switch_speed 210 python benchmarks/flex_switch_speed.py --rounds 3 \
+                  --json "$out/flex_switch_speed.json" --profile "$out/profile" ;;
+        overhead) run overhead "${IW_OVERHEAD_S:-100}" python benchmarks/observer_overhead.py \
+                      --models "${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen}" --rounds 2 --json "$out/overhead.json" ;;
+        sweep) run varlen_sweep "${IW_SWEEP_S:-240}" python benchmarks/varlen_speed.py --rounds 1 --sweep dkdv \
+                   --sweep dq --json "$out/varlen_sweep.json" ;;
+    esac
+done
+[ -f "$out/tests.log" ] && { echo "=== tests"; tail -n 15 "$out/tests.log"; }
+[ -f "$out/varlen_speed.log" ] && { echo "=== varlen_speed"; grep -h "^profile" "$out/varlen_speed.log"
+    tail -n 8 "$out/varlen_speed.log" | grep -v "^profile"; }
+[ -f "$out/flex_switch_speed.log" ] && { echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"
+    tail -n 16 "$out/flex_switch_speed.log"; }
+[ -f "$out/overhead.log" ] && { echo "=== overhead"; tail -n 12 "$out/overhead.log"; }
 [ -f "$out/varlen_sweep.log" ] && { echo "=== varlen_sweep"; grep -h "^sweep " "$out/varlen_sweep.log"; }
 echo "=== status"; cat "$out/status.txt"
 # the profiles as one file (the device tool brings back a limited number of files)
