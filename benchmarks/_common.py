@@ -75,52 +75,58 @@ def keep(cfg, head_dim):
 
 def sweep_launch_configs(kernel: str, head_dim: int, timed, *, dtype: torch.dtype = torch.bfloat16,
                          grid: Optional[Sequence[tuple]] = None, top: int = 5, log=None) -> dict:
-    """Time ``timed()`` (milliseconds) with each configuration of ``grid`` in the launch table's entry of
-    ``kernel`` at ``head_dim``'s tile (for ``"fwd"`` also the watched forward's), the table's own entry first;
-    the table is restored afterwards. A configuration whose call fails (too much shared memory, say) is logged
-    and skipped.
+    """Time ``timed()`` (milliseconds) as the launch table stands, then with each configuration of ``grid`` in
+    the table's entry of ``kernel`` at ``head_dim``'s tile (for ``"fwd"`` the plain and the watched forward's
+    entries both: a call runs one of them); the table is restored afterwards. A configuration whose call fails
+    (too much shared memory, say) is logged and skipped.
 
-    ``grid`` None: :data:`WIDE_GRID` at a head-dim tile of 256, else :data:`FWD_GRID` (forward) or
-    :data:`BWD_GRID`, less what :func:`keep` drops. Returns ``{"table": [config, ms], "best": [[config, ms],
-    ...]}`` (the ``top`` fastest, configurations as tuples ``(block_m, block_n, num_warps, num_stages,
-    maxnreg)``)."""
+    ``grid`` None: :data:`FWD_GRID` (forward) or :data:`BWD_GRID`, less what :func:`keep` drops. Returns
+    ``{"table": [entry, ms], "best": [[config, ms], ...]}``: the table's timing (``entry`` its config, for
+    ``"fwd"`` a dict of both entries' configs) and the ``top`` fastest of the grid's, configurations as tuples
+    ``(block_m, block_n, num_warps, num_stages, maxnreg)``. At a head-dim tile of 256 the backward runs the Gluon
+    kernels or the split dK/dV passes, which this entry does not reach: a ``ValueError`` (sweep those with
+    ``benchmarks/attention.py --shapes d256``, which passes overrides)."""
     from instability_watch.kernels import configs
 
     tile = configs.head_dim_tile(head_dim)
     cls = configs.FLOAT32 if dtype == torch.float32 else configs.TENSOR_CORES
     if (kernel, cls) not in configs.LAUNCH_TABLE or tile not in configs.LAUNCH_TABLE[(kernel, cls)]:
         raise ValueError(f"kernel {kernel!r} has no launch-table entry at head-dim tile {tile} for {dtype}")
+    if tile >= 256:
+        raise ValueError(f"head-dim tile {tile}: the calls there run the Gluon kernels or the split dK/dV passes, "
+                         f"which the table's {kernel!r} entry does not reach; sweep with benchmarks/attention.py "
+                         "--shapes d256")
     keys = [(kernel, cls)] + ([("fwd_watched", cls)] if kernel == "fwd" else [])
     saved = {key: configs.LAUNCH_TABLE[key][tile] for key in keys}
     if grid is None:
-        if tile >= 256:
-            grid = [c + (None,) for c in WIDE_GRID] if kernel == "fwd" else WIDE_GRID
-        else:
-            grid = FWD_GRID if kernel == "fwd" else BWD_GRID
-        grid = [c for c in grid if keep(c, tile)]
-    table = saved[keys[0]]
-    candidates = [table] + [c for c in map(configs.LaunchConfig.of, grid) if c != table]
+        grid = [c for c in (FWD_GRID if kernel == "fwd" else BWD_GRID) if keep(c, tile)]
+
+    def as_tuple(cfg):
+        return (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.maxnreg)
+
+    entry = {k: list(as_tuple(c)) for (k, _), c in saved.items()} if len(keys) > 1 else list(as_tuple(saved[keys[0]]))
+    own = [entry, float(timed())]  # the table as it stands (a failure here is the call's own: raised)
+    if log:
+        log(f"  {kernel} the table {entry}: {own[1]:.3f} ms")
     timings = []
     try:
-        for cfg in candidates:
+        for cfg in map(configs.LaunchConfig.of, grid):
             for key in keys:
                 configs.LAUNCH_TABLE[key][tile] = cfg
-            as_tuple = (cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.maxnreg)
             try:
                 ms = float(timed())
             except Exception as exc:  # noqa: BLE001 - a configuration that does not fit is skipped, said
                 if log:
-                    log(f"  {kernel} {as_tuple}: {type(exc).__name__}: {str(exc)[:160]}")
+                    log(f"  {kernel} {as_tuple(cfg)}: {type(exc).__name__}: {str(exc)[:160]}")
                 continue
             if log:
-                log(f"  {kernel} {as_tuple}: {ms:.3f} ms{'  (the table)' if cfg is table else ''}")
-            timings.append((ms, as_tuple, cfg is table))
+                log(f"  {kernel} {as_tuple(cfg)}: {ms:.3f} ms")
+            timings.append((ms, as_tuple(cfg)))
     finally:
         for key, cfg in saved.items():
             configs.LAUNCH_TABLE[key][tile] = cfg
-    own = next(([list(c), ms] for ms, c, is_table in timings if is_table), None)
     best = sorted(timings, key=lambda t: t[0])[:top]
-    return {"table": own, "best": [[list(c), ms] for ms, c, _ in best]}
+    return {"table": own, "best": [[list(c), ms] for ms, c in best]}
 
 
 # ---------------------------------------------------------------------------

@@ -148,6 +148,15 @@ def actions(a: Arm) -> Tuple[pd.DataFrame, pd.DataFrame]:
     ev = a.events
     sw = ev[(ev["event"] == "switch") & (ev["kind"] != "stabilized arm")].sort_values("step").copy()
     sw["name"] = [head(l, h) for l, h in zip(sw["layer"], sw["head"])]
+    # the alert that called for it: the head's last alert of that kind at or before the switch's step (run
+    # directories written since 2026-11-28 date a switch at its deciding read-back, earlier ones at the alert)
+    al = ev[ev["event"] == "alert"]
+
+    def alert_step(layer, h, kind, step) -> int:
+        before = al[(al["layer"] == layer) & (al["head"] == h) & (al["kind"] == kind) & (al["step"] <= step)]
+        return int(before["step"].max()) if len(before) else int(step)
+
+    sw["alert"] = [alert_step(*row) for row in zip(sw["layer"], sw["head"], sw["kind"], sw["step"])]
     on = a.metrics[a.metrics["stabilized"] > 0].groupby(["layer", "head"])["step"].min()  # first probe on it
     sw["on"] = pd.array([on.get((l, h)) for l, h in zip(sw["layer"], sw["head"])], dtype="Int64")
     clip = ev[ev["event"] == "qk_clip"].copy()
@@ -330,7 +339,7 @@ def arm_markdown(a: Arm) -> str:
         target = "the exact δ (the head's layer on our kernel, δ from a float32 O)" if exact else \
             "the stabilized kernel"
         out.append(f"\nSwitched to {target} ({len(sw)}; alert step, kind, first probe step on it): "
-                   + ", ".join(f"{r.name} {r.step:,} ({r.kind}, {fmt(r.on)})" for r in sw.itertuples()) + ".\n")
+                   + ", ".join(f"{r.name} {r.alert:,} ({r.kind}, {fmt(r.on)})" for r in sw.itertuples()) + ".\n")
     else:
         out.append("\nSwitched: none.\n")
     if n := int(((a.events["event"] == "switch") & (a.events["kind"] == "stabilized arm")).sum()):
@@ -361,9 +370,9 @@ def timing_markdown(a: Arm, t: dict, sw: pd.DataFrame) -> str:
     if len(sw):
         rows = []
         for r in sw.itertuples():  # an alert's switch takes effect after its read-back (every log_every steps)
-            applied = -(-int(r.step) // every) * every
+            applied = -(-int(r.alert) // every) * every
             iv = df[(df["from"] <= applied) & (applied < df["to"])]
-            rows.append([r.name, f"{r.step:,}", f"{applied:,}"] + (
+            rows.append([r.name, f"{r.alert:,}", f"{applied:,}"] + (
                 [f"{int(iv['from'].iloc[0]):,}–{int(iv['to'].iloc[0]):,}", f"{iv['seconds'].iloc[0]:.1f}",
                  f"{iv['excess'].iloc[0]:+.1f}"] if len(iv) else ["–", "–", "–"]))
         s.append(f"\nSwitches and the interval in which each took effect (after the read-back of step ⌈alert/"

@@ -6,7 +6,8 @@ from typing import Tuple
 REPORTED = "reported"
 # the alert's action text, by WatchConfig.switch_to
 SWITCHED = {"stabilized": "switched to the stabilized kernel", "exact_delta": "switched to the exact delta"}
-ALREADY = {"stabilized": "already on the stabilized kernel", "exact_delta": "already on the exact delta"}
+ALREADY = {"stabilized": "already switched to the stabilized kernel",
+           "exact_delta": "already switched to the exact delta"}
 
 
 def action_for(kind: str, head: Tuple[int, int], config, switched) -> Tuple[str, str]:

@@ -48,8 +48,9 @@ def save(watch) -> dict:
         "calls": [dict(c) for c in watch.calls.per_layer],
         "coverage_checked": watch.coverage_checked,
         "alerts": [a.to_dict() for a in watch.alerts],
-        # without a switch's target: the state's format stays as it was; restored from "switch_to" (parse)
-        "events": [{k: v for k, v in e.to_dict().items() if k != "to"} for e in watch.events],
+        # without a switch's target (restored from "switch_to" in parse) and its alert's step (in the run directory's
+        # message; None when restored): the state's format stays as it was, so an earlier version can load it
+        "events": [{k: v for k, v in e.to_dict().items() if k not in ("to", "alert_step")} for e in watch.events],
         "qk_clip": {"enabled": [[l, h, s] for (l, h), s in sorted(clipper.enabled.items())],
                     "counts": clipper.counts.tolist() if watch.head_counts else []},
     }

@@ -135,6 +135,26 @@ def test_numbers_tables_and_figures(report, bundle, tmp_path, capsys):
         assert png.exists() and png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 
+def test_switches_dated_at_their_deciding_read_back_are_reported_at_their_alerts(report, tmp_path):
+    """Run directories written since 2026-11-28 date a switch at the read-back that decided it (every log_every =
+    10 steps here), not at its alert: the report still names each switch by its alert's step and the read-back
+    after which it took effect, as for the older runs."""
+    run = tmp_path / "d" / "tiny-switch"
+    make_run(run)
+    events = run / "run" / "events.csv"
+    text = events.read_text()
+    for alert, decided in (("51", "60"), ("41", "50"), ("111", "120")):
+        text = text.replace(f"{alert},", f"{decided},", 2).replace(f"{decided},", f"{alert},", 1)
+    assert "60,0,h.0.attn,0,switch" in text and "51,0,h.0.attn,0,alert" in text
+    events.write_text(text)
+    (tmp_path / "d" / "train.log").write_text(LOG)
+    md = tmp_path / "t.md"
+    assert report.main([str(tmp_path / "d"), "--out", str(tmp_path / "figs"), "--markdown", str(md)]) == 0
+    out = md.read_text()
+    assert "L0H1 41 (multi_max, –), L0H0 51 (delta_drift, 61), L1H1 111 (spectral_growth, –)." in out
+    assert "| L0H0 | 51 | 60 | 60–80 | 20.0 | +14.0 |" in out
+
+
 @pytest.mark.parametrize("status", ["running", "none"])
 def test_a_run_cut_off_is_marked_and_timed_from_what_it_left(report, tmp_path, status):
     """A run cut off before it stopped: its last status.json written while running ("stopped": null), or none at all

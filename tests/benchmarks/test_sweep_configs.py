@@ -34,14 +34,34 @@ def test_every_config_is_timed_in_the_table_the_fastest_are_returned_and_the_tab
     out = common.sweep_launch_configs("dq", 100, timed, log=logged.append)  # head dim 100: tile 128
     grid = [configs.LaunchConfig.of(c) for c in common.BWD_GRID if common.keep(c, 128)]
     table = before[("dq", TC)][128]
-    assert seen[0] == table  # the table's own entry first
-    assert set(seen) == set(grid) | {table} and len(seen) == len(set(seen))
+    assert seen == [table] + grid  # the table as it stands first, then the grid in order
     assert out["table"] == [[table.block_m, table.block_n, table.num_warps, table.num_stages, None],
                             table.block_m * 10 + table.num_warps + table.num_stages / 10]
     assert out["best"][0] == [[32, 64, 4, 2, None], 324.2]
     assert [ms for _, ms in out["best"]] == sorted(ms for _, ms in out["best"]) and len(out["best"]) == 5
     assert all(c[1] != 32 for c, _ in out["best"])  # the configurations that failed are left out, and said
     assert any("(128, 32, 4, 2, None): RuntimeError: out of resources" in line for line in logged)
+    assert {key: dict(entry) for key, entry in configs.LAUNCH_TABLE.items()} == before
+
+
+def test_a_forward_sweep_times_the_table_as_it_stands_then_sets_both_forward_entries(common):
+    """At tile 128 the plain and the watched forward have different entries: the first timing runs each as it is
+    (a switched head's call runs the watched one), and "table" names both."""
+    before = {key: dict(entry) for key, entry in configs.LAUNCH_TABLE.items()}
+    plain, watched = before[("fwd", TC)][128], before[("fwd_watched", TC)][128]
+    assert plain != watched
+    pairs = []
+
+    def timed():
+        pairs.append((configs.LAUNCH_TABLE[("fwd", TC)][128], configs.LAUNCH_TABLE[("fwd_watched", TC)][128]))
+        return float(len(pairs))
+
+    grid = [(64, 64, 4, 2), (128, 32, 8, 3)]
+    out = common.sweep_launch_configs("fwd", 128, timed, grid=grid)
+    assert pairs == [(plain, watched)] + [(configs.LaunchConfig.of(c),) * 2 for c in grid]
+    as_list = (lambda c: [c.block_m, c.block_n, c.num_warps, c.num_stages, c.maxnreg])
+    assert out["table"] == [{"fwd": as_list(plain), "fwd_watched": as_list(watched)}, 1.0]
+    assert out["best"] == [[[64, 64, 4, 2, None], 2.0], [[128, 32, 8, 3, None], 3.0]]
     assert {key: dict(entry) for key, entry in configs.LAUNCH_TABLE.items()} == before
 
 
@@ -61,6 +81,8 @@ def test_a_forward_sweep_sets_the_watched_forward_too_and_a_failing_call_restore
     assert {key: dict(entry) for key, entry in configs.LAUNCH_TABLE.items()} == before
 
 
-def test_a_kernel_without_an_entry_is_named(common):
+def test_a_kernel_without_an_entry_and_the_tile_the_entries_do_not_reach_are_named(common):
     with pytest.raises(ValueError, match="kernel 'dk' has no launch-table entry at head-dim tile 128"):
         common.sweep_launch_configs("dk", 128, lambda: 1.0)
+    with pytest.raises(ValueError, match="head-dim tile 256: the calls there run the Gluon kernels"):
+        common.sweep_launch_configs("dkdv", 200, lambda: 1.0)
