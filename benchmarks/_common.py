@@ -27,8 +27,8 @@ if str(EXAMPLES) not in sys.path:
 
 __all__ = [
     "BWD_GRID", "DIVERGENCE_JUMP", "ExplosionDetector", "FWD_GRID", "StepTimes", "WIDE_GRID", "bench", "block_cost",
-    "command", "device_name", "explosion_step", "header", "init_distributed", "keep", "profile_calls", "step_cost",
-    "sweep_launch_configs", "sync", "warm_gpu", "write_json",
+    "command", "device_name", "explosion_step", "header", "init_distributed", "keep", "kernel_resources",
+    "print_kernel_resources", "profile_calls", "step_cost", "sweep_launch_configs", "sync", "warm_gpu", "write_json",
 ]
 
 DIVERGENCE_JUMP = 0.2  # nats: the "divergence" mark of reproduce.py's summary (the explosion rule, smaller jump)
@@ -127,6 +127,52 @@ def sweep_launch_configs(kernel: str, head_dim: int, timed, *, dtype: torch.dtyp
             configs.LAUNCH_TABLE[key][tile] = cfg
     best = sorted(timings, key=lambda t: t[0])[:top]
     return {"table": own, "best": [[list(c), ms] for ms, c in best]}
+
+
+def kernel_resources(*kernels) -> list:
+    """Registers, spills, shared memory and warps of every variant of these Triton kernels compiled so far in
+    this process, one dict each: ``kernel``, ``constexprs`` (name -> value, the variant's), ``regs``,
+    ``spills``, ``shared``, ``num_warps``, ``num_stages``. (A spill in an attention loop costs more than any
+    tile choice: this is what a slow variant is checked for first.) Empty under Triton's interpreter."""
+    import re
+
+    out = []
+    for k in kernels:
+        fn = k
+        while fn is not None and not hasattr(fn, "device_caches"):
+            fn = getattr(fn, "fn", None)
+        if fn is None:
+            continue
+        names = [p.name for p in fn.params if p.is_constexpr]
+        for caches in list(fn.device_caches.values()):
+            for key, compiled in list(caches[0].items()):
+                try:
+                    compiled._init_handles()  # n_regs and n_spills are read when the binary is loaded
+                except Exception:  # noqa: BLE001 - a variant that cannot load is reported without them
+                    pass
+                values = re.findall(r"\('constexpr', ([^)]*)\)", str(key))
+                meta = getattr(compiled, "metadata", None)
+                out.append({
+                    "kernel": getattr(fn, "__name__", str(fn)),
+                    "constexprs": dict(zip(names, values)) if len(values) == len(names) else values,
+                    "regs": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
+                    "shared": getattr(meta, "shared", None), "num_warps": getattr(meta, "num_warps", None),
+                    "num_stages": getattr(meta, "num_stages", None),
+                })
+    return out
+
+
+def print_kernel_resources(rows: list, keys: Sequence[str] = ("CAUSAL", "MASK_KIND", "WHOLE_TILES", "HEAD_DIM",
+                                                              "BLOCK_M", "BLOCK_N", "EVEN_M", "EVEN_N",
+                                                              "FUSED_DQ", "PART", "SHADOW", "HAS_STAB",
+                                                              "HAS_PROBE")) -> None:
+    """One line per compiled variant (:func:`kernel_resources`), its main constexprs first."""
+    for r in rows:
+        c = r["constexprs"]
+        shown = " ".join(f"{k}={c[k]}" for k in keys if isinstance(c, dict) and k in c) if isinstance(c, dict) \
+            else str(c)[:120]
+        print(f"resources {r['kernel']}: {shown} warps={r['num_warps']} stages={r['num_stages']} "
+              f"regs={r['regs']} spills={r['spills']} shared={r['shared']}")
 
 
 # ---------------------------------------------------------------------------

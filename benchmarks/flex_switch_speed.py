@@ -23,7 +23,8 @@ import statistics
 
 import torch
 
-from _common import cuda_ms, device_name, profile_calls, sweep_launch_configs, write_json
+from _common import (cuda_ms, device_name, kernel_resources, print_kernel_resources, profile_calls,
+                     sweep_launch_configs, write_json)
 
 
 def main() -> int:
@@ -133,12 +134,14 @@ def main() -> int:
                 def timed(fn=run_switched(False)):
                     return cuda_ms(fn, args.iters, do)
             sweeps.setdefault(mask, {})[kernel] = sweep_launch_configs(kernel, D, timed, log=print)
+    resources = kernel_resources(ta.attn_fwd, ta.attn_bwd_dq, ta.attn_bwd_dkdv)
+    print_kernel_resources(resources)
     (cov,) = watch.coverage()
     watch.detach()
     if args.json:
         write_json(args.json, {"device": device_name(dev), "torch": torch.__version__, "documents": lengths,
                                "shape": [B, H, KV, N, D], "window": w, "rounds": raw, "median_ms": table,
-                               "not_applied": cov.not_applied, "sweeps": sweeps})
+                               "not_applied": cov.not_applied, "sweeps": sweeps, "resources": resources})
     print(f"B {B}, N {N}, H {H}/{KV}, D {D}, window {w}, {len(lengths)} documents, {device_name(dev)}")
     if cov.not_applied:
         print(f"NOT APPLIED (the switched rows below are FlexAttention's): {cov.not_applied}")

@@ -47,9 +47,10 @@ for p in $parts; do
 done
 [ -f "$out/tests.log" ] && { echo "=== tests"; tail -n 15 "$out/tests.log"; }
 [ -f "$out/varlen_speed.log" ] && { echo "=== varlen_speed"; grep -h "^profile" "$out/varlen_speed.log"
-    tail -n 8 "$out/varlen_speed.log" | grep -v "^profile"; }
+    grep -v "^profile\|^resources" "$out/varlen_speed.log" | tail -n 8; grep -h "^resources" "$out/varlen_speed.log"; }
 [ -f "$out/flex_switch_speed.log" ] && { echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"
-    tail -n 16 "$out/flex_switch_speed.log"; }
+    grep -v "^profile\|^resources" "$out/flex_switch_speed.log" | tail -n 16
+    grep -h "^resources" "$out/flex_switch_speed.log" | grep -v "spills=0 " | head -n 20; }
 [ -f "$out/overhead.log" ] && { echo "=== overhead"; tail -n 12 "$out/overhead.log"; }
 [ -f "$out/varlen_sweep.log" ] && { echo "=== varlen_sweep"; grep -h "^sweep " "$out/varlen_sweep.log"; }
 echo "=== status"; cat "$out/status.txt"

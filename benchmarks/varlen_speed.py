@@ -19,7 +19,8 @@ import statistics
 
 import torch
 
-from _common import cuda_ms, device_name, profile_calls, sweep_launch_configs, write_json
+from _common import (cuda_ms, device_name, kernel_resources, print_kernel_resources, profile_calls,
+                     sweep_launch_configs, write_json)
 
 
 def main() -> int:
@@ -114,9 +115,12 @@ def main() -> int:
                     return cuda_ms(fn, args.iters, do)
             sweeps[name] = sweep_launch_configs(kernel, D, timed, log=print)
         ta.GQA_EXPAND, ta.FUSED_BACKWARD = False, None
+    resources = kernel_resources(ta.attn_fwd, ta.attn_bwd_dq, ta.attn_bwd_dkdv)
     if args.json:
         write_json(args.json, {"device": device_name(dev), "torch": torch.__version__, "documents": lengths,
-                               "shape": [T, H, KV, D], "rounds": results, "median_ms": table, "sweeps": sweeps})
+                               "shape": [T, H, KV, D], "rounds": results, "median_ms": table, "sweeps": sweeps,
+                               "resources": resources})
+    print_kernel_resources(resources)
     print(f"{len(lengths)} documents, {T} tokens, H {H}/{KV}, D {D}, {device_name(dev)}")
     print(f"{'variant':<30} {'fwd ms':>8} {'fwd+bwd ms':>11} {'ratio fwd':>10} {'ratio f+b':>10}")
     base = table["varlen_attn"]

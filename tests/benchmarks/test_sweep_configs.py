@@ -86,3 +86,26 @@ def test_a_kernel_without_an_entry_and_the_tile_the_entries_do_not_reach_are_nam
         common.sweep_launch_configs("dk", 128, lambda: 1.0)
     with pytest.raises(ValueError, match="head-dim tile 256: the calls there run the Gluon kernels"):
         common.sweep_launch_configs("dkdv", 200, lambda: 1.0)
+
+
+def test_kernel_resources_name_each_compiled_variant_by_its_constexprs(common, capsys):
+    """What a GPU run prints for every compiled variant (registers and spills first), read from Triton's caches;
+    here from a stand-in with their shape (Triton's interpreter compiles nothing: nothing to report)."""
+    from types import SimpleNamespace as NS
+
+    class Compiled:
+        n_regs, n_spills, metadata = 168, 24, NS(shared=98304, num_warps=8, num_stages=3)
+
+        def _init_handles(self):
+            pass
+
+    params = [NS(name="Q", is_constexpr=False), NS(name="CAUSAL", is_constexpr=True),
+              NS(name="MASK_KIND", is_constexpr=True), NS(name="BLOCK_M", is_constexpr=True)]
+    key = "[('*bf16', 'D'), ('i32', ''), ('constexpr', False), ('constexpr', 3), ('constexpr', 128)]{'num_warps': 8}"
+    jit = NS(params=params, device_caches={0: ({key: Compiled()}, {}, None, None, None)}, __name__="attn_fwd")
+    rows = common.kernel_resources(NS(fn=jit), object())  # through a wrapper's .fn; a non-kernel is skipped
+    assert rows == [{"kernel": "attn_fwd", "constexprs": {"CAUSAL": "False", "MASK_KIND": "3", "BLOCK_M": "128"},
+                     "regs": 168, "spills": 24, "shared": 98304, "num_warps": 8, "num_stages": 3}]
+    common.print_kernel_resources(rows)
+    assert capsys.readouterr().out.strip() == ("resources attn_fwd: CAUSAL=False MASK_KIND=3 BLOCK_M=128 warps=8 "
+                                               "stages=3 regs=168 spills=24 shared=98304")
