@@ -103,16 +103,18 @@ def main() -> int:
         torch._dynamo.reset()
         plain.recompile()
         switched.recompile()
-        def run_switched(expand: bool, fused=None):
+        def run_switched(expand: bool, fused=None, ordered: bool = False):
             def call():
-                ta.GQA_EXPAND = expand  # read by this call's backward (the variants set them each call)
+                ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
                 ta.FUSED_BACKWARD = fused
+                ta.TILE_ORDER = ordered
                 return switched(q, k, v, block)
             return call
 
         variants = {"flex": lambda: plain(q, k, v, block), "switched": run_switched(False),
                     "switched, dK/dV per query head": run_switched(True),
-                    "switched, fused backward": run_switched(False, True)}
+                    "switched, fused backward": run_switched(False, True),
+                    "switched, tiles by work": run_switched(False, None, True)}
         results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}
         for r in range(args.rounds):
             for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):

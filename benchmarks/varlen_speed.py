@@ -71,10 +71,11 @@ def main() -> int:
                                max_len, window_size=(-1, 0))
     import instability_watch.kernels.attention.triton as ta
 
-    def ours(expand: bool = False, fused=None, **kw):
+    def ours(expand: bool = False, fused=None, ordered: bool = False, **kw):
         def call():
-            ta.GQA_EXPAND = expand  # read by this call's backward (the variants set them each call)
+            ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
             ta.FUSED_BACKWARD = fused
+            ta.TILE_ORDER = ordered
             return flash_attention_varlen(q, k, v, cu, causal=True, **kw)
         return call
 
@@ -85,6 +86,8 @@ def main() -> int:
         "ours, dK/dV per query head": ours(expand=True),  # GQA_EXPAND: off by default until measured
         "ours, fused backward": ours(fused=True),  # FUSED_BACKWARD: dropout calls only by default
         "ours, fused, per query head": ours(expand=True, fused=True),
+        "ours, tiles by work": ours(ordered=True),  # TILE_ORDER: off by default until measured
+        "ours, by work, per query head": ours(expand=True, ordered=True),
     }
 
     results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}
@@ -114,7 +117,7 @@ def main() -> int:
                 def timed(fn=ours(expand=expand)):
                     return cuda_ms(fn, args.iters, do)
             sweeps[name] = sweep_launch_configs(kernel, D, timed, log=print)
-        ta.GQA_EXPAND, ta.FUSED_BACKWARD = False, None
+        ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER = False, None, False
     resources = kernel_resources(ta.attn_fwd, ta.attn_bwd_dq, ta.attn_bwd_dkdv)
     if args.json:
         write_json(args.json, {"device": device_name(dev), "torch": torch.__version__, "documents": lengths,

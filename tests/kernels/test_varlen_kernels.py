@@ -240,3 +240,55 @@ def test_the_fused_backward_over_documents_equals_the_two_kernels(window, monkey
     assert torch.equal(outs[False][0], outs[True][0])
     for two, one in zip(outs[False][1:], outs[True][1:]):
         assert one.abs().max() > 0 and max_err(one, two) <= 1e-5 * two.abs().max()
+
+
+@pytest.mark.parametrize("case", ["documents", "window", "bool mask", "probe"])
+def test_tiles_launched_in_the_order_of_their_work_give_the_same_results(case, monkeypatch):
+    """``TILE_ORDER`` (the benchmarks' variant: a call's tiles launched widest range first, grid (heads, tiles)):
+    forward and both backward kernels read their tile from the order and give the very same output and gradients,
+    and with a probe the same counts; each launch took the order, a permutation that starts with the widest
+    tile."""
+    import instability_watch.kernels.attention.triton as ta
+    from instability_watch import Probe
+
+    q, k, v, do = _inputs(("order", case))
+    cu = torch.tensor(CU, dtype=torch.int32)
+    window = (9, 0) if case == "window" else (-1, 0)
+    seen = []
+    for name in ("launch_fwd", "launch_dq", "launch_dkdv"):
+        launch = getattr(ta, name)
+        monkeypatch.setattr(ta, name, lambda grid, t, s, meta, _l=launch, _n=name: seen.append(
+            (_n, grid, meta["ORDERED"], *((t[-3], t[-2]) if _n == "launch_dkdv" else t[11:13] if _n == "launch_dq"
+                                          else t[9:11])))
+            or _l(grid, t, s, meta))
+    outs, probes = {}, {}
+    for ordered in (False, True):
+        monkeypatch.setattr(ta, "TILE_ORDER", ordered)
+        probes[ordered] = probe = Probe(H) if case == "probe" else None
+        if case == "bool mask":
+            n = CU[-1]
+            keep = (torch.rand(1, 1, n, n, generator=seeded("order_mask")) < 0.7) & torch.ones(n, n).tril().bool()
+            keep |= torch.eye(n, dtype=torch.bool)  # causal, with holes: tiles of different widths
+
+            def fn(a, b, c):
+                as4 = (lambda t: t.permute(1, 0, 2).unsqueeze(0))
+                return flash_attention(as4(a), as4(b), as4(c), attn_mask=keep, backend="triton")[0].permute(1, 0, 2)
+        else:
+            def fn(a, b, c):
+                return flash_attention_varlen(a, b, c, cu, window=window, probe=probe, backend="triton")
+        outs[ordered] = _fwd_bwd(fn, q, k, v, do)
+    for a, b in zip(outs[False], outs[True]):
+        assert torch.equal(a, b)
+    if case == "probe":
+        assert torch.equal(probes[False].counts, probes[True].counts)
+        assert probes[True].counts.sum() > 0
+    plain = [s for s in seen if not s[2]]
+    ordered = [s for s in seen if s[2]]
+    assert {s[0] for s in ordered} == {"launch_fwd", "launch_dq", "launch_dkdv"} and len(plain) == len(ordered)
+    for (name, grid, _, ranges, order), (_, grid0, _, _, none) in zip(ordered, plain):
+        assert none is None and grid == grid0[::-1]  # (heads, tiles) where it was (tiles, heads)
+        assert sorted(order.tolist()) == list(range(grid[1])) and order.dtype == torch.int32
+        span = ranges[..., 1] - ranges[..., 0]
+        while span.dim() > 1:
+            span = span.amax(dim=0)
+        assert (span[order.long()].diff() <= 0).all() and span.unique().numel() > 1, name  # the widest first

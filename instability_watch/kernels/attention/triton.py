@@ -68,6 +68,26 @@ GQA_EXPAND = False
 # deterministic algorithms). For the benchmarks' variants: measured faster on dense calls with dropout only, not yet
 # on packed or masked calls (benchmarks/varlen_speed.py and flex_switch_speed.py time it).
 FUSED_BACKWARD: Optional[bool] = None
+# Calls with a mask or documents: launch each kernel's tiles in the order of their work, the widest range first,
+# the heads of one tile together (grid (batch x heads, tiles)), so that the longest programs do not start last.
+# A packed call's tiles differ in work by their place in their document: in grid order a simulation of the
+# benchmark's documents puts the last program's end 1.1-1.7x past the mean load (RESULTS.md); off until measured.
+TILE_ORDER = False
+
+
+def _launch_grid(tiles: int, heads: int, mask, key, ranges):
+    """``(grid, order, ordered)`` of a launch over ``tiles`` tiles of ``heads`` (batch x heads) programs each: with
+    :data:`TILE_ORDER` and ranges, the tiles sorted by the widest span any (batch, head) of them has (a permutation,
+    int32 on the device, cached with the mask's ranges), else the plain grid."""
+    if not TILE_ORDER or ranges is None:
+        return (tiles, heads), None, False
+    orders = mask.__dict__.setdefault("_orders", {})
+    if key not in orders:
+        span = ranges[..., 1] - ranges[..., 0]
+        while span.dim() > 1:
+            span = span.amax(dim=0)
+        orders[key] = torch.argsort(span, descending=True, stable=True).to(torch.int32)
+    return (heads, tiles), orders[key], True
 
 
 class _MaskArgs:
@@ -295,9 +315,10 @@ def attention_forward_lse2(
     seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)
     # an additive mask is added to the scaled scores, which the loop then takes in log2 units
     raw_scale = 1.0 / LOG2E if mask.kind == MASK_ADD else scale
+    grid, order, ordered = _launch_grid(cdiv(N, block_m), B * H, mask, ("rows", block_m, block_n), ranges)
     launch_fwd(
-        (cdiv(N, block_m), B * H),
-        (q, k, v, o, lse2, stab, counts, values, mask.tensor, ranges, seed),
+        grid,
+        (q, k, v, o, lse2, stab, counts, values, mask.tensor, ranges, order, seed),
         (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *mask.strides, *r_strides,
          H, H // h_kv, N, n_kv, D, B * H * N,
          1.0 if mask.kind == MASK_ADD else scale * LOG2E, scale, raw_scale, eps / raw_scale, beta, max_shift_for(q.dtype), tie_stride,
@@ -312,7 +333,7 @@ def attention_forward_lse2(
             # the probe's warp-level statistics count a row once per warp: only where each row
             # lives in one warp (tensor-core tiles with the warps stacked along the rows)
             WARP_STATS=has_probe and not INTERPRET and q.dtype != torch.float32 and block_m >= 16 * cfg.num_warps,
-            **cfg.options(),
+            ORDERED=ordered, **cfg.options(),
         ),
     )
     return o, lse2
@@ -443,16 +464,18 @@ def attention_backward_lse2(
     if delta_hp:  # the control's delta, before anything reads it (same stream)
         cfg = launch_config("dq", head_dim, q.dtype)
         ranges, r_strides = mask.rows(cfg.block_m, cfg.block_n) if mask.kind else (None, (0, 0, 0))
+        grid, order, ordered = _launch_grid(cdiv(N, cfg.block_m), B * H, mask, ("rows", cfg.block_m, cfg.block_n),
+                                            ranges)
         launch_dq(
-            (cdiv(N, cfg.block_m), B * H),
-            (q, k, v, o, do, lse2, delta, dq, None, None, mask.tensor, ranges, seed, None, None),
+            grid,
+            (q, k, v, o, do, lse2, delta, dq, None, None, mask.tensor, ranges, order, seed, None, None),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
              *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale_of(mask.kind, scale), scale,
              drop_thr, drop_scale),
             dict(CAUSAL=causal, SHADOW=False, DELTA_FROM_O=False, MASK_KIND=mask.kind,
                  WHOLE_TILES=_whole_tiles(mask.kind, causal), DROPOUT=seed is not None,
                  MASK_GRAD=False, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
-                 DOT_PRECISION=precision, DELTA_HP_ONLY=True, **cfg.options()),
+                 DOT_PRECISION=precision, DELTA_HP_ONLY=True, ORDERED=ordered, **cfg.options()),
         )
         if dlse is not None:
             delta.sub_(dlse)
@@ -479,16 +502,18 @@ def attention_backward_lse2(
             out_k = out_v = torch.empty((B, H, n_kv, D), dtype=torch.float32, device=q.device)
             if part == 0:
                 out_v = torch.empty_like(out_k)
+        grid, order, ordered = _launch_grid(cdiv(n_kv, cfg.block_n), B * heads, mask,
+                                            ("cols", cfg.block_n, cfg.block_m), ranges)
         launch_dkdv(
-            (cdiv(n_kv, cfg.block_n), B * heads),
-            (q, k, v, do, lse2, delta, out_k, out_v, dq_acc, mask.tensor, ranges, seed),
+            grid,
+            (q, k, v, do, lse2, delta, out_k, out_v, dq_acc, mask.tensor, ranges, order, seed),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *do.stride()[:3], *out_k.stride()[:3],
              *out_v.stride()[:3], *mask.strides, *r_strides, H, heads, kv_div,
              N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
             dict(CAUSAL=causal, MASK_KIND=mask.kind, WHOLE_TILES=_whole_tiles(mask.kind, causal),
                  DROPOUT=seed is not None, FUSED_DQ=dq_acc is not None,
                  HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
-                 PART=part, **cfg.options()),
+                 PART=part, ORDERED=ordered, **cfg.options()),
         )
         if expand:
             for want, out, grad in ((part != 2, out_k, dk), (part != 1, out_v, dv)):
@@ -522,15 +547,17 @@ def attention_backward_lse2(
         cfg = launch_config("dq", head_dim, q.dtype, override=config_dq)
         block_m, block_n = cfg.block_m, cfg.block_n
         ranges, r_strides = mask.rows(block_m, block_n) if mask.kind else (None, (0, 0, 0))
+        grid, order, ordered = _launch_grid(cdiv(N, block_m), B * H, mask, ("rows", block_m, block_n), ranges)
         launch_dq(
-            (cdiv(N, block_m), B * H),
-            (q, k, v, o, do, lse2, delta, dq, counts, values, mask.tensor, ranges, seed, dmask, dlse),
+            grid,
+            (q, k, v, o, do, lse2, delta, dq, counts, values, mask.tensor, ranges, order, seed, dmask, dlse),
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
              *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
             dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, MASK_KIND=mask.kind,
                  WHOLE_TILES=_whole_tiles(mask.kind, causal), DROPOUT=seed is not None,
                  MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
-                 BLOCK_N=block_n, DOT_PRECISION=precision, HAS_DLSE=dlse is not None, **cfg.options()),
+                 BLOCK_N=block_n, DOT_PRECISION=precision, HAS_DLSE=dlse is not None, ORDERED=ordered,
+                 **cfg.options()),
         )
     want = gluon
     if want is None:

@@ -19,14 +19,21 @@ from instability_watch.kernels.triton_common import (
 
 
 @triton.jit
-def _program_ids(H, BLOCK: tl.constexpr):
+def _program_ids(H, Order, BLOCK: tl.constexpr, ORDERED: tl.constexpr):
     """This backward program's place (grid: blocks of ``BLOCK`` along dim 0, batch x ``H`` heads
-    along dim 1): ``(start, off_bh, off_b, off_h)``, its block's first index and its (batch, head)."""
-    start = tl.program_id(0) * BLOCK
-    off_bh = tl.program_id(1)
+    along dim 1; with ``ORDERED`` the other way round, the block read from ``Order``, a permutation of the
+    blocks, the most work first): ``(start, off_bh, off_b, off_h, block)``, its block's first index, its
+    (batch, head) and the block's number."""
+    if ORDERED:
+        block = tl.load(Order + tl.program_id(1))
+        off_bh = tl.program_id(0)
+    else:
+        block = tl.program_id(0)
+        off_bh = tl.program_id(1)
+    start = block * BLOCK
     off_b = off_bh // H
     off_h = off_bh % H
-    return start, off_bh, off_b, off_h
+    return start, off_bh, off_b, off_h, block
 
 
 @triton.jit
@@ -103,7 +110,7 @@ def _dkdv_inner(
 
 @triton.jit
 def attn_bwd_dkdv(
-    Q, K, V, DO, LSE2, Delta, DK, DV, DQacc, Mask, Ranges, Seed,
+    Q, K, V, DO, LSE2, Delta, DK, DV, DQacc, Mask, Ranges, Order, Seed,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_dob, stride_doh, stride_don, stride_dkb, stride_dkh, stride_dkn, stride_dvb, stride_dvh, stride_dvn,
     stride_mb, stride_mh, stride_mn, stride_mk, stride_rb, stride_rh, stride_rm,
@@ -112,7 +119,7 @@ def attn_bwd_dkdv(
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr,
     FUSED_DQ: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PART: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, PART: tl.constexpr, ORDERED: tl.constexpr = False,
 ):
     """One KV block of one KV head: dK, dV summed over the query heads that read it (GQA).
 
@@ -128,7 +135,7 @@ def attn_bwd_dkdv(
     two-kernel backward takes seven, and dropout's bits generated once, not twice. The order
     of those float32 additions varies from run to run: dQ is not bitwise deterministic."""
     tl.static_assert(PART == 0 or not FUSED_DQ, "the fused backward computes dK and dV in one pass")
-    start_n, off_bhk, off_b, off_hk = _program_ids(H_KV, BLOCK_N)
+    start_n, off_bhk, off_b, off_hk, tile = _program_ids(H_KV, Order, BLOCK_N, ORDERED)
     group = H // H_KV
     offs_n, offs_m0, offs_d = _tile_offsets(start_n, BLOCK_N, BLOCK_M, HEAD_DIM)
     d_ok = offs_d[None, :] < D
@@ -150,7 +157,7 @@ def attn_bwd_dkdv(
         q_base = Q + off_b * stride_qb + off_h * stride_qh
         do_base = DO + off_b * stride_dob + off_h * stride_doh
         if MASK_KIND != 0:  # the query rows that may see any key of this block (a pre-pass), per query head
-            r_off = off_b * stride_rb + off_h * stride_rh + tl.program_id(0) * stride_rm
+            r_off = off_b * stride_rb + off_h * stride_rh + tile * stride_rm
             lo = tl.load(Ranges + r_off) // BLOCK_M * BLOCK_M
             hi = tl.load(Ranges + r_off + 1)
         if MASK_KIND == 1 or MASK_KIND == 2:
@@ -238,7 +245,7 @@ def _dq_inner(
 
 @triton.jit
 def attn_bwd_dq(
-    Q, K, V, O, DO, LSE2, Delta, DQ, Counts, Values, Mask, Ranges, Seed, DMask, DLse,
+    Q, K, V, O, DO, LSE2, Delta, DQ, Counts, Values, Mask, Ranges, Order, Seed, DMask, DLse,
     stride_qb, stride_qh, stride_qn, stride_kb, stride_kh, stride_kn, stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on, stride_dob, stride_doh, stride_don, stride_dqb, stride_dqh, stride_dqn,
     stride_mb, stride_mh, stride_mn, stride_mk, stride_rb, stride_rh, stride_rm,
@@ -247,7 +254,7 @@ def attn_bwd_dq(
     CAUSAL: tl.constexpr, SHADOW: tl.constexpr, DELTA_FROM_O: tl.constexpr,
     MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DELTA_HP_ONLY: tl.constexpr = False,
-    HAS_DLSE: tl.constexpr = False,
+    HAS_DLSE: tl.constexpr = False, ORDERED: tl.constexpr = False,
 ):
     """One query block: delta = rowsum(dO * O) (stored for the dK/dV kernel, launched after this
     one), dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta.
@@ -258,7 +265,7 @@ def attn_bwd_dq(
     With ``DELTA_HP_ONLY`` (the paper's control, a pre-pass), only delta_hp = rowsum(P * dP) =
     rowsum(dO * O_hp) is computed, P unrounded in float32, and stored into ``Delta``: no dQ.
     """
-    start_m, off_bh, off_b, off_h = _program_ids(H, BLOCK_M)
+    start_m, off_bh, off_b, off_h, tile = _program_ids(H, Order, BLOCK_M, ORDERED)
     off_hk = off_h // GROUP
     offs_m, offs_n0, offs_d = _tile_offsets(start_m, BLOCK_M, BLOCK_N, HEAD_DIM)
     m_ok = offs_m < N_Q

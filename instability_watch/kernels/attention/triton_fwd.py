@@ -114,7 +114,7 @@ def _fwd_inner(
 
 @triton.jit
 def attn_fwd(
-    Q, K, V, O, LSE2, Stab, Counts, Values, Mask, Ranges, Seed,
+    Q, K, V, O, LSE2, Stab, Counts, Values, Mask, Ranges, Order, Seed,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
@@ -127,11 +127,15 @@ def attn_fwd(
     MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ASM: tl.constexpr, WARP_STATS: tl.constexpr,
+    ASM: tl.constexpr, WARP_STATS: tl.constexpr, ORDERED: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
-    start_m = tl.program_id(0)
-    off_bh = tl.program_id(1)
+    if ORDERED:  # the grid is (batch x heads, tiles) and Order the query tiles, the most work first
+        start_m = tl.load(Order + tl.program_id(1))
+        off_bh = tl.program_id(0)
+    else:
+        start_m = tl.program_id(0)
+        off_bh = tl.program_id(1)
     off_b = off_bh // H
     off_h = off_bh % H
     off_hk = off_h // GROUP  # grouped-query attention: the KV head this query head reads
