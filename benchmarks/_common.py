@@ -26,7 +26,7 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(1, str(EXAMPLES))
 
 __all__ = [
-    "BWD_GRID", "DIVERGENCE_JUMP", "ExplosionDetector", "FWD_GRID", "StepTimes", "WIDE_GRID", "bench", "block_cost",
+    "BWD_GRID", "SMALL_BWD_GRID", "DIVERGENCE_JUMP", "ExplosionDetector", "FWD_GRID", "StepTimes", "WIDE_GRID", "bench", "block_cost",
     "command", "device_name", "explosion_step", "header", "init_distributed", "keep", "kernel_resources",
     "print_kernel_resources", "profile_calls", "step_cost", "sweep_launch_configs", "sync", "warm_gpu", "write_json",
 ]
@@ -50,6 +50,12 @@ BWD_GRID = [
     (bm, bn, w, st)
     for bm, bn in [(32, 64), (32, 128), (64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
     for w, st in [(4, 2), (4, 3), (8, 2), (8, 3)]
+]
+# a smaller backward grid for one device call (the packed and switched-flex sweeps: about 5 s of compiling each)
+SMALL_BWD_GRID = [
+    (bm, bn, w, st)
+    for bm, bn in [(32, 128), (64, 64), (64, 128), (128, 64), (128, 128)]
+    for w, st in [(4, 2), (8, 2), (8, 3)]
 ]
 # D = 256: the tiles above mostly exceed registers or shared memory; narrower ones, fewer stages
 WIDE_GRID = [
@@ -143,18 +149,21 @@ def kernel_resources(*kernels) -> list:
             fn = getattr(fn, "fn", None)
         if fn is None:
             continue
-        names = [p.name for p in fn.params if p.is_constexpr]
+        params = list(fn.params)
         for caches in list(fn.device_caches.values()):
             for key, compiled in list(caches[0].items()):
                 try:
                     compiled._init_handles()  # n_regs and n_spills are read when the binary is loaded
                 except Exception:  # noqa: BLE001 - a variant that cannot load is reported without them
                     pass
-                values = re.findall(r"\('constexpr', ([^)]*)\)", str(key))
+                # the key opens with one (type, value) pair per parameter, in order (a None argument and an int
+                # equal to 1 read as ('constexpr', ...) too): pair them with the parameters, keep the constexprs
+                pairs = re.findall(r"\('([^']*)', ('[^']*'|[^)]*)\)", str(key))[:len(params)]
+                values = {p.name: v for p, (_, v) in zip(params, pairs) if p.is_constexpr}
                 meta = getattr(compiled, "metadata", None)
                 out.append({
                     "kernel": getattr(fn, "__name__", str(fn)),
-                    "constexprs": dict(zip(names, values)) if len(values) == len(names) else values,
+                    "constexprs": values if len(pairs) == len(params) else [v for _, v in pairs],
                     "regs": getattr(compiled, "n_regs", None), "spills": getattr(compiled, "n_spills", None),
                     "shared": getattr(meta, "shared", None), "num_warps": getattr(meta, "num_warps", None),
                     "num_stages": getattr(meta, "num_stages", None),
@@ -165,7 +174,7 @@ def kernel_resources(*kernels) -> list:
 def print_kernel_resources(rows: list, keys: Sequence[str] = ("CAUSAL", "MASK_KIND", "WHOLE_TILES", "HEAD_DIM",
                                                               "BLOCK_M", "BLOCK_N", "EVEN_M", "EVEN_N",
                                                               "FUSED_DQ", "PART", "SHADOW", "HAS_STAB",
-                                                              "HAS_PROBE")) -> None:
+                                                              "HAS_PROBE", "ORDERED")) -> None:
     """One line per compiled variant (:func:`kernel_resources`), its main constexprs first."""
     for r in rows:
         c = r["constexprs"]

@@ -23,8 +23,8 @@ import statistics
 
 import torch
 
-from _common import (cuda_ms, device_name, kernel_resources, print_kernel_resources, profile_calls,
-                     sweep_launch_configs, write_json)
+from _common import (SMALL_BWD_GRID, cuda_ms, device_name, keep, kernel_resources, print_kernel_resources,
+                     profile_calls, sweep_launch_configs, write_json)
 
 
 def main() -> int:
@@ -44,6 +44,8 @@ def main() -> int:
                          "one's kernel table to DIR: where the time goes, ours against FlexAttention's")
     ap.add_argument("--sweep", action="append", choices=["fwd", "dkdv", "dq"], default=[],
                     help="also sweep this kernel's launch configs on each mask's switched call (repeatable)")
+    ap.add_argument("--sweep-grid", choices=["small", "full"], default="small",
+                    help="the backward's grid: small (15 configs, one device call) or full (_common.BWD_GRID)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("flex_switch_speed.py needs a CUDA GPU (FlexAttention trains on CUDA only)")
@@ -135,7 +137,9 @@ def main() -> int:
             else:
                 def timed(fn=run_switched(False)):
                     return cuda_ms(fn, args.iters, do)
-            sweeps.setdefault(mask, {})[kernel] = sweep_launch_configs(kernel, D, timed, log=print)
+            grid = None if kernel == "fwd" or args.sweep_grid == "full" else [
+                c for c in SMALL_BWD_GRID if keep(c, ta.head_dim_tile(D))]
+            sweeps.setdefault(mask, {})[kernel] = sweep_launch_configs(kernel, D, timed, grid=grid, log=print)
     resources = kernel_resources(ta.attn_fwd, ta.attn_bwd_dq, ta.attn_bwd_dkdv)
     print_kernel_resources(resources)
     (cov,) = watch.coverage()

@@ -8,7 +8,7 @@
 #
 #   IW_EP_PARTS="tests varlen" bash benchmarks/gpu_entry_points.sh      (8 minutes at most)
 #   IW_EP_PARTS="flex overhead" bash benchmarks/gpu_entry_points.sh     (about 7 minutes at most)
-#   IW_EP_PARTS="sweep" bash benchmarks/gpu_entry_points.sh             (4 minutes at most)
+#   IW_EP_PARTS="sweep" bash benchmarks/gpu_entry_points.sh             (7 minutes at most)
 #
 # (default: all five, in this order; IW_SWEEP_S and IW_OVERHEAD_S change those parts' limits).
 set -uo pipefail
@@ -42,18 +42,19 @@ for p in $parts; do
                   --json "$out/flex_switch_speed.json" --profile "$out/profile" ;;
         overhead) run overhead "${IW_OVERHEAD_S:-100}" python benchmarks/observer_overhead.py \
                       --models "${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen}" --rounds 2 --json "$out/overhead.json" ;;
-        sweep) run varlen_sweep "${IW_SWEEP_S:-240}" python benchmarks/varlen_speed.py --rounds 1 --sweep dkdv \
+        sweep) run varlen_sweep "${IW_SWEEP_S:-420}" python benchmarks/varlen_speed.py --rounds 1 --sweep dkdv \
                    --sweep dq --json "$out/varlen_sweep.json" ;;
     esac
 done
 [ -f "$out/tests.log" ] && { echo "=== tests"; tail -n 15 "$out/tests.log"; }
 [ -f "$out/varlen_speed.log" ] && { echo "=== varlen_speed"; grep -h "^profile" "$out/varlen_speed.log"
-    grep -v "^profile\|^resources" "$out/varlen_speed.log" | tail -n 8; grep -h "^resources" "$out/varlen_speed.log"; }
+    grep -v "^profile\|^resources" "$out/varlen_speed.log" | tail -n 11; grep -h "^resources" "$out/varlen_speed.log"; }
 [ -f "$out/flex_switch_speed.log" ] && { echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"
-    grep -v "^profile\|^resources" "$out/flex_switch_speed.log" | tail -n 16
+    grep -v "^profile\|^resources" "$out/flex_switch_speed.log" | tail -n 19
     grep -h "^resources" "$out/flex_switch_speed.log" | grep -v "spills=0 " | head -n 20; }
 [ -f "$out/overhead.log" ] && { echo "=== overhead"; tail -n 12 "$out/overhead.log"; }
-[ -f "$out/varlen_sweep.log" ] && { echo "=== varlen_sweep"; grep -h "^sweep " "$out/varlen_sweep.log"; }
+[ -f "$out/varlen_sweep.log" ] && { echo "=== varlen_sweep"; grep -h "^sweep " "$out/varlen_sweep.log" ||
+    tail -n 30 "$out/varlen_sweep.log"; }  # cut short: the configs timed so far
 echo "=== status"; cat "$out/status.txt"
 # the profiles as one file (the device tool brings back a limited number of files)
 if [ -d "$out/profile" ]; then tar -czf "$out/profiles.tgz" -C "$out" profile && rm -rf "$out/profile"; fi

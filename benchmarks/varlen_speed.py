@@ -19,8 +19,8 @@ import statistics
 
 import torch
 
-from _common import (cuda_ms, device_name, kernel_resources, print_kernel_resources, profile_calls,
-                     sweep_launch_configs, write_json)
+from _common import (SMALL_BWD_GRID, cuda_ms, device_name, keep, kernel_resources, print_kernel_resources,
+                     profile_calls, sweep_launch_configs, write_json)
 
 
 def main() -> int:
@@ -38,6 +38,8 @@ def main() -> int:
                     help="also profile 5 forward + backward calls of each variant (torch.profiler) into DIR")
     ap.add_argument("--sweep", action="append", choices=["fwd", "dkdv", "dq"], default=[],
                     help="also sweep this kernel's launch configs on the packed call (repeatable)")
+    ap.add_argument("--sweep-grid", choices=["small", "full"], default="small",
+                    help="the backward's grid: small (15 configs, one device call) or full (_common.BWD_GRID)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("varlen_speed.py needs a CUDA GPU (varlen_attn has no CPU kernel)")
@@ -116,7 +118,9 @@ def main() -> int:
             else:
                 def timed(fn=ours(expand=expand)):
                     return cuda_ms(fn, args.iters, do)
-            sweeps[name] = sweep_launch_configs(kernel, D, timed, log=print)
+            grid = None if kernel == "fwd" or args.sweep_grid == "full" else [
+                c for c in SMALL_BWD_GRID if keep(c, ta.head_dim_tile(D))]
+            sweeps[name] = sweep_launch_configs(kernel, D, timed, grid=grid, log=print)
         ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER = False, None, False
     resources = kernel_resources(ta.attn_fwd, ta.attn_bwd_dq, ta.attn_bwd_dkdv)
     if args.json:

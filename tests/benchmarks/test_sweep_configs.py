@@ -99,9 +99,12 @@ def test_kernel_resources_name_each_compiled_variant_by_its_constexprs(common, c
         def _init_handles(self):
             pass
 
-    params = [NS(name="Q", is_constexpr=False), NS(name="CAUSAL", is_constexpr=True),
-              NS(name="MASK_KIND", is_constexpr=True), NS(name="BLOCK_M", is_constexpr=True)]
-    key = "[('*bf16', 'D'), ('i32', ''), ('constexpr', False), ('constexpr', 3), ('constexpr', 128)]{'num_warps': 8}"
+    params = [NS(name="Q", is_constexpr=False), NS(name="Order", is_constexpr=False), NS(name="H", is_constexpr=False),
+              NS(name="CAUSAL", is_constexpr=True), NS(name="MASK_KIND", is_constexpr=True),
+              NS(name="BLOCK_M", is_constexpr=True)]
+    # as Triton writes it: a None pointer and an int equal to 1 read as constexprs too
+    key = ("[('*bf16', 'D'), ('constexpr', None), ('constexpr', 1), ('constexpr', False), ('constexpr', 3), "
+           "('constexpr', 128)]{'num_warps': 8, 'debug': ('a', 'b')}")
     jit = NS(params=params, device_caches={0: ({key: Compiled()}, {}, None, None, None)}, __name__="attn_fwd")
     rows = common.kernel_resources(NS(fn=jit), object())  # through a wrapper's .fn; a non-kernel is skipped
     assert rows == [{"kernel": "attn_fwd", "constexprs": {"CAUSAL": "False", "MASK_KIND": "3", "BLOCK_M": "128"},

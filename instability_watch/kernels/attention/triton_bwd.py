@@ -305,7 +305,7 @@ def attn_bwd_dq(
     k0, k1, thr = dropout_key(Seed, drop_thr, DROPOUT)
     lo = 0
     if MASK_KIND != 0:  # the keys any row of this tile may see (a pre-pass)
-        r_off = off_b * stride_rb + off_h * stride_rh + (start_m // BLOCK_M) * stride_rm
+        r_off = off_b * stride_rb + off_h * stride_rh + tile * stride_rm
         lo = tl.load(Ranges + r_off) // BLOCK_N * BLOCK_N
         hi = tl.load(Ranges + r_off + 1)
     elif CAUSAL:
