@@ -11,6 +11,18 @@ import torch.nn.functional as F
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
 REPO = Path(__file__).resolve().parents[1]
+
+
+def benchmark_module(name: str):
+    """A module of ``benchmarks/`` (scripts that import each other by plain name), imported with that folder on
+    the path for the import only."""
+    import importlib
+
+    import pytest
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(REPO / "benchmarks"))
+        return importlib.import_module(name)
 EXAMPLES = REPO / "examples"  # nanogpt.py and byte_corpus.py, imported by name
 
 

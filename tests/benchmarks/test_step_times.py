@@ -2,19 +2,15 @@
 and the Lightning measurement's arithmetic), on marks whose times the test sets."""
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-from helpers import REPO
+from helpers import benchmark_module
 from instability_watch import WatchConfig
 
 
 @pytest.fixture(scope="module")
 def common():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(REPO / "benchmarks"))
-        return importlib.import_module("_common")
+    return benchmark_module("_common")
 
 
 def _fit(common, config, ms_of, skip=0, stop=30):

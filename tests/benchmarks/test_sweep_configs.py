@@ -2,11 +2,9 @@
 varlen and flex speed scripts' ``--sweep``), on a call whose "time" the test derives from the entry it reads."""
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-from helpers import REPO
+from helpers import benchmark_module
 from instability_watch.kernels import configs
 
 TC = configs.TENSOR_CORES
@@ -14,9 +12,7 @@ TC = configs.TENSOR_CORES
 
 @pytest.fixture(scope="module")
 def common():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(REPO / "benchmarks"))
-        return importlib.import_module("_common")
+    return benchmark_module("_common")
 
 
 def test_every_config_is_timed_in_the_table_the_fastest_are_returned_and_the_table_is_restored(common):

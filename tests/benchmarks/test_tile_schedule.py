@@ -1,18 +1,14 @@
 """benchmarks/tile_schedule.py: the tiles' work over packed documents and the scheduler model's makespan."""
 from __future__ import annotations
 
-import importlib
-
 import pytest
 
-from helpers import REPO
+from helpers import benchmark_module
 
 
 @pytest.fixture(scope="module")
 def ts():
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(REPO / "benchmarks"))
-        return importlib.import_module("tile_schedule")
+    return benchmark_module("tile_schedule")
 
 
 def test_spans_are_the_tiles_each_loop_visits_causal_within_documents(ts):
