@@ -7,7 +7,7 @@
 # call (10): run them in three calls on one warm machine,
 #
 #   IW_EP_PARTS="tests varlen" bash benchmarks/gpu_entry_points.sh      (8 minutes at most)
-#   IW_EP_PARTS="flex overhead" bash benchmarks/gpu_entry_points.sh     (about 7 minutes at most)
+#   IW_EP_PARTS="flex overhead" bash benchmarks/gpu_entry_points.sh     (8 minutes at most)
 #   IW_EP_PARTS="sweep" bash benchmarks/gpu_entry_points.sh             (7 minutes at most)
 #
 # (default: all five, in this order; IW_SWEEP_S and IW_OVERHEAD_S change those parts' limits).
@@ -38,7 +38,7 @@ for p in $parts; do
                    "tests/observe/test_compile.py::test_blocks_compiled_one_by_one_on_gpu_with_inductor" -rs ;;
         varlen) run varlen_speed 240 python benchmarks/varlen_speed.py --rounds 3 --json "$out/varlen_speed.json" \
                     --profile "$out/profile" ;;
-        flex) run flex_switch_speed 300 python benchmarks/flex_switch_speed.py --rounds 3 \
+        flex) run flex_switch_speed 360 python benchmarks/flex_switch_speed.py --rounds 3 \
                   --json "$out/flex_switch_speed.json" --profile "$out/profile" ;;
         overhead) run overhead "${IW_OVERHEAD_S:-100}" python benchmarks/observer_overhead.py \
                       --models "${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen}" --rounds 2 --json "$out/overhead.json" ;;
