@@ -3,11 +3,13 @@
 # bias), the speed of our kernels over packed documents against varlen_attn and of switched flex calls against
 # compiled FlexAttention (each profiled: a kernel table per variant), the watch's cost on packed models, and a sweep
 # of the backward kernels' launch configs on the packed call. Each part has its own time limit; logs and JSON go to
-# $OUT; a short table of the parts run comes last. All parts take up to about 20 minutes, more than one device
-# call (10): run them in three calls on one warm machine,
+# $OUT; a short table of the parts run comes last. All parts take up to about 26 minutes, more than one device
+# call (10): run them in calls of up to 8 minutes on one warm machine,
 #
 #   IW_EP_PARTS="tests varlen" bash benchmarks/gpu_entry_points.sh      (8 minutes at most)
-#   IW_EP_PARTS="flex overhead" bash benchmarks/gpu_entry_points.sh     (8 minutes at most)
+#   IW_EP_PARTS="flex" bash benchmarks/gpu_entry_points.sh              (6 minutes at most)
+#   IW_EP_PARTS="overhead" bash benchmarks/gpu_entry_points.sh          (5 minutes at most; with a kernel table of
+#                                                                        one ordinary and one probe step a model)
 #   IW_EP_PARTS="sweep" bash benchmarks/gpu_entry_points.sh             (7 minutes at most)
 #
 # (default: all five, in this order; IW_SWEEP_S and IW_OVERHEAD_S change those parts' limits).
@@ -40,8 +42,9 @@ for p in $parts; do
                     --profile "$out/profile" ;;
         flex) run flex_switch_speed 360 python benchmarks/flex_switch_speed.py --rounds 3 \
                   --json "$out/flex_switch_speed.json" --profile "$out/profile" ;;
-        overhead) run overhead "${IW_OVERHEAD_S:-100}" python benchmarks/observer_overhead.py \
-                      --models "${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen}" --rounds 2 --json "$out/overhead.json" ;;
+        overhead) run overhead "${IW_OVERHEAD_S:-300}" python benchmarks/observer_overhead.py \
+                      --models "${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen}" --rounds 2 --json "$out/overhead.json" \
+                      --profile "$out/profile" ;;
         sweep) run varlen_sweep "${IW_SWEEP_S:-420}" python benchmarks/varlen_speed.py --rounds 1 --sweep dkdv \
                    --sweep dq --json "$out/varlen_sweep.json" ;;
     esac
@@ -52,7 +55,8 @@ done
 [ -f "$out/flex_switch_speed.log" ] && { echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"
     grep -v "^profile\|^resources" "$out/flex_switch_speed.log" | tail -n 19
     grep -h "^resources" "$out/flex_switch_speed.log" | grep -v "spills=0 " | head -n 20; }
-[ -f "$out/overhead.log" ] && { echo "=== overhead"; tail -n 12 "$out/overhead.log"; }
+[ -f "$out/overhead.log" ] && { echo "=== overhead"; grep -h "profile, " "$out/overhead.log"
+    grep -v "profile, " "$out/overhead.log" | tail -n 12; }
 [ -f "$out/varlen_sweep.log" ] && { echo "=== varlen_sweep"; grep -h "^sweep " "$out/varlen_sweep.log" ||
     tail -n 30 "$out/varlen_sweep.log"; }  # cut short: the configs timed so far
 echo "=== status"; cat "$out/status.txt"

@@ -254,6 +254,37 @@ class Copy:
         return {k: statistics.median(v) for k, v in by.items()}
 
 
+def profile_steps(name: str, c: Copy, batches: Callable[[int], List[dict]], device: str, folder: str) -> None:
+    """Kernel tables of one ordinary step and one probe step (with its shadow and sigma(W_Q), as the cadence has
+    them) of the watched copy, into ``folder/steps_<name>_<kind>.txt``: where a probe step's time goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    os.makedirs(folder, exist_ok=True)
+    every = c.watch.config.probe_every
+    while c.watch.step_count % every == 0:  # the step about to run is an ordinary one
+        c.step(batches(1)[0], device)
+    sync(device)
+    for kind in ("plain", "probe"):
+        if kind == "probe":  # run up to the next probe step (steps 1, 1 + every, ...: step_count a multiple)
+            for batch in batches((-c.watch.step_count) % every):
+                c.step(batch, device)
+            sync(device)
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            t0 = time.perf_counter()
+            c.step(batches(1)[0], device)
+            sync(device)
+            wall = (time.perf_counter() - t0) * 1e3
+        events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
+        busy = sum(e.self_device_time_total for e in events) / 1e3
+        path = os.path.join(folder, f"steps_{name}_{kind}.txt")
+        with open(path, "w") as f:
+            f.write(f"{name}, one {kind} step: wall {wall:.2f} ms, GPU busy {busy:.2f} ms\n")
+            f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=50))
+        events.sort(key=lambda e: e.self_device_time_total, reverse=True)
+        top = ", ".join(f"{e.key[:36]} {e.self_device_time_total / 1e3:.2f}" for e in events[:5])
+        print(f"[{name}] profile, {kind} step: wall {wall:.2f} ms, GPU busy {busy:.2f} ms; top: {top}", flush=True)
+
+
 def timed(c: Copy, batches: List[dict], device: str, skip: int = 0) -> float:
     """Seconds per step over ``batches`` (the first ``skip`` steps run untimed)."""
     for batch in batches[:skip]:
@@ -321,6 +352,8 @@ def bench(name: str, args, device: str) -> dict:
         out["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
         print(f"[{name}] dynamo: {out['dynamo']}", flush=True)
     print(f"[{name}] watched copy, median ms per step: {out['watched_step_ms']}", flush=True)
+    if args.profile and device == "cuda":
+        profile_steps(name, watched, batches, device, args.profile)
     watched.watch.detach()
     # -- the cost of each kind of step, on the plain copy
     for kind, cfg in (() if args.compile else KINDS.items()):
@@ -361,6 +394,8 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile both copies (after the watch attached); "
                                                            "no per-kind costs")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--profile", metavar="DIR", help="also a kernel table of one ordinary and one probe step of each "
+                                                     "model's watched copy, into DIR (CUDA)")
     args = ap.parse_args()
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = [bench(name, args, device) for name in args.models.split(",")]

@@ -7,6 +7,7 @@ reason). Switches are sticky.
 """
 from __future__ import annotations
 
+import numbers
 from typing import Dict, List, Optional, Tuple
 
 import numpy as np
@@ -43,9 +44,15 @@ class Switchboard:
         called for it, if any.
 
         Raises:
+            TypeError: ``layer`` or ``head`` is not an int.
             ValueError: ``layer`` or ``head`` is out of range.
         """
         sites = self.observation.sites
+        for name, value in (("layer", layer), ("head", head)):
+            if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+                hint = " (the index in the CSV's `layer` column, not its `layer_name`)" if name == "layer" else ""
+                raise TypeError(f"{name} must be an int{hint}, got {type(value).__name__} {value!r}")
+        layer, head = int(layer), int(head)
         if not 0 <= layer < len(sites):
             raise ValueError(f"layer must be in [0, {len(sites)}), got {layer}")
         if not 0 <= head < sites[layer].num_heads:

@@ -60,7 +60,7 @@ def check_arguments(config: Any, layers: Any, run_dir: Any, top: Any, console: A
     if run_dir is not None and not isinstance(run_dir, (str, os.PathLike)):
         raise TypeError(f"run_dir must be None, a str or an os.PathLike, got {type(run_dir).__name__}")
     if isinstance(run_dir, str) and not run_dir.strip():
-        raise ValueError("run_dir must be None or a non-empty path, got ''")
+        raise ValueError(f"run_dir must be None or a non-empty path, got {run_dir!r}")
     if not isinstance(top, int) or isinstance(top, bool) or top < 1:
         raise ValueError(f"top must be a positive integer, got {top!r}")
     if console is not None and not hasattr(console, "print"):

@@ -60,7 +60,7 @@ from instability_watch.engine.readback import ReadBack
 from instability_watch.engine.watch import InstabilityWatch
 from instability_watch.model.layer import AttentionLayer, not_found_message
 from instability_watch.outputs.rundir import RUN_DIR_NAME
-from instability_watch.ranks import broadcast_from_rank_zero, distributed
+from instability_watch.ranks import broadcast_from_rank_zero, distributed, log_rank_zero
 
 log = logging.getLogger("instability_watch")
 
@@ -206,8 +206,9 @@ class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, **kwargs):
         """Attach to the model the Trainer trains, restore the checkpoint's watch state, open the run directory."""
         if not self._place() and self.log_scalars:
-            log.warning("instability_watch: could not find the Trainer's callback list; the scalars reach "
-                        "state.log_history and the callbacks after this one, but not the report_to integrations")
+            log_rank_zero(logging.WARNING, "instability_watch: could not find the Trainer's callback list; the "
+                          "scalars reach state.log_history and the callbacks after this one, but not the report_to "
+                          "integrations")
         if self.watch is not None and not self._finished:
             self.close()  # a callback reused for another train() without its end: start clean
         self._start_run()
@@ -280,8 +281,8 @@ class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
             except (KeyError, TypeError, ValueError) as exc:  # other layers (another model): start fresh
                 if self.config.strict:
                     raise
-                log.warning("instability_watch: the checkpoint's watch state does not fit this model (%s); "
-                            "the watch starts fresh at step %d", exc, state.global_step)
+                log_rank_zero(logging.WARNING, "instability_watch: the checkpoint's watch state does not fit this "
+                              "model (%s); the watch starts fresh at step %d", exc, state.global_step)
         ok = all_true(loaded)  # every rank restores, or every rank starts fresh: the ranks stay in lockstep
         if not ok:
             if loaded:  # restored here but not on another rank: drop it
@@ -315,14 +316,15 @@ class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
             except Exception as exc:  # noqa: BLE001 - a damaged file: train on, fresh
                 if self.config.strict:
                     raise
-                log.warning("instability_watch: cannot read %s (%s); ignored", path, exc)
+                log_rank_zero(logging.WARNING, "instability_watch: cannot read %s (%s); ignored", path, exc)
                 continue
             if not isinstance(payload, dict) or payload.get("version") != _STATE_VERSION:
-                log.warning("instability_watch: %s is not a watch state of version %d; ignored", path, _STATE_VERSION)
+                log_rank_zero(logging.WARNING, "instability_watch: %s is not a watch state of version %d; ignored",
+                              path, _STATE_VERSION)
                 continue
             if payload.get("global_step") != step:
-                log.warning("instability_watch: %s was saved at step %s, the Trainer resumes at step %d; ignored",
-                            path, payload.get("global_step"), step)
+                log_rank_zero(logging.WARNING, "instability_watch: %s was saved at step %s, the Trainer resumes at "
+                              "step %d; ignored", path, payload.get("global_step"), step)
                 continue
             return payload
         return None

@@ -32,6 +32,7 @@ from instability_watch.callbacks.common import WatchAdapter, run_dir_under, scal
 from instability_watch.engine.readback import ReadBack
 from instability_watch.engine.watch import InstabilityWatch
 from instability_watch.model.layer import AttentionLayer
+from instability_watch.ranks import log_rank_zero
 
 log = logging.getLogger("instability_watch")
 
@@ -299,8 +300,8 @@ class InstabilityWatchCallback(WatchAdapter, Callback):
         except ValueError as exc:  # other layers (a renamed module, a compiled wrapper): start fresh
             if self.config.strict:
                 raise
-            log.warning("instability_watch: the checkpoint's watch state does not fit this model (%s); "
-                        "the watch starts fresh at the resumed step", exc)
+            log_rank_zero(logging.WARNING, "instability_watch: the checkpoint's watch state does not fit this model "
+                          "(%s); the watch starts fresh at the resumed step", exc)
             self._restored = False
             return
         self._restored = self.watch.attached

@@ -27,7 +27,8 @@ class WatchConfig:
             under 1% of a GPT-2-small step on an H100 (benchmarks/RESULTS.md).
         shadow_every: also run the shadow pass (``delta_lp - delta_hp``) in the
             backward on steps 1, 1 + n, ...; a multiple of ``probe_every``
-            (shadow steps are probe steps), or 0 for off.
+            (shadow steps are probe steps), or 0 for off. Default (None):
+            ``probe_every``, every probe step.
         spectral_every: compute sigma(W_Q) per head on steps 1, 1 + n, ... (0 off).
         log_every: read the device statistics back (one host sync) and run the
             detectors every this many steps (and once after the first probe step,
@@ -86,7 +87,7 @@ class WatchConfig:
     # GPT-2-small step of ~38 ms on an H100, and a read-back ~10 ms; every 20 steps that was
     # +1.1..+2.6% of the run, over the 1% bar (benchmarks/RESULTS.md, 2026-11-24)
     probe_every: int = 50
-    shadow_every: int = 50
+    shadow_every: Optional[int] = None  # None: probe_every (set probe_every alone and every probe step is shadowed)
     spectral_every: int = 50
     log_every: int = 200
     detectors: Tuple[str, ...] = KINDS
@@ -144,6 +145,8 @@ class WatchConfig:
 
         integer("log_every", 1)
         integer("probe_every", 1)
+        if self.shadow_every is None:  # frozen: set once, here
+            object.__setattr__(self, "shadow_every", self.probe_every)
         integer("shadow_every", 0)
         integer("spectral_every", 0)
         integer("warmup_steps", 0)

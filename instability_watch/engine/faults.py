@@ -61,6 +61,20 @@ class Faults:
             exc_info=None if isinstance(exc, OSError) else exc,  # a full disk needs no traceback; a bug does
         )
 
+    def turn_off(self, part: str, message: str) -> None:
+        """``part`` cannot work on this run (no failure inside the watch: e.g. nothing it can observe): raise
+        :class:`WatchError` with ``strict``; else turn it off, as :meth:`fail` does, and say why once on rank 0
+        (every rank meets the same condition)."""
+        if self.strict:
+            raise WatchError(message)
+        if part in self.disabled:
+            return
+        self.disabled[part] = message
+        hook = self._hooks.get(part)
+        if hook is not None:
+            hook(WatchError(message))
+        log_rank_zero(logging.ERROR, "%s. The watch's %s is turned off; training goes on.", message, part)
+
     def problem(self, key: str, message: str) -> None:
         """A bad value inside the watch: :class:`WatchError` with ``strict``, else a warning (once per ``key``)."""
         if self.strict:

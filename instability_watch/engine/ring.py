@@ -98,6 +98,7 @@ class Ring:
         self.pending: List[int] = []
         self.read_through = 0
         self._tensor: Optional[torch.Tensor] = None
+        self._max_cols: Optional[torch.Tensor] = None  # max_columns() on the ring's device (copied there once)
 
     def tensor(self, device: torch.device) -> torch.Tensor:
         """The ring on ``device`` (made, or moved there keeping its rows, on first use)."""
@@ -144,7 +145,9 @@ class Ring:
     def _reduce(self, data: torch.Tensor) -> torch.Tensor:
         """Sum counts, delta sums and loss (loss averaged) over ranks; max the logits, sigma and clip multipliers."""
         dist = torch.distributed
-        max_cols = self.columns.max_columns().to(data.device)
+        if self._max_cols is None or self._max_cols.device != data.device:
+            self._max_cols = self.columns.max_columns().to(data.device)  # once: a copy to the device syncs
+        max_cols = self._max_cols
         # NaN does not survive all_reduce(MAX) portably: reduce with -inf in its place.
         maxed = torch.where(max_cols & ~torch.isnan(data), data, torch.full_like(data, float("-inf")))
         summed = torch.where(max_cols, torch.zeros_like(data), data)

@@ -53,11 +53,12 @@ from __future__ import annotations
 import re
 import sys
 from dataclasses import dataclass
-from typing import Callable, Dict, List, Optional, Sequence, Tuple, Union
+from typing import Callable, Dict, Iterable, List, Optional, Sequence, Tuple, Union
 
 import torch
 import torch.nn as nn
 
+from instability_watch.errors import checking_keywords
 from instability_watch.model.families import FAMILIES
 
 
@@ -110,6 +111,12 @@ class AttentionLayer:
                 raise TypeError(f"AttentionLayer.{name} must be callable or None, got {type(value).__name__}")
         if self.w_k is None and (self.b_q is not None or self.b_k is not None):
             raise ValueError("AttentionLayer.b_q/b_k are used with w_k (for qk_clip): give w_k too")
+        for name in ("name", "family"):
+            if not isinstance(getattr(self, name), str):
+                raise TypeError(f"AttentionLayer.{name} must be a str, got {type(getattr(self, name)).__name__}")
+
+
+AttentionLayer.__init__ = checking_keywords(AttentionLayer.__init__)
 
 
 Layers = Union[Sequence[AttentionLayer], Callable[[nn.Module], Sequence[AttentionLayer]]]
@@ -178,7 +185,14 @@ def resolve_layers(model: nn.Module, layers: Optional[Layers]) -> List[Attention
     if layers is None:
         found = find_attention_layers(model)
     elif callable(layers):
-        found = list(layers(model))
+        found = layers(model)
+        if isinstance(found, AttentionLayer) or not isinstance(found, Iterable):
+            raise TypeError(f"layers, a function, must return a list of AttentionLayer, returned "
+                            f"{type(found).__name__}")
+        found = list(found)
+    elif isinstance(layers, AttentionLayer) or not isinstance(layers, Iterable):
+        raise TypeError(f"layers must be None, a list of AttentionLayer or a function of the model returning one, "
+                        f"got {type(layers).__name__}")
     else:
         found = list(layers)
     seen = set()
@@ -187,6 +201,7 @@ def resolve_layers(model: nn.Module, layers: Optional[Layers]) -> List[Attention
             raise TypeError(f"layers[{i}] must be an instability_watch.AttentionLayer, got {type(layer).__name__}")
         if not layer.name:
             layer.name = next((n for n, m in model.named_modules() if m is layer.module), f"layer{i}")
+            layer.name = layer.name or type(layer.module).__name__  # the model itself: its qualified name is ""
         if id(layer.module) in seen:
             raise ValueError(f"layer {layer.name!r} is listed twice")
         seen.add(id(layer.module))

@@ -41,6 +41,7 @@ from torch.overrides import TorchFunctionMode
 
 from instability_watch.kernels import dropout_seed, flash_attention, flash_attention_varlen, unsupported
 from instability_watch.kernels.attention.ops import ERROR_HANDLER
+from instability_watch.kernels import stats as _stats_kernels
 from instability_watch.kernels.stats import attention_shadow, attention_stats
 from instability_watch.kernels.stats.flex import (FLEX_OP, FlexCall, flex_shadow, flex_shadow_forward, flex_stats,
                                                   keep_mask, op_outputs, switch_refusal)
@@ -135,12 +136,13 @@ class ShadowTap(torch.autograd.Function):
     """Identity on ``o``; its backward runs the shadow pass on ``dO`` and returns ``dO`` unchanged."""
 
     @staticmethod
-    def forward(ctx, o, q, k, v, attn_mask, counts, values, causal, scale, on_error, dropout_p=0.0, seed=None):
+    def forward(ctx, o, q, k, v, attn_mask, counts, values, causal, scale, on_error, dropout_p=0.0, seed=None,
+                group=0):
         ctx.save_for_backward(o, q, k, v, attn_mask, seed)
         # the probe buffers as attributes, not saved tensors: other forwards add to them
         # before this backward runs, which must not trip autograd's version check
         ctx.buffers = (counts, values)
-        ctx.causal, ctx.scale, ctx.on_error, ctx.dropout_p = causal, scale, on_error, dropout_p
+        ctx.causal, ctx.scale, ctx.on_error, ctx.dropout_p, ctx.group = causal, scale, on_error, dropout_p, group
         return o.view_as(o)
 
     @staticmethod
@@ -149,8 +151,8 @@ class ShadowTap(torch.autograd.Function):
         counts, values = ctx.buffers
         _shadow_pass(ctx.on_error, counts, lambda: attention_shadow(
             q, k, v, o, do, attn_mask, counts, values, causal=ctx.causal, scale=ctx.scale, dropout_p=ctx.dropout_p,
-            seed=seed))
-        return do, None, None, None, None, None, None, None, None, None, None, None
+            seed=seed, group=ctx.group))
+        return do, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 class FlexShadowTap(torch.autograd.Function):
@@ -201,7 +203,7 @@ _observer_keys = itertools.count()
 # function called from eager layer forwards, as Hugging Face compiles FlexAttention, would otherwise be compiled
 # once per layer and run eagerly past Dynamo's recompile limit)
 _GROUPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
-_group_keys = itertools.count()
+_group_keys = itertools.count(1)  # from 1: group 0 is "no watch" to the statistics ops
 # the observer whose layer's forward is running (set by the layer's wrapper, eagerly or at trace time)
 _CURRENT: list = [None]
 
@@ -312,7 +314,7 @@ class SdpaObserver(TorchFunctionMode):
             if self.stats:
                 with torch.no_grad(), no_autocast(q.device.type):
                     attention_stats(q, k, mask, o, self.counts, self.values, causal=bool(call.is_causal),
-                                    scale=scale, eps=self.eps)
+                                    scale=scale, eps=self.eps, group=self.group)
                     self.counts[COUNT_ROW["observed_calls"]] += 1
             if self.shadow:
                 if call.dropout_p and seed is None:
@@ -322,7 +324,7 @@ class SdpaObserver(TorchFunctionMode):
                         o, q.detach(), k.detach(), v.detach(), None if mask is None else mask.detach(),
                         self.counts, self.values, bool(call.is_causal), scale,
                         None if compiling or self.on_error is None else self._statistics_failed,
-                        float(call.dropout_p) if seed is not None else 0.0, seed,
+                        float(call.dropout_p) if seed is not None else 0.0, seed, self.group,
                     )
         except Exception as exc:  # noqa: BLE001 - fail open: the user's output stands
             if self.on_error is None or compiling:
@@ -516,6 +518,20 @@ def _current_site(observation):
     """The site of the layer whose forward is running, if it belongs to ``observation``."""
     observer = _OBSERVERS.get(_CURRENT[0]) if _CURRENT[0] is not None else None
     return observer.site if observer is not None and observer.observation is observation else None
+
+
+def _compiled_pass_failed(group: int, exc: BaseException) -> bool:
+    """A statistics or shadow pass failed inside a compiled graph (its op has no caller's try/except around
+    it): the watch ``group`` reports it and turns its statistics off (``strict``: raises); False if no
+    such watch is left."""
+    observation = _GROUPS.get(group)
+    if observation is None or observation.on_error is None:
+        return False
+    observation.on_error("statistics", exc)
+    return True
+
+
+_stats_kernels.COMPILED_FAILURE = _compiled_pass_failed
 
 
 @torch._dynamo.assume_constant_result

@@ -128,8 +128,10 @@ def top_singular_values_of_gram(
     n, d, _ = gram.shape
     dev = gram.device
     if v0 is None or tuple(v0.shape) != (n, d):
-        gen = torch.Generator(device="cpu").manual_seed(0)
-        v = torch.randn(n, d, generator=gen).to(dev)
+        gen = torch.Generator(device="cpu").manual_seed(0)  # its own generator: never the global RNG's
+        v = torch.randn(n, d, generator=gen)
+        # from pinned memory the copy does not wait for the device (the first spectral read, or after a resume)
+        v = v.pin_memory().to(dev, non_blocking=True) if dev.type == "cuda" else v.to(dev)
     else:
         v = v0.to(device=dev, dtype=torch.float32)
     # Repeated squaring, normalised by the trace each time so nothing overflows.

@@ -284,3 +284,52 @@ def test_the_config_and_the_callbacks_keep_their_signatures_for_lightning_cli():
     parser.add_class_arguments(WatchConfig, "watch")
     config = parser.instantiate_classes(parser.parse_args(["--watch.probe_every=10", "--watch.shadow_every=10"]))
     assert config.watch == WatchConfig(probe_every=10, shadow_every=10)
+
+
+@pytest.mark.parametrize("kwargs, kind, match", [
+    (dict(listeners=print), TypeError, "listeners must be a list of callables.*got builtin_function_or_method"),
+    (dict(listeners=[1]), TypeError, r"listeners\[0\] must be callable.*got int"),
+    (dict(layers=5), TypeError, "layers must be None, a list of AttentionLayer or a function.*got int"),
+    (dict(layers=lambda m: 5), TypeError, "layers, a function, must return a list of AttentionLayer, returned int"),
+    (dict(check_step_calls="no"), TypeError, "check_step_calls must be a bool, got str"),
+])
+def test_bad_watch_arguments_name_the_argument_what_it_takes_and_what_was_given(kwargs, kind, match):
+    with pytest.raises(kind, match=match):
+        InstabilityWatch(_model(), WatchConfig(**EVERY), **kwargs)
+
+
+def test_bad_attention_layer_fields_and_switch_arguments_are_named():
+    from instability_watch import AttentionLayer
+
+    model = _model()
+    attn = model.h[0].attn
+    with pytest.raises(TypeError, match="AttentionLayer.name must be a str, got int"):
+        AttentionLayer(attn, 2, lambda: attn.c_attn.weight[:32].view(2, 16, 32), name=3)
+    with pytest.raises(TypeError, match="AttentionLayer got the unknown keyword argument 'num_kv_heads'"):
+        AttentionLayer(attn, 2, lambda: attn.c_attn.weight[:32].view(2, 16, 32), num_kv_heads=1)
+    watch = InstabilityWatch(model, WatchConfig(**EVERY))
+    with pytest.raises(TypeError, match="layer must be an int .the index in the CSV's `layer` column.*got str '0'"):
+        watch.switch("0", 1)
+    with pytest.raises(TypeError, match="layer must be an int .*got float 0.5"):
+        watch.switch(0.5, 0)
+    with pytest.raises(TypeError, match="head must be an int, got bool True"):
+        watch.switch(0, True)
+    watch.switch(np.int64(0), 1)  # a NumPy integer is an int
+    assert watch.switched == {(0, 1): 0}
+    watch.detach(read_back=False)
+
+
+def test_a_blank_run_dir_is_named_as_given():
+    from instability_watch.callbacks.hf import InstabilityWatchTrainerCallback
+
+    with pytest.raises(ValueError, match="run_dir must be None or a non-empty path, got '  '"):
+        InstabilityWatchTrainerCallback(WatchConfig(**EVERY), run_dir="  ")
+
+
+def test_probe_every_alone_is_enough_the_shadow_follows_it():
+    for n in (3, 20, 40, 50):
+        assert WatchConfig(probe_every=n).shadow_every == n
+    assert WatchConfig().shadow_every == 50 and WatchConfig(probe_every=20, shadow_every=0).shadow_every == 0
+    assert WatchConfig(probe_every=20) == WatchConfig(probe_every=20, shadow_every=20)
+    with pytest.raises(ValueError, match=r"shadow_every must be 0 or a multiple of probe_every \(20\).*got 50"):
+        WatchConfig(probe_every=20, shadow_every=50)

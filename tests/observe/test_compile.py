@@ -63,7 +63,7 @@ def test_no_graph_break_at_attention():
 # ---------------------------------------------------------------- a compiled model with the watch attached
 
 
-def _watched_gpt(cfg=None, n_layer=2):
+def _watched_gpt(cfg=None, n_layer=2, strict=True):
     """A small nanoGPT (NoPE and 8 tokens: many rows with repeated maxima) with the watch attached."""
     from instability_watch import InstabilityWatch, WatchConfig
 
@@ -73,7 +73,7 @@ def _watched_gpt(cfg=None, n_layer=2):
     model = GPT(GPTConfig(n_layer=n_layer, n_head=4, n_embd=64, block_size=32, pos_embedding=False))
     metrics = []
     cfg = cfg or dict(probe_every=2, shadow_every=4, spectral_every=2, log_every=4)
-    watch = InstabilityWatch(model, WatchConfig(warmup_steps=100, strict=True, **cfg),
+    watch = InstabilityWatch(model, WatchConfig(warmup_steps=100, strict=strict, **cfg),
                              listeners=[lambda r: metrics.extend(r.metrics)])
     return model, watch, metrics
 
@@ -564,3 +564,35 @@ def test_a_layer_that_unflattens_compiles_fullgraph_with_the_watch():
             assert [c.observed_calls for c in watch.coverage()] == [2]
             watch.detach()
     assert all(torch.equal(a, b) for a, b in zip(losses["watched"], losses["unwatched"]))
+
+
+@pytest.mark.parametrize("fails", ["stats_reference", "shadow_reference"])
+def test_a_pass_failing_inside_a_compiled_graph_is_turned_off_and_training_goes_on(fails, monkeypatch, caplog):
+    """The compiled graph runs the statistics and shadow ops with no caller's try/except around them: the op
+    reports the failure to its watch, which turns the statistics off once; training stays as unwatched.
+    With strict the failure is raised."""
+    import logging
+
+    import instability_watch.kernels.stats as stats_kernels
+
+    def broken(*args, **kwargs):
+        raise RuntimeError("injected failure")
+
+    cfg = dict(probe_every=2, shadow_every=2, spectral_every=2, log_every=2)
+    for strict in (False, True):
+        torch._dynamo.reset()
+        model, watch, _ = _watched_gpt(cfg, strict=strict)
+        compiled = torch.compile(model, backend="aot_eager", fullgraph=True)
+        _train_gpt(model, compiled, watch, 2)  # compiled and watched
+        monkeypatch.setattr(stats_kernels, fails, broken)
+        if strict:
+            with pytest.raises(RuntimeError, match="injected failure"):
+                _train_gpt(model, compiled, watch, 4)
+        else:
+            with caplog.at_level(logging.ERROR, logger="instability_watch"):
+                _, losses = _train_gpt(model, compiled, watch, 4)
+            assert list(watch.disabled) == ["statistics"] and "injected failure" in watch.disabled["statistics"]
+            assert sum("statistics failed and is turned off" in r.getMessage() for r in caplog.records) == 1
+            assert all(torch.isfinite(x) for x in losses)
+        monkeypatch.undo()
+        watch.detach(read_back=False)

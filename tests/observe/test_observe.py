@@ -10,6 +10,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from instability_watch import InstabilityWatch, WatchConfig
+from instability_watch.errors import WatchError
 from instability_watch.kernels import stats as st
 from instability_watch.model.layer import AttentionLayer, find_attention_layers
 from instability_watch.observe.mha import MHA_WEIGHTS
@@ -232,14 +233,36 @@ class _ManualAttention(nn.Module):
         return torch.softmax(q @ x.transpose(-1, -2), dim=-1) @ x
 
 
-def test_nothing_observable_is_an_error_after_the_first_probe_step():
+def test_nothing_observable_is_an_error_after_the_first_probe_step_with_strict():
     torch.manual_seed(0)
     model = _ManualAttention()
-    watch = InstabilityWatch(model, WatchConfig(probe_every=1), layers=[AttentionLayer(model, 2, lambda: model.wq)])
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, strict=True),
+                             layers=[AttentionLayer(model, 2, lambda: model.wq)])
     watch.step()  # no forward yet: nothing to judge
     model(torch.randn(1, 2, 5, 8)).sum().backward()
-    with pytest.raises(ValueError, match="observed no attention call.*no attention call the watch can see"):
+    with pytest.raises(WatchError, match="observed no attention call.*no attention call the watch can see"):
         watch.step()
+    watch.detach()
+
+
+def test_nothing_observable_without_strict_turns_the_statistics_off_once_and_training_goes_on(caplog):
+    torch.manual_seed(0)
+    model = _ManualAttention()
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=2),
+                             layers=[AttentionLayer(model, 2, lambda: model.wq)])
+    with caplog.at_level(logging.ERROR, logger="instability_watch"):
+        for _ in range(4):
+            model(torch.randn(1, 2, 5, 8)).sum().backward()
+            watch.step()
+    said = [r.getMessage() for r in caplog.records if "observed no attention call" in r.getMessage()]
+    assert len(said) == 1 and "statistics is turned off; training goes on" in said[0], said
+    assert list(watch.disabled) == ["statistics"] and "no attention call the watch can see" in watch.disabled[
+        "statistics"]
+    # nothing is looked at after the first probe step: its one call is all the coverage counts
+    unobserved = watch.coverage()[0].unobserved_calls
+    assert list(unobserved.values()) == [1] and next(iter(unobserved)).startswith("no attention call the watch can")
+    # sigma(W_Q) is still measured on the layer the locator named
+    assert np.isfinite(watch.last_metrics[-1]["sigma_wq"]).all()
     watch.detach()
 
 
@@ -371,9 +394,9 @@ def test_multihead_attention_with_its_weights_is_located_and_said_once(caplog):
     watch.detach()
     # with sigma(W_Q) off nothing at all would be watched: an error naming the reason, as for any such model
     for off in (dict(spectral_every=0), dict(spectral_every=1, detectors=("multi_max", "logit_growth"))):
-        watch = InstabilityWatch(wrapped, WatchConfig(probe_every=1, log_every=1, **off))
+        watch = InstabilityWatch(wrapped, WatchConfig(probe_every=1, log_every=1, strict=True, **off))
         wrapped(torch.randn(2, 5, 16)).sum().backward()
-        with pytest.raises(ValueError, match="observed no attention call on the first probe step: nn.Multihead"):
+        with pytest.raises(WatchError, match="observed no attention call on the first probe step: nn.Multihead"):
             watch.step()
         watch.detach()
 
@@ -429,3 +452,21 @@ def test_attach_errors_name_the_problem():
         InstabilityWatch(model)
     watch.detach()
     InstabilityWatch(model).detach()  # free again after detach
+
+
+def test_a_described_layer_the_model_never_calls_is_named_once(caplog):
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=32, block_size=16))
+    stray = nn.Linear(32, 32)
+    layers = find_attention_layers(model) + [AttentionLayer(stray, 2, lambda: stray.weight.view(2, 16, 32),
+                                                            name="stray")]
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, log_every=1), layers=layers)
+    x = torch.randint(0, 256, (2, 16))
+    with caplog.at_level(logging.WARNING, logger="instability_watch"):
+        for _ in range(3):
+            model(x, x)[1].backward()
+            watch.step()
+    said = [r.getMessage() for r in caplog.records if "made no attention call" in r.getMessage()]
+    assert len(said) == 1 and "'stray'" in said[0] and "h.0.attn" not in said[0], said
+    assert watch.disabled == {}
+    watch.detach()

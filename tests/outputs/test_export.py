@@ -139,6 +139,25 @@ def test_refuses_to_overwrite_and_rejects_other_layers_on_resume(tied_run, tmp_p
         RunWriter(tmp_path).open(watch, resume_step=10)
 
 
+def test_a_run_that_recorded_nothing_holds_nothing_to_lose(tied_run, tmp_path):
+    """A run stopped before its first read-back leaves headers only: a new run may take its directory; one
+    row of metrics or of events makes it a run."""
+    d, watch, _ = tied_run
+    for name in ("meta.json", "metrics.csv", "events.csv"):
+        text = (d / name).read_text()
+        (tmp_path / name).write_text(text if name == "meta.json" else text.splitlines(keepends=True)[0])
+    assert not RunWriter(tmp_path).holds_run()
+    for name in ("metrics.csv", "events.csv"):
+        sub = tmp_path / name.split(".")[0]
+        sub.mkdir()
+        (sub / name).write_text("".join((d / name).read_text().splitlines(keepends=True)[:2]))
+        assert RunWriter(sub).holds_run(), name
+    writer = RunWriter(tmp_path)
+    writer.open(watch)
+    writer.close()
+    assert json.loads((tmp_path / "meta.json").read_text())["heads"] == watch.head_counts
+
+
 def test_loader_errors_name_the_path(tmp_path):
     with pytest.raises(RunDirError, match="no such directory"):
         load_run(tmp_path / "missing")

@@ -55,7 +55,7 @@ bounded (about :data:`CHUNK_ELEMENTS` scores at a time) whatever ``N``.
 from __future__ import annotations
 
 import importlib.util
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -92,26 +92,50 @@ def _triton():
     return _TRITON_MODULE
 
 
+# Fail-open inside a compiled graph. An eager caller runs the passes inside its own try/except; a graph
+# torch.compile made runs the ops with nothing of that around them, so the op itself hands a failure to
+# ``COMPILED_FAILURE(group, exc)`` (set by the observers: it reports the failure to the watch of that group and
+# turns its statistics off, or raises with ``strict``) and leaves this call's statistics out. ``group`` 0, or a
+# handler that returns False (no watch of that group): the failure propagates.
+COMPILED_FAILURE: Optional[Callable[[int, BaseException], bool]] = None
+
+
+def _failing_open(group: int, run: Callable[[], None]) -> None:
+    if not group:
+        run()
+        return
+    try:
+        run()
+    except Exception as exc:  # noqa: BLE001 - reported to the group's watch, or re-raised
+        handler = COMPILED_FAILURE
+        if handler is None or not handler(group, exc):
+            raise
+
+
 def _stats_impl(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor], o: Optional[Tensor], counts: Tensor, values: Tensor,
-    causal: bool, scale: float, eps: float,
+    causal: bool, scale: float, eps: float, group: int = 0,
 ) -> None:
     if triton_serves(q, k):
-        _triton().attention_stats(q, k, attn_mask, o, counts, values, causal=causal, scale=scale, eps=eps)
+        _failing_open(group, lambda: _triton().attention_stats(q, k, attn_mask, o, counts, values, causal=causal,
+                                                               scale=scale, eps=eps))
     else:
-        stats_reference(q, k, attn_mask, o, counts, values, causal=causal, scale=scale, eps=eps)
+        _failing_open(group, lambda: stats_reference(q, k, attn_mask, o, counts, values, causal=causal,
+                                                     scale=scale, eps=eps))
 
 
 def _shadow_impl(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, attn_mask: Optional[Tensor],
     counts: Tensor, values: Tensor, causal: bool, scale: float, dropout_p: float, seed: Optional[Tensor],
+    group: int = 0,
 ) -> None:
     if triton_serves(q, k, v):
-        _triton().attention_shadow(q, k, v, o, do, attn_mask, counts, values, causal=causal, scale=scale,
-                                   dropout_p=dropout_p, seed=seed)
+        _failing_open(group, lambda: _triton().attention_shadow(q, k, v, o, do, attn_mask, counts, values,
+                                                                causal=causal, scale=scale, dropout_p=dropout_p,
+                                                                seed=seed))
     else:
-        shadow_reference(q, k, v, o, do, attn_mask, counts, values, causal=causal, scale=scale,
-                         dropout_p=dropout_p, seed=seed)
+        _failing_open(group, lambda: shadow_reference(q, k, v, o, do, attn_mask, counts, values, causal=causal,
+                                                      scale=scale, dropout_p=dropout_p, seed=seed))
 
 
 # As torch.library ops, so that torch.compile traces an observed call without a graph break.
@@ -120,39 +144,47 @@ shadow_op = torch.library.custom_op("instability_watch::attention_shadow", _shad
 
 
 @stats_op.register_fake
-def _(q, k, attn_mask, o, counts, values, causal, scale, eps):
+def _(q, k, attn_mask, o, counts, values, causal, scale, eps, group=0):
     return None
 
 
 @shadow_op.register_fake
-def _(q, k, v, o, do, attn_mask, counts, values, causal, scale, dropout_p, seed):
+def _(q, k, v, o, do, attn_mask, counts, values, causal, scale, dropout_p, seed, group=0):
     return None
 
 
 def attention_stats(
     q: Tensor, k: Tensor, attn_mask: Optional[Tensor], o: Optional[Tensor], counts: Tensor, values: Tensor,
-    *, causal: bool, scale: float, eps: float,
+    *, causal: bool, scale: float, eps: float, group: int = 0,
 ) -> None:
     """The statistics pass (module docstring): Triton on CUDA, PyTorch elsewhere. Inputs assumed checked.
 
     Shapes and dtypes as :func:`stats_reference`'s; adds into ``counts`` and ``values``, no host sync.
+    ``group``: the watch whose :data:`COMPILED_FAILURE` handler takes a failure in a compiled graph (0: none;
+    eager calls raise, their caller handles it).
     """
-    run = stats_op if torch.compiler.is_compiling() else _stats_impl  # eager calls skip the op dispatcher
-    run(q, k, attn_mask, o, counts, values, bool(causal), float(scale), float(eps))
+    if torch.compiler.is_compiling():
+        stats_op(q, k, attn_mask, o, counts, values, bool(causal), float(scale), float(eps), int(group))
+    else:  # eager calls skip the op dispatcher
+        _stats_impl(q, k, attn_mask, o, counts, values, bool(causal), float(scale), float(eps))
 
 
 def attention_shadow(
     q: Tensor, k: Tensor, v: Tensor, o: Tensor, do: Tensor, attn_mask: Optional[Tensor],
     counts: Tensor, values: Tensor, *, causal: bool, scale: float, dropout_p: float = 0.0,
-    seed: Optional[Tensor] = None,
+    seed: Optional[Tensor] = None, group: int = 0,
 ) -> None:
     """The shadow pass (module docstring): Triton on CUDA, PyTorch elsewhere. Inputs assumed checked.
 
     Shapes and dtypes as :func:`shadow_reference`'s; adds into ``counts`` and ``values``, no host sync.
 
     ``dropout_p > 0`` needs the call's ``seed`` (int64 ``(2,)``, :func:`~instability_watch.kernels.dropout_seed`).
+    ``group`` as :func:`attention_stats`'s.
     """
     if dropout_p and seed is None:
         raise ValueError("attention_shadow: dropout_p > 0 needs the call's seed, got seed=None")
-    run = shadow_op if torch.compiler.is_compiling() else _shadow_impl
-    run(q, k, v, o, do, attn_mask, counts, values, bool(causal), float(scale), float(dropout_p), seed)
+    if torch.compiler.is_compiling():
+        shadow_op(q, k, v, o, do, attn_mask, counts, values, bool(causal), float(scale), float(dropout_p), seed,
+                  int(group))
+    else:
+        _shadow_impl(q, k, v, o, do, attn_mask, counts, values, bool(causal), float(scale), float(dropout_p), seed)

@@ -118,6 +118,16 @@ def _cut(f, size: int) -> None:
         pass  # a torn last line stays; the loader skips it
 
 
+def _has_rows(path: Path) -> bool:
+    """``path`` is a CSV with a row below its header."""
+    try:
+        with open(path, "rb") as f:
+            f.readline()
+            return bool(f.read(1).strip())
+    except FileNotFoundError:
+        return False
+
+
 def _why(exc: OSError) -> str:
     return exc.strerror or (os.strerror(exc.errno) if exc.errno else str(exc))
 
@@ -171,8 +181,9 @@ class RunWriter:
         return self._metrics_f is not None
 
     def holds_run(self) -> bool:
-        """``run_dir`` already holds a run (its ``metrics.csv`` or ``meta.json`` exists)."""
-        return (self.run_dir / METRICS_FILE).exists() or (self.run_dir / META_FILE).exists()
+        """``run_dir`` already holds a run: a step in its ``metrics.csv`` or an event in its ``events.csv``.
+        A run that recorded nothing (it stopped before its first read-back) holds nothing to lose."""
+        return _has_rows(self.run_dir / METRICS_FILE) or _has_rows(self.run_dir / EVENTS_FILE)
 
     def conflict(self, *, resuming: bool = False) -> Optional[str]:
         """Why :meth:`open` would refuse ``run_dir`` (``None`` if it would not): it holds a run, and
