@@ -3,7 +3,7 @@
 # what of it runs there, before the watch observes its functions. FA4's compiler library is a 92 MB wheel; a device
 # call carries 64 MiB with the working tree (20 MB), so the wheels travel in three calls to the same warm machine.
 #
-#   bash benchmarks/fa4_contact.sh fetch    here: the wheels into .whl/fa4_1, .whl/fa4_2, .whl/fa4_3 (40 MiB at most)
+#   bash benchmarks/fa4_contact.sh fetch    here: the wheels into .whl/fa4_1, .whl/fa4_2, .whl/fa4_3 (37 MB each)
 #   bash benchmarks/fa4_contact.sh stage    device calls 1 and 2, carry [".whl/fa4_1"], then [".whl/fa4_2"]: keeps
 #                                           what came in $FA4_HOME/parts
 #   bash benchmarks/fa4_contact.sh run      device call 3 (the machine still warm), carry [".whl/fa4_3"]: joins the
@@ -25,9 +25,11 @@ fetch)
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
             -d .whl/fa4_dl "$w"
     done
-    split -b 40M ".whl/fa4_dl/$big" ".whl/fa4_dl/$big.part-"
-    mv ".whl/fa4_dl/$big.part-aa" .whl/fa4_1/ && mv ".whl/fa4_dl/$big.part-ab" .whl/fa4_2/
-    mv ".whl/fa4_dl/$big".part-* .whl/fa4_3/ && rm ".whl/fa4_dl/$big" && mv .whl/fa4_dl/*.whl .whl/fa4_3/
+    # three loads of ~36.9 MB each (110.6 MB of wheels), each beside the 27 MB working tree under the 64 MiB a call
+    head -c 28500000 ".whl/fa4_dl/$big" > ".whl/fa4_1/$big.part-aa"
+    tail -c +28500001 ".whl/fa4_dl/$big" | head -c 26600000 > ".whl/fa4_2/$big.part-ab"
+    tail -c +55100001 ".whl/fa4_dl/$big" > ".whl/fa4_3/$big.part-ac" && rm ".whl/fa4_dl/$big"
+    mv .whl/fa4_dl/cuda_bindings-*.whl .whl/fa4_1/ && mv .whl/fa4_dl/*.whl .whl/fa4_2/
     rm -rf .whl/fa4_dl
     du -sh .whl/fa4_1 .whl/fa4_2 .whl/fa4_3
     ;;
