@@ -3,7 +3,9 @@ same packed call, forward and forward + backward, on the GPU (issue 43's bar: >=
 
 Documents of random lengths (seeded) fill ``--tokens`` tokens; causal; BF16; GQA as given. Each variant is
 timed with CUDA events over ``--iters`` calls after a warm-up, in ``--rounds`` interleaved rounds; the table gives
-the median per variant and the ratio varlen_attn / ours (> 1: ours faster).
+the median per variant and the ratio varlen_attn / ours (> 1: ours faster). "ours" reuses the documents'
+ranges kept from the call before (the same boundary tensor, as the layers of one step pass it); "ours, documents
+found afresh" finds them in every call (a step's first layer, or a model of one attention layer).
 
 Run:  python benchmarks/varlen_speed.py [--tokens 16384] [--heads 16] [--kv-heads 4] [--head-dim 128]
                                        [--rounds 5] [--json out.json] [--sweep dkdv --sweep dq ...]
@@ -73,17 +75,22 @@ def main() -> int:
                                max_len, window_size=(-1, 0))
     import instability_watch.kernels.attention.triton as ta
 
-    def ours(expand: bool = False, fused=None, ordered: bool = False, **kw):
+    from instability_watch.kernels.attention.ops import forget_documents
+
+    def ours(expand: bool = False, fused=None, ordered: bool = False, afresh: bool = False, **kw):
         def call():
             ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
             ta.FUSED_BACKWARD = fused
             ta.TILE_ORDER = ordered
+            if afresh:  # the documents' ranges found again in this call, as a step's first layer finds them
+                forget_documents()
             return flash_attention_varlen(q, k, v, cu, causal=True, **kw)
         return call
 
     variants = {
         "varlen_attn": theirs,
-        "ours": ours(),
+        "ours": ours(),  # the documents kept from the call before, as a step's later layers find them
+        "ours, documents found afresh": ours(afresh=True),
         "ours, every head stabilized": ours(stabilize=stab),
         "ours, dK/dV per query head": ours(expand=True),  # GQA_EXPAND: off by default until measured
         "ours, fused backward": ours(fused=True),  # FUSED_BACKWARD: dropout calls only by default

@@ -292,3 +292,39 @@ def test_tiles_launched_in_the_order_of_their_work_give_the_same_results(case, m
         while span.dim() > 1:
             span = span.amax(dim=0)
         assert (span[order.long()].diff() <= 0).all() and span.unique().numel() > 1, name  # the widest first
+
+
+def test_the_documents_of_a_batch_are_found_once_for_every_layer_and_again_when_they_change():
+    """The layers of a step pass the same boundary tensors: their documents (and the tiles' ranges) are kept and
+    reused, forward and backward. A boundary tensor refilled in place, or another tensor, is new documents; and
+    the outputs stay those of a call that finds them afresh."""
+    from instability_watch.kernels.attention import ops
+
+    ops.forget_documents()
+    cu = torch.tensor(CU, dtype=torch.int32)
+    q, k, v, do = _inputs(("kept",))
+    first = ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0))
+    assert ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0)) is first
+    assert ops._kept_documents(cu, cu, CU[-1], CU[-1], (9, 0)) is not first  # another window: other ranges
+    assert ops._kept_documents(cu.clone(), cu, CU[-1], CU[-1], (-1, 0)) is not first  # another tensor
+    outs = [_fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu, causal=True, backend="triton"), q, k, v,
+                     do)]
+    assert len(ops._DOCUMENTS) == 3  # the call's documents were the ones kept
+    cu[1] = 20  # refilled in place: new documents
+    moved = ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0))
+    assert moved is not first and int(moved.doc_q[25]) == 1 and int(first.doc_q[25]) == 0
+    outs.append(_fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu, causal=True, backend="triton"), q, k,
+                         v, do))
+    ops.forget_documents()
+    fresh = _fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu.clone(), causal=True, backend="triton"),
+                     q, k, v, do)
+    assert all(torch.equal(a, b) for a, b in zip(outs[1], fresh))
+    assert not torch.equal(outs[0][0], outs[1][0])
+    with torch.inference_mode():  # no version counter: found afresh each time, not kept
+        cu_inf = torch.tensor(CU, dtype=torch.int32)
+    assert ops._kept_documents(cu_inf, cu_inf, CU[-1], CU[-1], (-1, 0)) is not ops._kept_documents(
+        cu_inf, cu_inf, CU[-1], CU[-1], (-1, 0))
+    for i in range(ops.DOCUMENTS_KEPT + 3):
+        ops._kept_documents(torch.tensor(CU), torch.tensor(CU), CU[-1], CU[-1], (i, 0))
+    assert len(ops._DOCUMENTS) == ops.DOCUMENTS_KEPT
+    ops.forget_documents()

@@ -15,9 +15,11 @@ passed back to the same backend's backward.
 """
 from __future__ import annotations
 
+import collections
 import contextvars
 import math
 import os
+import weakref
 from typing import Optional, Tuple
 
 import torch
@@ -139,6 +141,35 @@ def _triton():
     return _TRITON_MODULE
 
 
+# The documents of one packed batch serve every layer of a step, forward and backward: their tiles' ranges are
+# found once (about a hundred small device operations a call otherwise, which set the pace of an eager packed
+# call). Keyed by the boundary tensors themselves, held weakly (identity, and their in-place version: a buffer
+# refilled in place is new documents), the lengths and the window; a few batches at most.
+_DOCUMENTS: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+DOCUMENTS_KEPT = 4
+
+
+def _kept_documents(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, window: Tuple[int, int]):
+    try:
+        key = (id(cu_q), cu_q._version, id(cu_k), cu_k._version, t_q, t_k, window)
+    except RuntimeError:  # an inference tensor has no version counter: not kept
+        return _triton().Documents(cu_q, cu_k, t_q, t_k, window)
+    hit = _DOCUMENTS.get(key)
+    if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k:
+        _DOCUMENTS.move_to_end(key)
+        return hit[2]
+    docs = _triton().Documents(cu_q, cu_k, t_q, t_k, window)
+    _DOCUMENTS[key] = (weakref.ref(cu_q), weakref.ref(cu_k), docs)
+    while len(_DOCUMENTS) > DOCUMENTS_KEPT:
+        _DOCUMENTS.popitem(last=False)
+    return docs
+
+
+def forget_documents() -> None:
+    """Drop the documents kept from earlier packed calls (their ranges are found again on the next call)."""
+    _DOCUMENTS.clear()
+
+
 def _documents(q: Tensor, k: Tensor, cu_q: Optional[Tensor], cu_k: Optional[Tensor], win_l: int, win_r: int,
                 backend: str):
     """``(documents, attn_mask)`` of a packed call (``cu_q`` given): the Triton kernels' document mask, or for
@@ -147,7 +178,7 @@ def _documents(q: Tensor, k: Tensor, cu_q: Optional[Tensor], cu_k: Optional[Tens
         return None, None
     t_q, t_k = q.shape[2], k.shape[2]
     if backend == "triton":
-        return _triton().Documents(cu_q, cu_k, t_q, t_k, (win_l, win_r)), None
+        return _kept_documents(cu_q, cu_k, t_q, t_k, (win_l, win_r)), None
     doc_q, pos_q, doc_k, pos_k = documents(cu_q, cu_k, t_q, t_k)
     keep = doc_q[:, None] == doc_k[None, :]
     if win_l >= 0:
