@@ -8,8 +8,9 @@
 #
 #   IW_EP_PARTS="tests varlen" bash benchmarks/gpu_entry_points.sh      (8 minutes at most)
 #   IW_EP_PARTS="flex" bash benchmarks/gpu_entry_points.sh              (6 minutes at most)
-#   IW_EP_PARTS="overhead" bash benchmarks/gpu_entry_points.sh          (5 minutes at most; with a kernel table of
-#                                                                        one ordinary and one probe step a model)
+#   IW_EP_PARTS="overhead" bash benchmarks/gpu_entry_points.sh          (7 minutes at most; with a kernel table of
+#                                                                        one ordinary and one probe step a model;
+#                                                                        packed flex also with --flex-stats mask)
 #   IW_EP_PARTS="sweep" bash benchmarks/gpu_entry_points.sh             (7 minutes at most)
 #
 # (default: all five, in this order; IW_SWEEP_S and IW_OVERHEAD_S change those parts' limits).
@@ -42,9 +43,13 @@ for p in $parts; do
                     --profile "$out/profile" ;;
         flex) run flex_switch_speed 360 python benchmarks/flex_switch_speed.py --rounds 3 \
                   --json "$out/flex_switch_speed.json" --profile "$out/profile" ;;
-        overhead) run overhead "${IW_OVERHEAD_S:-300}" python benchmarks/observer_overhead.py \
-                      --models "${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen}" --rounds 2 --json "$out/overhead.json" \
-                      --profile "$out/profile" ;;
+        overhead)  # packed flex twice: its passes through FlexAttention (the default), then SDPA's over its mask
+            run overhead "${IW_OVERHEAD_S:-200}" python benchmarks/observer_overhead.py \
+                --models "${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen}" --rounds 2 --kind-rounds 1 \
+                --json "$out/overhead.json" --profile "$out/profile"
+            run overhead_mask "${IW_OVERHEAD_S:-200}" python benchmarks/observer_overhead.py --models packed-flex \
+                --rounds 2 --kind-rounds 1 --flex-stats mask --json "$out/overhead_mask.json" \
+                --profile "$out/profile" ;;
         sweep) run varlen_sweep "${IW_SWEEP_S:-420}" python benchmarks/varlen_speed.py --rounds 1 --sweep dkdv \
                    --sweep dq --json "$out/varlen_sweep.json" ;;
     esac
@@ -55,8 +60,10 @@ done
 [ -f "$out/flex_switch_speed.log" ] && { echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"
     grep -v "^profile\|^resources" "$out/flex_switch_speed.log" | tail -n 19
     grep -h "^resources" "$out/flex_switch_speed.log" | grep -v "spills=0 " | head -n 20; }
-[ -f "$out/overhead.log" ] && { echo "=== overhead"; grep -h "profile, " "$out/overhead.log"
-    grep -v "profile, " "$out/overhead.log" | tail -n 12; }
+for f in overhead overhead_mask; do
+    [ -f "$out/$f.log" ] && { echo "=== $f"; grep -h "profile, " "$out/$f.log"; grep -v "profile, " "$out/$f.log" |
+        tail -n 8; }
+done
 [ -f "$out/varlen_sweep.log" ] && { echo "=== varlen_sweep"; grep -h "^sweep " "$out/varlen_sweep.log" ||
     tail -n 30 "$out/varlen_sweep.log"; }  # cut short: the configs timed so far
 echo "=== status"; cat "$out/status.txt"

@@ -276,13 +276,20 @@ def profile_steps(name: str, c: Copy, batches: Callable[[int], List[dict]], devi
             wall = (time.perf_counter() - t0) * 1e3
         events = [e for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA]
         busy = sum(e.self_device_time_total for e in events) / 1e3
-        path = os.path.join(folder, f"steps_{name}_{kind}.txt")
+        via = "_via_mask" if name.endswith("flex") and _flex_via_mask() else ""
+        path = os.path.join(folder, f"steps_{name}{via}_{kind}.txt")
         with open(path, "w") as f:
             f.write(f"{name}, one {kind} step: wall {wall:.2f} ms, GPU busy {busy:.2f} ms\n")
             f.write(prof.key_averages().table(sort_by="self_cuda_time_total", row_limit=50))
         events.sort(key=lambda e: e.self_device_time_total, reverse=True)
         top = ", ".join(f"{e.key[:36]} {e.self_device_time_total / 1e3:.2f}" for e in events[:5])
         print(f"[{name}] profile, {kind} step: wall {wall:.2f} ms, GPU busy {busy:.2f} ms; top: {top}", flush=True)
+
+
+def _flex_via_mask() -> bool:
+    import instability_watch.kernels.stats.flex as flex_stats
+
+    return flex_stats.VIA_MASK
 
 
 def timed(c: Copy, batches: List[dict], device: str, skip: int = 0) -> float:
@@ -394,13 +401,20 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile both copies (after the watch attached); "
                                                            "no per-kind costs")
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--flex-stats", choices=("flex", "mask"), default="flex",
+                    help="the statistics and shadow passes of FlexAttention calls: FlexAttention's own (the default) "
+                         "or SDPA's over the call's mask (kernels.stats.flex.VIA_MASK)")
     ap.add_argument("--profile", metavar="DIR", help="also a kernel table of one ordinary and one probe step of each "
                                                      "model's watched copy, into DIR (CUDA)")
     args = ap.parse_args()
+    import instability_watch.kernels.stats.flex as flex_stats
+
+    flex_stats.VIA_MASK = args.flex_stats == "mask"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = [bench(name, args, device) for name in args.models.split(",")]
     if args.json:
-        write_json(args.json, {"device": device_name(device), "torch": torch.__version__, "results": results})
+        write_json(args.json, {"device": device_name(device), "torch": torch.__version__,
+                               "flex_stats": args.flex_stats, "results": results})
     print(f"\n{'model':<14} {'plain ms':>9} {'watch ms':>9} {'ratio':>7} {'range':>15} {'unobserved':>10}  "
           f"{'probe':>7} {'shadow':>7} {'switched':>8} {'clip':>7}")
     for r in results:

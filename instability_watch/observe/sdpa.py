@@ -44,7 +44,7 @@ from instability_watch.kernels.attention.ops import ERROR_HANDLER
 from instability_watch.kernels import stats as _stats_kernels
 from instability_watch.kernels.stats import attention_shadow, attention_stats
 from instability_watch.kernels.stats.flex import (FLEX_OP, FlexCall, flex_shadow, flex_shadow_forward, flex_stats,
-                                                  keep_mask, op_outputs, switch_refusal)
+                                                  keep_mask, mask_inputs, op_outputs, switch_refusal)
 from instability_watch.kernels.stats.varlen import VARLEN_OP, VarlenCall, varlen_shadow, varlen_stats
 from instability_watch.observe.coverage import KIND_ROW, NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED
 from instability_watch.observe.mha import MHA_FORWARD, TENSOR_UNFLATTEN, mha_call, unflatten
@@ -379,12 +379,21 @@ class SdpaObserver(TorchFunctionMode):
             return out
         self._in_other = True
         try:
+            sdpa = mask_inputs(call) if parser is FlexCall and (self.stats or self.shadow) else None
             if self.stats:
-                stats(call, out[0], self.counts, self.values, eps=self.eps)
+                if sdpa is not None:  # flex.VIA_MASK: SDPA's pass over the call's mask
+                    attention_stats(*sdpa[:2], sdpa[3], out[0], self.counts, self.values, causal=False,
+                                    scale=sdpa[4], eps=self.eps, group=self.group)
+                else:
+                    stats(call, out[0], self.counts, self.values, eps=self.eps)
                 self.counts[COUNT_ROW["observed_calls"]] += 1
             if self.shadow and out[0].requires_grad:
                 on_error = None if torch.compiler.is_compiling() or self.on_error is None else self._statistics_failed
-                if parser is FlexCall:
+                if sdpa is not None:
+                    q, k, v, keep, scale = sdpa
+                    tapped = ShadowTap.apply(out[0], q, k, v, keep, self.counts, self.values, False, scale, on_error,
+                                             0.0, None, self.group)
+                elif parser is FlexCall:
                     o_hp, live = flex_shadow_forward(call)
                     tapped = FlexShadowTap.apply(out[0], o_hp, live, self.counts, self.values, on_error)
                 else:

@@ -306,3 +306,67 @@ def test_hf_compiled_flex_is_compiled_once_for_every_layer():
     assert torch.equal(got, want)
     assert [c.observed_calls for c in watch.coverage()] == [3] * 12
     watch.detach()
+
+
+@pytest.mark.parametrize("packed", [False, True])
+def test_flex_statistics_through_sdpas_passes_with_the_mask_equal_the_default(packed, monkeypatch):
+    """flex.VIA_MASK (SDPA's passes over the call's inputs and its mask from mask_mod, for calls whose score_mod
+    leaves the scores as they are, as HF's does): the same per-head statistics as the default passes and as
+    sdpa, 0 calls unobserved."""
+    import instability_watch.kernels.stats.flex as flex
+
+    g = seeded("hf_flex_via_mask", packed)
+    lengths = (40, 30, 26)
+    ids = torch.randint(1, 64, (1, sum(lengths)), generator=g)
+    if packed:
+        pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+        cu = torch.tensor([0, 40, 70, 96], dtype=torch.int32)
+        batch = dict(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=40,
+                     max_length_k=40, use_cache=False)
+    else:
+        batch = dict(input_ids=ids.expand(2, -1).clone())
+    calls = []
+    real = flex.keep_mask
+    monkeypatch.setattr(flex, "keep_mask", lambda call: calls.append(1) or real(call))
+    results = {}
+    for via_mask in (False, True):
+        monkeypatch.setattr(flex, "VIA_MASK", via_mask)
+        metrics, coverage = _probe_step(_llama("flex_attention"), batch)
+        assert [c.unobserved_calls for c in coverage] == [{}, {}] and all(c.observed_calls == 1 for c in coverage)
+        results[via_mask] = metrics[0]
+    assert len(calls) == 2  # the mask path ran, once a layer
+    for name in ("rows", "multi_max_rows", "masked_rows", "nonfinite_rows"):
+        assert torch.equal(torch.as_tensor(results[True][name]), torch.as_tensor(results[False][name])), name
+    via, default = (torch.as_tensor(results[v]["max_score"]) for v in (True, False))
+    torch.testing.assert_close(via, default, rtol=1e-6, atol=1e-6)
+
+
+def test_flex_shadow_through_sdpas_pass_with_the_mask_equals_the_default():
+    """The shadow of a document-causal FlexAttention call with no score_mod: SDPA's shadow pass over its mask
+    (flex.VIA_MASK) against the default (the call again in float32): the same rows, signs and sums."""
+    import instability_watch.kernels.stats.flex as flex
+    from instability_watch.kernels.stats.flex import flex_shadow_forward
+    from instability_watch.observe.sdpa import FlexShadowTap, ShadowTap
+
+    q, k, v, _, block, _ = _packed()
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    scale = 0.25
+    call = FlexCall(q, k, v, lambda s, b, h, qi, kv: s, block.as_tuple(), scale, {}, rest=())
+    with torch.no_grad():
+        o = fa.flex_attention(q, k, v, block_mask=block, scale=scale, enable_gqa=True)
+    do = torch.randn(o.shape, generator=seeded("flex_shadow_via_mask")).to(o.dtype)
+    default, via = Probe(4), Probe(4)
+    o_hp, live = flex_shadow_forward(call)
+    FlexShadowTap.apply(o.detach().requires_grad_(True), o_hp, live, default.counts, default.values, None).backward(do)
+    flex.VIA_MASK = True
+    try:
+        qm, km, vm, keep, sc = flex.mask_inputs(call)
+    finally:
+        flex.VIA_MASK = False
+    assert keep.shape[-2:] == (sum(DOCS), sum(DOCS)) and sc == scale
+    ShadowTap.apply(o.detach().requires_grad_(True), qm, km, vm, keep, via.counts, via.values, False, sc,
+                    None).backward(do)
+    assert via.shadow_rows.tolist() == default.shadow_rows.tolist() == [q.shape[0] * sum(DOCS)] * 4
+    assert via.delta_err_pos.tolist() == default.delta_err_pos.tolist()
+    torch.testing.assert_close(via.delta_err_sum, default.delta_err_sum, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(via.delta_err_abs, default.delta_err_abs, rtol=1e-4, atol=1e-5)

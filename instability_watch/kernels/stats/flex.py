@@ -252,6 +252,27 @@ def keep_mask(call: FlexCall) -> Tensor:
     return fn(*idx, *m_buf).to(torch.bool)
 
 
+# A variant of the statistics and shadow passes for the calls a switch could serve (``score_mod`` leaving the
+# scores as they are): SDPA's passes (Triton on CUDA) over the call's inputs with its mask evaluated from
+# ``mask_mod`` (:func:`keep_mask`, ``B_m·N·N_kv`` bytes), where the default takes two more FlexAttention forwards and
+# one in float32 (the call again, for O_hp). The same definitions, so the same numbers up to the order of sums;
+# off until a GPU run says which is cheaper (``benchmarks/observer_overhead.py --flex-stats mask``).
+VIA_MASK = False
+
+
+def mask_inputs(call: FlexCall) -> Optional[Tuple[Tensor, Tensor, Tensor, Tensor, float]]:
+    """``(q, k, v, keep, scale)`` for SDPA's passes over this call (:data:`VIA_MASK`; the inputs in the dtype the
+    call computes in, detached), or None: the default passes (:data:`VIA_MASK` off, or a ``score_mod`` that
+    changes the scores)."""
+    if not VIA_MASK or switch_refusal(call) is not None:
+        return None
+    device = call.q.device.type
+    dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else call.q.dtype
+    with torch.no_grad():
+        q, k, v = (t.detach().to(dtype) for t in (call.q, call.k, call.v))
+        return q, k, v, keep_mask(call), float(call.scale)
+
+
 def op_outputs(call: FlexCall, o: Tensor, lse: Tensor) -> Tuple[Tensor, Tensor, Tensor]:
     """``(out, lse, max_scores)`` as the ``flex_attention`` op returns them, from our output and natural-log
     ``lse`` (+inf for a row without keys): the op's log-sum-exp is in log2 units (natural with the FLASH
