@@ -124,21 +124,26 @@ def _probe_step(model, batch):
     return metrics, coverage
 
 
+def _hf_batch(key: str, packed: bool) -> dict:
+    """Three documents of 40, 30 and 26 tokens in one row as DataCollatorWithFlattening packs them (position_ids
+    restarting per document, the packing kwargs), or unpacked: the same tokens as a batch of two rows."""
+    g = seeded(key, packed)
+    lengths = (40, 30, 26)
+    ids = torch.randint(1, 64, (1, sum(lengths)), generator=g)
+    if not packed:
+        return dict(input_ids=ids.expand(2, -1).clone())
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
+    cu = torch.tensor([0, 40, 70, 96], dtype=torch.int32)
+    return dict(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=40,
+                max_length_k=40, use_cache=False)
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_hf_llama_flex_attention_is_watched_like_sdpa(packed):
     """The same weights through sdpa and through flex_attention: 0 calls unobserved, the same per-head
     statistics. Packed: three documents in one row as DataCollatorWithFlattening packs them (position_ids
     restart per document; the packing kwargs make the document mask on sdpa and flex alike)."""
-    g = seeded("hf_flex", packed)
-    lengths = (40, 30, 26)
-    ids = torch.randint(1, 64, (1, sum(lengths)), generator=g)
-    if packed:
-        pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-        cu = torch.tensor([0, 40, 70, 96], dtype=torch.int32)
-        batch = dict(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=40,
-                     max_length_k=40, use_cache=False)
-    else:
-        batch = dict(input_ids=ids.expand(2, -1).clone())
+    batch = _hf_batch("hf_flex", packed)
     results = {}
     for impl in ("sdpa", "flex_attention"):
         metrics, coverage = _probe_step(_llama(impl), batch)
@@ -315,16 +320,7 @@ def test_flex_statistics_through_sdpas_passes_with_the_mask_equal_the_default(pa
     sdpa, 0 calls unobserved."""
     import instability_watch.kernels.stats.flex as flex
 
-    g = seeded("hf_flex_via_mask", packed)
-    lengths = (40, 30, 26)
-    ids = torch.randint(1, 64, (1, sum(lengths)), generator=g)
-    if packed:
-        pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)
-        cu = torch.tensor([0, 40, 70, 96], dtype=torch.int32)
-        batch = dict(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=40,
-                     max_length_k=40, use_cache=False)
-    else:
-        batch = dict(input_ids=ids.expand(2, -1).clone())
+    batch = _hf_batch("hf_flex_via_mask", packed)
     calls = []
     real = flex.keep_mask
     monkeypatch.setattr(flex, "keep_mask", lambda call: calls.append(1) or real(call))
