@@ -60,7 +60,7 @@ from instability_watch.engine.readback import ReadBack
 from instability_watch.engine.watch import InstabilityWatch
 from instability_watch.model.layer import AttentionLayer, not_found_message
 from instability_watch.outputs.rundir import RUN_DIR_NAME
-from instability_watch.ranks import broadcast_from_rank_zero, distributed, log_rank_zero
+from instability_watch.ranks import broadcast_from_rank_zero, distributed, log_rank_zero, rank
 
 log = logging.getLogger("instability_watch")
 
@@ -316,7 +316,7 @@ class InstabilityWatchTrainerCallback(WatchAdapter, TrainerCallback):
             except Exception as exc:  # noqa: BLE001 - a damaged file: train on, fresh
                 if self.config.strict:
                     raise
-                log_rank_zero(logging.WARNING, "instability_watch: cannot read %s (%s); ignored", path, exc)
+                log.warning("instability_watch (rank %d): cannot read %s (%s); ignored", rank(), path, exc)
                 continue
             if not isinstance(payload, dict) or payload.get("version") != _STATE_VERSION:
                 log_rank_zero(logging.WARNING, "instability_watch: %s is not a watch state of version %d; ignored",

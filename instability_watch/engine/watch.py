@@ -53,6 +53,7 @@ from instability_watch.engine.reader import Reader
 from instability_watch.engine.recorder import Recorder
 from instability_watch.engine.ring import Ring, RingColumns
 from instability_watch.errors import WatchError
+from instability_watch.kernels.attention.ops import forget_documents
 from instability_watch.model.families import qk_projections
 from instability_watch.model.layer import Layers, resolve_layers
 from instability_watch.observe.coverage import NOT_APPLIED, LayerCoverage
@@ -96,8 +97,9 @@ class InstabilityWatch:
             the locators know; a model whose attention cannot be observed at all
             (e.g. a Hugging Face model built with ``attn_implementation="eager"``).
             A model in which nothing could be observed on the first probe step
-            gets one error from :meth:`step`, naming the reasons, and its statistics
-            turned off (``strict``: :class:`~instability_watch.errors.WatchError`).
+            gets one error from :meth:`step`, naming the reasons, and trains on watching
+            sigma(W_Q) only (without it, the statistics turned off; ``strict``:
+            :class:`~instability_watch.errors.WatchError`).
 
     Attributes:
         step_count: optimizer steps seen (the last step passed to :meth:`step`).
@@ -351,6 +353,7 @@ class InstabilityWatch:
             TypeError: with ``strict``, ``loss`` is not a number or a tensor.
         """
         loss = check_loss(loss, self.faults)
+        forget_documents()  # a packed batch's documents are kept for one step's layers (host only; nothing if none)
         self.step_count += 1
         s = self.step_count
         if not self.attached:
@@ -452,10 +455,17 @@ class InstabilityWatch:
                           "shadow delta need the layers' attention as an F.scaled_dot_product_attention call",
                           listed)
             return
-        # the watch sees nothing of this model's attention: an error with strict, else said once (training goes on,
-        # with sigma(W_Q) where it is measured)
-        self.faults.turn_off("statistics", f"instability_watch observed no attention call on the first probe step: "
-                             f"{listed}")
+        # the watch sees nothing of this model's attention: an error with strict, else said once and training goes on,
+        # watching sigma(W_Q) where it is measured (the statistics stay armed: they cost nothing on such a model, and
+        # the recorder writes sigma with them), else with the statistics turned off
+        message = f"instability_watch observed no attention call on the first probe step: {listed}"
+        if self.config.strict:
+            raise WatchError(message)
+        if self._tracks_sigma():
+            log_rank_zero(logging.ERROR, "%s. Only sigma(W_Q) is watched (spectral_growth alerts); training goes on.",
+                          message)
+            return
+        self.faults.turn_off("statistics", message)
 
     # ------------------------------------------------------------------ acting, by hand
 

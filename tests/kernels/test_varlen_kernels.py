@@ -327,4 +327,15 @@ def test_the_documents_of_a_batch_are_found_once_for_every_layer_and_again_when_
     for i in range(ops.DOCUMENTS_KEPT + 3):
         ops._kept_documents(torch.tensor(CU), torch.tensor(CU), CU[-1], CU[-1], (i, 0))
     assert len(ops._DOCUMENTS) == ops.DOCUMENTS_KEPT
+    # a write PyTorch does not count (through .data) is seen once the watch's step forgets what was kept
+    from instability_watch import InstabilityWatch
+
+    watch = InstabilityWatch(torch.nn.MultiheadAttention(8, 2))
+    kept = ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0))
+    cu.data[1] = 30
+    assert ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0)) is kept  # within the step: as documented
+    watch.step()
+    assert not ops._DOCUMENTS
+    assert int(ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0)).doc_q[25]) == 0
+    watch.detach()
     ops.forget_documents()

@@ -152,6 +152,11 @@ def test_a_run_that_recorded_nothing_holds_nothing_to_lose(tied_run, tmp_path):
         sub.mkdir()
         (sub / name).write_text("".join((d / name).read_text().splitlines(keepends=True)[:2]))
         assert RunWriter(sub).holds_run(), name
+    # resuming into it is still a resume: its layers are checked against the model's
+    meta = json.loads((tmp_path / "meta.json").read_text())
+    (tmp_path / "meta.json").write_text(json.dumps({**meta, "heads": [8]}))
+    with pytest.raises(RunDirError, match="holds a run of layers"):
+        RunWriter(tmp_path).open(watch, resume_step=10)
     writer = RunWriter(tmp_path)
     writer.open(watch)
     writer.close()

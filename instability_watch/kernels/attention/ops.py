@@ -143,15 +143,17 @@ def _triton():
 
 # The documents of one packed batch serve every layer of a step, forward and backward: their tiles' ranges are
 # found once (about a hundred small device operations a call otherwise, which set the pace of an eager packed
-# call). Keyed by the boundary tensors themselves, held weakly (identity, and their in-place version: a buffer
-# refilled in place is new documents), the lengths and the window; a few batches at most.
+# call). Keyed by the boundary tensors themselves, held weakly (identity, storage and in-place version: a buffer
+# refilled by a torch operation is new documents), the lengths and the window; a few batches at most, and the
+# watch forgets them at every step (a write PyTorch does not count, through .data, NumPy or DLPack, is then seen
+# from the next step on; within a step the boundaries must change only through torch operations).
 _DOCUMENTS: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 DOCUMENTS_KEPT = 4
 
 
 def _kept_documents(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, window: Tuple[int, int]):
     try:
-        key = (id(cu_q), cu_q._version, id(cu_k), cu_k._version, t_q, t_k, window)
+        key = (id(cu_q), cu_q.data_ptr(), cu_q._version, id(cu_k), cu_k.data_ptr(), cu_k._version, t_q, t_k, window)
     except RuntimeError:  # an inference tensor has no version counter: not kept
         return _triton().Documents(cu_q, cu_k, t_q, t_k, window)
     hit = _DOCUMENTS.get(key)
@@ -167,7 +169,8 @@ def _kept_documents(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, window: Tupl
 
 def forget_documents() -> None:
     """Drop the documents kept from earlier packed calls (their ranges are found again on the next call)."""
-    _DOCUMENTS.clear()
+    if _DOCUMENTS:
+        _DOCUMENTS.clear()
 
 
 def _documents(q: Tensor, k: Tensor, cu_q: Optional[Tensor], cu_k: Optional[Tensor], win_l: int, win_r: int,

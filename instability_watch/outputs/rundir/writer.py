@@ -126,6 +126,8 @@ def _has_rows(path: Path) -> bool:
             return bool(f.read(1).strip())
     except FileNotFoundError:
         return False
+    except OSError:  # unreadable (a folder, no permission): counted as a run, so nothing is overwritten
+        return True
 
 
 def _why(exc: OSError) -> str:
@@ -209,7 +211,7 @@ class RunWriter:
         self._head_counts = list(head_counts)
         d = self.run_dir
         meta_path, metrics_path, events_path = d / META_FILE, d / METRICS_FILE, d / EVENTS_FILE
-        exists = self.holds_run()
+        exists = meta_path.exists() or metrics_path.exists()  # resuming continues what is there, rows or not
         d.mkdir(parents=True, exist_ok=True)
         meta = {
             "format": FORMAT_VERSION,
@@ -242,7 +244,7 @@ class RunWriter:
                             ", ".join(f"{n} line{'s' * (n != 1)} of {name}" for name, n in skipped.items() if n),
                             resume_step)
             mode = "a"
-        elif exists and not self.overwrite:
+        elif not self.overwrite and self.holds_run():  # a run that recorded nothing holds nothing to lose
             raise FileExistsError(self.conflict())
         else:
             mode = "w"
