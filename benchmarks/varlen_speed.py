@@ -75,7 +75,7 @@ def main() -> int:
                                max_len, window_size=(-1, 0))
     import instability_watch.kernels.attention.triton as ta
 
-    from instability_watch.kernels.attention.ops import forget_documents
+    from instability_watch.kernels.attention.ops import KEEP_DOCUMENTS, forget_documents
 
     def ours(expand: bool = False, fused=None, ordered: bool = False, afresh: bool = False, **kw):
         def call():
@@ -84,7 +84,11 @@ def main() -> int:
             ta.TILE_ORDER = ordered
             if afresh:  # the documents' ranges found again in this call, as a step's first layer finds them
                 forget_documents()
-            return flash_attention_varlen(q, k, v, cu, causal=True, **kw)
+            token = KEEP_DOCUMENTS.set(True)  # as a watch's routed calls keep them
+            try:
+                return flash_attention_varlen(q, k, v, cu, causal=True, **kw)
+            finally:
+                KEEP_DOCUMENTS.reset(token)
         return call
 
     variants = {

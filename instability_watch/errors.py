@@ -8,6 +8,11 @@ class WatchError(RuntimeError):
     """A failure inside the watch, raised only with ``WatchConfig(strict=True)``."""
 
 
+class NothingObservedError(WatchError, ValueError):
+    """With ``strict``: no attention call of the model could be observed on the first probe step (a
+    :class:`ValueError` too, as it was before ``strict`` decided it)."""
+
+
 def unknown_keywords(owner: str, given, allowed) -> None:
     """Raise ``TypeError`` for keyword arguments of ``owner`` not in ``allowed``: each named, the nearest allowed
     name suggested, and every allowed name listed (Python's own error names neither)."""

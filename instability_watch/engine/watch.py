@@ -52,7 +52,7 @@ from instability_watch.engine.readback import Listener, ReadBack
 from instability_watch.engine.reader import Reader
 from instability_watch.engine.recorder import Recorder
 from instability_watch.engine.ring import Ring, RingColumns
-from instability_watch.errors import WatchError
+from instability_watch.errors import NothingObservedError, WatchError
 from instability_watch.kernels.attention.ops import forget_documents
 from instability_watch.model.families import qk_projections
 from instability_watch.model.layer import Layers, resolve_layers
@@ -460,7 +460,7 @@ class InstabilityWatch:
         # the recorder writes sigma with them), else with the statistics turned off
         message = f"instability_watch observed no attention call on the first probe step: {listed}"
         if self.config.strict:
-            raise WatchError(message)
+            raise NothingObservedError(message)
         if self._tracks_sigma():
             log_rank_zero(logging.ERROR, "%s. Only sigma(W_Q) is watched (spectral_growth alerts); training goes on.",
                           message)

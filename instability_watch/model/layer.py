@@ -111,6 +111,8 @@ class AttentionLayer:
                 raise TypeError(f"AttentionLayer.{name} must be callable or None, got {type(value).__name__}")
         if self.w_k is None and (self.b_q is not None or self.b_k is not None):
             raise ValueError("AttentionLayer.b_q/b_k are used with w_k (for qk_clip): give w_k too")
+        if self.name is None:  # as the default: the module's qualified name, filled in when the watch attaches
+            self.name = ""
         for name in ("name", "family"):
             if not isinstance(getattr(self, name), str):
                 raise TypeError(f"AttentionLayer.{name} must be a str, got {type(getattr(self, name)).__name__}")

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from instability_watch.kernels import dropout_seed, flash_attention, flash_attention_varlen, unsupported
-from instability_watch.kernels.attention.ops import ERROR_HANDLER
+from instability_watch.kernels.attention.ops import ERROR_HANDLER, KEEP_DOCUMENTS
 from instability_watch.kernels import stats as _stats_kernels
 from instability_watch.kernels.stats import attention_shadow, attention_stats
 from instability_watch.kernels.stats.flex import (FLEX_OP, FlexCall, flex_shadow, flex_shadow_forward, flex_stats,
@@ -444,8 +444,14 @@ class SdpaObserver(TorchFunctionMode):
             return None
         kw = dict(window=call.window, scale=call.scale, stabilize=self.stabilize, beta=self.beta, eps=self.eps,
                   return_lse=True, high_precision_delta=self.high_precision_delta)
-        out = self._on_our_kernels(
-            lambda: flash_attention_varlen(call.q, call.k, call.v, call.cu_seq_q, call.cu_seq_k, **kw))
+        def run():
+            token = KEEP_DOCUMENTS.set(True)  # the documents kept for the step's other layers (forgotten each step)
+            try:
+                return flash_attention_varlen(call.q, call.k, call.v, call.cu_seq_q, call.cu_seq_k, **kw)
+            finally:
+                KEEP_DOCUMENTS.reset(token)
+
+        out = self._on_our_kernels(run)
         if out is None:
             return None
         o, lse = out

@@ -303,6 +303,7 @@ def test_bad_attention_layer_fields_and_switch_arguments_are_named():
 
     model = _model()
     attn = model.h[0].attn
+    assert AttentionLayer(attn, 2, lambda: attn.c_attn.weight[:32].view(2, 16, 32), name=None).name == ""
     with pytest.raises(TypeError, match="AttentionLayer.name must be a str, got int"):
         AttentionLayer(attn, 2, lambda: attn.c_attn.weight[:32].view(2, 16, 32), name=3)
     with pytest.raises(TypeError, match="AttentionLayer got the unknown keyword argument 'num_kv_heads'"):

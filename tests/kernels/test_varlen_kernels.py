@@ -307,6 +307,10 @@ def test_the_documents_of_a_batch_are_found_once_for_every_layer_and_again_when_
     assert ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0)) is first
     assert ops._kept_documents(cu, cu, CU[-1], CU[-1], (9, 0)) is not first  # another window: other ranges
     assert ops._kept_documents(cu.clone(), cu, CU[-1], CU[-1], (-1, 0)) is not first  # another tensor
+    # a direct call keeps nothing (a buffer refilled behind PyTorch's back would be read stale); a watch's call does
+    _fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu.clone(), causal=True, backend="triton"), q, k, v, do)
+    assert len(ops._DOCUMENTS) == 3
+    token = ops.KEEP_DOCUMENTS.set(True)
     outs = [_fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu, causal=True, backend="triton"), q, k, v,
                      do)]
     assert len(ops._DOCUMENTS) == 3  # the call's documents were the ones kept
@@ -315,6 +319,7 @@ def test_the_documents_of_a_batch_are_found_once_for_every_layer_and_again_when_
     assert moved is not first and int(moved.doc_q[25]) == 1 and int(first.doc_q[25]) == 0
     outs.append(_fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu, causal=True, backend="triton"), q, k,
                          v, do))
+    ops.KEEP_DOCUMENTS.reset(token)
     ops.forget_documents()
     fresh = _fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu.clone(), causal=True, backend="triton"),
                      q, k, v, do)

@@ -147,6 +147,9 @@ def _triton():
 # refilled by a torch operation is new documents), the lengths and the window; a few batches at most, and the
 # watch forgets them at every step (a write PyTorch does not count, through .data, NumPy or DLPack, is then seen
 # from the next step on; within a step the boundaries must change only through torch operations).
+# Only the calls a watch routes keep them (it sets KEEP_DOCUMENTS around its layers' packed calls and forgets them
+# at every step); a direct call of flash_attention_varlen finds its documents each time.
+KEEP_DOCUMENTS: contextvars.ContextVar = contextvars.ContextVar("instability_watch_keep_documents", default=False)
 _DOCUMENTS: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
 DOCUMENTS_KEPT = 4
 
@@ -181,7 +184,9 @@ def _documents(q: Tensor, k: Tensor, cu_q: Optional[Tensor], cu_k: Optional[Tens
         return None, None
     t_q, t_k = q.shape[2], k.shape[2]
     if backend == "triton":
-        return _kept_documents(cu_q, cu_k, t_q, t_k, (win_l, win_r)), None
+        if KEEP_DOCUMENTS.get():
+            return _kept_documents(cu_q, cu_k, t_q, t_k, (win_l, win_r)), None
+        return _triton().Documents(cu_q, cu_k, t_q, t_k, (win_l, win_r)), None
     doc_q, pos_q, doc_k, pos_k = documents(cu_q, cu_k, t_q, t_k)
     keep = doc_q[:, None] == doc_k[None, :]
     if win_l >= 0:
