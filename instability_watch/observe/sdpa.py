@@ -445,6 +445,8 @@ class SdpaObserver(TorchFunctionMode):
         kw = dict(window=call.window, scale=call.scale, stabilize=self.stabilize, beta=self.beta, eps=self.eps,
                   return_lse=True, high_precision_delta=self.high_precision_delta)
         def run():
+            if torch.compiler.is_compiling():  # traced (Dynamo cannot set a context variable): the op body finds them
+                return flash_attention_varlen(call.q, call.k, call.v, call.cu_seq_q, call.cu_seq_k, **kw)
             token = KEEP_DOCUMENTS.set(True)  # the documents kept for the step's other layers (forgotten each step)
             try:
                 return flash_attention_varlen(call.q, call.k, call.v, call.cu_seq_q, call.cu_seq_k, **kw)
