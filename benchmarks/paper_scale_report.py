@@ -3,8 +3,9 @@
     python benchmarks/paper_scale_report.py BUNDLE [BUNDLE ...] --out FIGURES --markdown TABLE.md
 
 A BUNDLE is a ``.tar.xz`` made by ``reproduce.py bundle`` or an unpacked directory; every run folder in it (one with
-``config.json`` and ``train.csv``) is an arm, named after the folder (e.g. ``standard-switch``). A ``train.log``
-beside a ``.tar.xz`` (or in the directory) adds the step times the log shows. Every number comes from the files:
+``config.json`` and ``train.csv``) is an arm, named after the folder (e.g. ``standard-switch``; a second run of the
+same arm, given later, is ``standard-switch (2)``). A ``train.log`` beside a ``.tar.xz`` (or in the directory) adds
+the step times the log shows. Every number comes from the files:
 
 * device, steps, tokens, wall time, steps/s (``status.json``; for a run cut off before it stopped, its last
   snapshot, or, without one, steps/s and wall time from ``train.log``); final loss (mean of the last 100 losses of
@@ -93,10 +94,10 @@ def load_arms(paths: List[str], tmp: Path) -> List[Arm]:
                        if not (r / f).exists()]
             if missing:
                 raise SystemExit(f"error: {p}: run folder {r.name} lacks {', '.join(missing)}")
-            if r.name in arms:
-                raise SystemExit(f"error: two arms named {r.name} (the second in {p})")
+            # a second run of the same arm (a replicate) is named "NAME (2)", in the order given
+            name = r.name if r.name not in arms else f"{r.name} ({sum(n.split(' (')[0] == r.name for n in arms) + 1})"
             run = load_run(r / "run")
-            arms[r.name] = Arm(r.name, json.loads((r / "config.json").read_text()),
+            arms[name] = Arm(name, json.loads((r / "config.json").read_text()),
                                json.loads((r / "status.json").read_text()) if (r / "status.json").exists()
                                else {},
                                pd.read_csv(r / "train.csv").drop_duplicates("step", keep="last").sort_values("step"),
@@ -449,7 +450,8 @@ def figures(arms: List[Arm], out: Path) -> List[Path]:
                            zorder=3, label="first QK-clip")
             if a.explosion is not None:
                 ax.axvline(a.explosion, color="red", ls="--", lw=1, label=f"explosion {a.explosion:,}")
-            ax.set_title(f"{a.name}: {ARM_NOTES[a.name]}" if a.name in ARM_NOTES else a.name, fontsize=10)
+            note = ARM_NOTES.get(a.name.split(" (")[0])
+            ax.set_title(f"{a.name}: {note}" if note else a.name, fontsize=10)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)
             ax.legend(fontsize=7, loc="upper left", ncol=2 if key != "loss" else 1)

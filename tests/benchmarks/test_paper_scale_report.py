@@ -191,5 +191,11 @@ def test_errors_name_the_path(report, bundle, tmp_path):
     empty.mkdir()
     with pytest.raises(SystemExit, match="holds no run folder"):
         report.main([str(empty), "--out", str(tmp_path / "f")])
-    with pytest.raises(SystemExit, match="two arms named tiny-switch"):  # the bundle and its unpacked folder
-        report.main([str(bundle), str(tmp_path / "root"), "--out", str(tmp_path / "f")])
+
+
+def test_a_second_run_of_the_same_arm_is_kept_apart(report, bundle, tmp_path):
+    # the bundle and its unpacked folder: two runs of one arm (a replicate), both reported, in the order given
+    table = tmp_path / "t.md"
+    report.main([str(bundle), str(tmp_path / "root"), "--out", str(tmp_path / "f"), "--markdown", str(table)])
+    rows = [line.split(" | ")[0] for line in table.read_text().splitlines() if line.startswith("| tiny-switch")]
+    assert rows[:2] == ["| tiny-switch", "| tiny-switch (2)"]
