@@ -34,7 +34,7 @@ class Cadence:
 
     def shadow(self, step: int) -> bool:
         """A shadow step (always a probe step too): the backward runs the shadow pass."""
-        return due(step, self.config.shadow_every)
+        return due(step, self.config.shadow_period)
 
     def spectral(self, step: int) -> bool:
         """sigma(W_Q) is computed at this step."""

@@ -28,7 +28,9 @@ class WatchConfig:
         shadow_every: also run the shadow pass (``delta_lp - delta_hp``) in the
             backward on steps 1, 1 + n, ...; a multiple of ``probe_every``
             (shadow steps are probe steps), or 0 for off. Default (None):
-            ``probe_every``, every probe step.
+            ``probe_every``, every probe step; it stays None in the config, so
+            ``dataclasses.replace(config, probe_every=20)`` moves it along
+            (``shadow_period`` is the period in force).
         spectral_every: compute sigma(W_Q) per head on steps 1, 1 + n, ... (0 off).
         log_every: read the device statistics back (one host sync) and run the
             detectors every this many steps (and once after the first probe step,
@@ -145,9 +147,8 @@ class WatchConfig:
 
         integer("log_every", 1)
         integer("probe_every", 1)
-        if self.shadow_every is None:  # frozen: set once, here
-            object.__setattr__(self, "shadow_every", self.probe_every)
-        integer("shadow_every", 0)
+        if self.shadow_every is not None:  # None stays None: it follows probe_every, through replace() too
+            integer("shadow_every", 0)
         integer("spectral_every", 0)
         integer("warmup_steps", 0)
         integer("sustain", 1)
@@ -183,7 +184,7 @@ class WatchConfig:
         if self.qk_clip == "on_alert" and "logit_growth" not in self.detectors:
             raise ValueError("WatchConfig.qk_clip='on_alert' acts on logit_growth alerts, but 'logit_growth' is not "
                              f"in detectors {tuple(self.detectors)}: add it, or use qk_clip='always'")
-        if self.shadow_every % self.probe_every:
+        if self.shadow_period % self.probe_every:
             raise ValueError(
                 f"WatchConfig.shadow_every must be 0 or a multiple of probe_every ({self.probe_every}): shadow "
                 f"steps are probe steps; got {self.shadow_every!r}"
@@ -194,9 +195,16 @@ class WatchConfig:
                 f"got {self.delta_cusum_k!r}"
             )
 
+    @property
+    def shadow_period(self) -> int:
+        """The shadow pass's period in steps: ``shadow_every``, or ``probe_every`` where that is None."""
+        return self.probe_every if self.shadow_every is None else self.shadow_every
+
     def to_dict(self) -> dict:
-        """The fields as a plain ``dict`` (tuples as lists: JSON-ready, as in ``meta.json``)."""
+        """The fields as a plain ``dict`` (tuples as lists: JSON-ready, as in ``meta.json``; ``shadow_every`` as
+        the period in force)."""
         d = asdict(self)
+        d["shadow_every"] = self.shadow_period
         for f in fields(self):
             if isinstance(d[f.name], tuple):
                 d[f.name] = list(d[f.name])

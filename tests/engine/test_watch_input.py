@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from instability_watch import InstabilityWatch, WatchConfig
+from instability_watch.engine.cadence import Cadence
 from instability_watch.kernels import flash_attention
 
 from nanogpt import GPT, GPTConfig
@@ -328,9 +329,15 @@ def test_a_blank_run_dir_is_named_as_given():
 
 
 def test_probe_every_alone_is_enough_the_shadow_follows_it():
+    import dataclasses
+
     for n in (3, 20, 40, 50):
-        assert WatchConfig(probe_every=n).shadow_every == n
-    assert WatchConfig().shadow_every == 50 and WatchConfig(probe_every=20, shadow_every=0).shadow_every == 0
-    assert WatchConfig(probe_every=20) == WatchConfig(probe_every=20, shadow_every=20)
+        assert WatchConfig(probe_every=n).shadow_period == n
+        assert WatchConfig(probe_every=n).to_dict()["shadow_every"] == n  # meta.json records the period in force
+    assert WatchConfig().shadow_period == 50 and WatchConfig(probe_every=20, shadow_every=0).shadow_period == 0
+    # replace() keeps following probe_every where shadow_every was not given, and keeps a given one
+    moved = dataclasses.replace(WatchConfig(), probe_every=20)
+    assert moved.shadow_period == 20 and Cadence(moved).shadow(21) and not Cadence(moved).shadow(11)
+    assert dataclasses.replace(WatchConfig(probe_every=10, shadow_every=0), probe_every=5).shadow_period == 0
     with pytest.raises(ValueError, match=r"shadow_every must be 0 or a multiple of probe_every \(20\).*got 50"):
         WatchConfig(probe_every=20, shadow_every=50)
