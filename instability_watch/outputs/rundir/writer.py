@@ -9,6 +9,8 @@ import itertools
 import json
 import logging
 import os
+import socket
+import weakref
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable, List, Optional, Sequence, Tuple
 
@@ -38,6 +40,38 @@ if TYPE_CHECKING:  # pragma: no cover
     from instability_watch.engine.watch import InstabilityWatch
 
 log = logging.getLogger("instability_watch")
+
+# a writer's mark in its run directory while it is open: {"host", "pid", "since"}, removed when it closes
+WRITER_MARK = ".writer.json"
+
+
+_OPEN: "weakref.WeakSet[RunWriter]" = weakref.WeakSet()  # this process's open writers
+
+
+def _same_dir(a: Path, b: Path) -> bool:
+    try:
+        return a.resolve() == b.resolve()
+    except OSError:
+        return a.absolute() == b.absolute()
+
+
+def live_writer(run_dir: Path) -> Optional[dict]:
+    """The mark of another process on this host still writing ``run_dir`` (None if there is none: no mark, the
+    mark's process is this one or has ended, or it is on another host, where it cannot be checked)."""
+    try:
+        mark = json.loads((run_dir / WRITER_MARK).read_text())
+        pid, host = int(mark["pid"]), str(mark["host"])
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if host != socket.gethostname() or pid == os.getpid() or pid <= 0:
+        return None
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return None  # a run that was killed left its mark
+    except OSError:
+        pass  # it exists, owned by another user
+    return mark
 
 
 def keep_through(path: Path, step: int, columns: Sequence[str]) -> Tuple[int, int]:
@@ -188,8 +222,15 @@ class RunWriter:
         return _has_rows(self.run_dir / METRICS_FILE) or _has_rows(self.run_dir / EVENTS_FILE)
 
     def conflict(self, *, resuming: bool = False) -> Optional[str]:
-        """Why :meth:`open` would refuse ``run_dir`` (``None`` if it would not): it holds a run, and
-        neither ``overwrite`` nor ``resuming`` (continuing that run from a checkpoint) was given."""
+        """Why :meth:`open` would refuse ``run_dir`` (``None`` if it would not): another process on this host is
+        writing it (whatever the options: two runs' rows would interleave), or it holds a run and neither
+        ``overwrite`` nor ``resuming`` (continuing that run from a checkpoint) was given."""
+        mark = None if self.is_open else live_writer(self.run_dir)
+        if mark is not None:
+            return (f"run_dir {str(self.run_dir)!r} is being written by another run (process {mark['pid']} on this "
+                    f"host, since {mark.get('since', '?')}): two runs in one directory would mix their rows; "
+                    f"choose another directory, or stop that run (if none is running, delete "
+                    f"{str(self.run_dir / WRITER_MARK)!r})")
         if self.overwrite or resuming or not self.holds_run():
             return None
         return (f"run_dir {str(self.run_dir)!r} already holds a run; pass overwrite=True to replace it, "
@@ -212,6 +253,9 @@ class RunWriter:
         d = self.run_dir
         meta_path, metrics_path, events_path = d / META_FILE, d / METRICS_FILE, d / EVENTS_FILE
         exists = meta_path.exists() or metrics_path.exists()  # resuming continues what is there, rows or not
+        busy = self.conflict(resuming=True)  # another run writing it, whatever the options
+        if busy is not None:
+            raise FileExistsError(busy)
         d.mkdir(parents=True, exist_ok=True)
         meta = {
             "format": FORMAT_VERSION,
@@ -248,6 +292,7 @@ class RunWriter:
             raise FileExistsError(self.conflict())
         else:
             mode = "w"
+        self._take_over()
         _write_json(meta_path, meta)
         self._meta = meta
         files = []
@@ -272,6 +317,8 @@ class RunWriter:
             raise
         self._metrics_f, self._events_f = files
         self._sizes = sizes
+        _OPEN.add(self)
+        self._mark()
         self._on_error, self._failed, self._meta_failed = on_error, None, False
         # events restored from a checkpoint are in the file up to the resume step; later ones were cut
         self._unwritten = [e for e in events if resume_step is not None and e.step > resume_step]
@@ -400,6 +447,9 @@ class RunWriter:
                 when it happened) closing never raises.
         """
         files = ((METRICS_FILE, self._metrics_f), (EVENTS_FILE, self._events_f))
+        if self.is_open:
+            self._unmark()
+            _OPEN.discard(self)
         self._metrics_f = self._events_f = None
         failed = None
         for name, f in files:
@@ -418,6 +468,40 @@ class RunWriter:
         if self._on_error is None:
             raise error
         self._on_error("run directory", error)  # reported once; raises with strict
+
+    def _take_over(self) -> None:
+        """An earlier writer of this process still open on this directory (a watch never closed, e.g. a notebook
+        cell run again) is closed and writes nothing more: its rows would mix with this run's."""
+        for w in list(_OPEN):
+            if w is not self and w.is_open and _same_dir(w.run_dir, self.run_dir):
+                log.warning("instability_watch: run_dir %s was still open in an earlier writer of this process (a "
+                            "watch not closed?); that writer is closed and records nothing more, this run writes "
+                            "there", self.run_dir)
+                w._failed = f"run directory {w.run_dir}: taken over by a later writer of this process"
+                for f in (w._metrics_f, w._events_f):
+                    try:
+                        f.close()
+                    except OSError:
+                        pass
+                w._metrics_f = w._events_f = None
+                _OPEN.discard(w)
+
+    def _mark(self) -> None:
+        """Leave this process's mark in the run directory while it is open (a mark that cannot be written only
+        loses the check against a second run)."""
+        since = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+        try:
+            _write_json(self.run_dir / WRITER_MARK, {"host": socket.gethostname(), "pid": os.getpid(), "since": since})
+        except OSError as exc:
+            log.debug("instability_watch: no writer mark in %s (%s)", self.run_dir, exc)
+
+    def _unmark(self) -> None:
+        path = self.run_dir / WRITER_MARK
+        try:
+            if int(json.loads(path.read_text()).get("pid", -1)) == os.getpid():
+                path.unlink()
+        except (OSError, ValueError, AttributeError):
+            pass
 
     def _report(self, part: str, exc: BaseException) -> None:
         """A failure that does not stop the writer: the watch reports it (or the log, opened without a watch)."""
