@@ -366,3 +366,75 @@ def test_flex_shadow_through_sdpas_pass_with_the_mask_equals_the_default():
     assert via.delta_err_pos.tolist() == default.delta_err_pos.tolist()
     torch.testing.assert_close(via.delta_err_sum, default.delta_err_sum, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(via.delta_err_abs, default.delta_err_abs, rtol=1e-4, atol=1e-5)
+
+
+def _local_blocks(N, block=32, full=False):
+    """A BlockMask built from its blocks (``BlockMask.from_kv_blocks``), as hand-made masks are: each query block
+    sees its own key block and the one before, causally, and nothing else; its ``mask_mod`` is causal alone, so
+    the blocks say more than it. With ``full``, the blocks before the diagonal are listed as full blocks (seen
+    whole, ``mask_mod`` not applied). Returns the block mask and its dense (N, N) mask."""
+    n_blocks = -(-N // block)
+    qb = torch.arange(n_blocks)
+    diag, prev = qb, (qb - 1).clamp(min=0)
+
+    def listed(*cols):  # (1, 1, n_blocks, n_blocks): the listed blocks first, then anything (past the count)
+        return torch.stack([*cols, *[diag] * (n_blocks - len(cols))], -1).view(1, 1, n_blocks, n_blocks).int()
+
+    if full:
+        num = torch.ones(1, 1, n_blocks, dtype=torch.int32)
+        idx = listed(diag)
+        fnum = (qb > 0).int().view(1, 1, n_blocks)
+        fidx = listed(prev)
+        mask = fa.BlockMask.from_kv_blocks(num, idx, fnum, fidx, BLOCK_SIZE=block, mask_mod=causal_mod,
+                                           seq_lengths=(N, N))
+    else:
+        num = torch.where(qb > 0, 2, 1).int().view(1, 1, n_blocks)
+        idx = listed(diag, prev)
+        mask = fa.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=block, mask_mod=causal_mod, seq_lengths=(N, N))
+    i = torch.arange(N)
+    dense = (i[:, None] >= i[None, :]) & (i[:, None] // block - i[None, :] // block <= 1)
+    return mask, dense
+
+
+def causal_mod(b, h, qi, kv):
+    return qi >= kv
+
+
+@pytest.mark.parametrize("full", [False, True])
+def test_flex_statistics_keep_to_a_block_masks_own_blocks(full):
+    """A block the BlockMask does not list is not seen, whatever its mask_mod says, as compiled FlexAttention
+    computes it (PyTorch's eager FlexAttention applies mask_mod alone: checked here too, so a PyTorch that changes
+    either is noticed): the statistics equal a float64 reference over the blocks' dense mask, and differ from
+    mask_mod's alone."""
+    g = seeded("flex_blocks", full)
+    B, H, N, D = 2, 4, 128, 16
+    q = torch.randint(-2, 3, (B, H, N, D), generator=g).float()
+    k = torch.randint(-2, 3, (B, H, N, D), generator=g).float()
+    v = torch.randn(B, H, N, D, generator=g)
+    block, dense = _local_blocks(N, full=full)
+    causal = torch.ones(N, N, dtype=torch.bool).tril()
+    scores = (q.double() @ k.double().transpose(-1, -2)) * 0.25
+
+    def attend(keep):
+        return torch.softmax(scores.masked_fill(~keep, float("-inf")), dim=-1) @ v.double()
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        torch._dynamo.reset()  # earlier tests' compiles may have reached the recompile limit (then: eager)
+        compiled = torch.compile(fa.flex_attention)(q, k, v, block_mask=block, scale=0.25)
+        eager = fa.flex_attention(q, k, v, block_mask=block, scale=0.25)
+    torch.testing.assert_close(compiled.double(), attend(dense), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(eager.double(), attend(causal), rtol=1e-4, atol=1e-4)
+
+    def multi_max(keep):
+        t1, t2 = scores.masked_fill(~keep, float("-inf")).topk(2, dim=-1).values.unbind(-1)
+        return ((t2 >= t1 - EPS) & torch.isfinite(t2)).sum(dim=(0, 2)), t1.amax(dim=(0, 2))
+
+    multi, top = multi_max(dense)
+    assert not torch.equal(multi_max(causal)[0], multi)  # the blocks matter to the statistic
+    probe = Probe(H)
+    flex_stats(FlexCall(q, k, v, fa._identity, block.as_tuple(), 0.25, {}, rest=()), None, probe.counts,
+               probe.values, eps=EPS, through_op=False)
+    assert torch.equal(probe.multi_max_rows, multi)
+    assert probe.rows.tolist() == [B * N] * H
+    torch.testing.assert_close(probe.max_score.double(), top, rtol=1e-6, atol=1e-6)

@@ -257,3 +257,37 @@ def test_hf_llama_on_flex_under_autocast_switches():
     assert not torch.equal(got, want)
     torch.testing.assert_close(got.float(), want.float(), rtol=0, atol=5e-2)
     watch.detach()
+
+
+def test_a_switched_call_keeps_to_a_block_masks_own_blocks():
+    """A BlockMask built from its blocks, its mask_mod causal alone: the switched call sees only the listed blocks,
+    as compiled FlexAttention does; within twice compiled FlexAttention's BF16 error against float64."""
+    from test_flex import _local_blocks
+
+    torch.manual_seed(0)
+    n = 128
+    model = FlexLayer().to(torch.bfloat16)
+    x = torch.randn(2, n, E, generator=seeded("flex_switch", "blocks")).to(torch.bfloat16)
+    block, dense = _local_blocks(n)
+    with torch.no_grad():
+        B = x.shape[0]
+        q = model.wq(x).view(B, n, H, D).transpose(1, 2)
+        k, v = model.wkv(x).view(B, n, 2, H_KV, D).permute(2, 0, 3, 1, 4)
+        s = (q.double() @ k.double().repeat_interleave(H // H_KV, 1).transpose(-1, -2)) / math.sqrt(D)
+        exact = torch.softmax(s.masked_fill(~dense, float("-inf")), -1) @ v.double().repeat_interleave(H // H_KV, 1)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            torch._dynamo.reset()  # earlier tests' compiles may have reached the recompile limit (then: eager)
+            theirs = torch.compile(fa.flex_attention)(q, k, v, block_mask=block, enable_gqa=True)
+    watch = _watched(model, model)
+    watch.switch(0, 1)
+    model.train()
+    with torch.no_grad():
+        ours = model(x, block)
+    watch.step(ours.float().pow(2).mean())
+    (cov,) = watch.coverage()
+    assert cov.kernel_calls == 1 and cov.not_applied == {}
+    err_ours = (ours.double() - exact).abs().max().item()
+    err_theirs = (theirs.double() - exact).abs().max().item()
+    assert err_ours <= 2 * err_theirs + 1e-6, (err_ours, err_theirs)
+    watch.detach()

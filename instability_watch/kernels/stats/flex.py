@@ -112,6 +112,43 @@ def _bhqkv(fn: Callable, with_score: bool, n_buffers: int) -> Callable:
     return fn
 
 
+def _block_parts(call: FlexCall, n: int, n_kv: int) -> Tuple[Tensor, Optional[Tensor], int, int]:
+    """The block mask's own blocks, ``(partial, full, Q_BLOCK, KV_BLOCK)``: boolean ``(B_m, H_m, n_q_blocks,
+    n_kv_blocks)``, a block where ``mask_mod`` decides (listed in ``kv_indices``), and one seen whole without it
+    (``full_kv_indices``; None where the mask has none). A block in neither is not seen at all, whatever
+    ``mask_mod`` says: a BlockMask built from blocks (``BlockMask.from_kv_blocks``) may say more than its
+    ``mask_mod``. The tuple is ``(*seq_lengths, kv_num_blocks, kv_indices, full_kv_num_blocks, full_kv_indices,
+    ..., Q_BLOCK_SIZE, KV_BLOCK_SIZE, mask_mod)`` (its middle differs between PyTorch versions)."""
+    t = call.block_mask
+    i = next(j for j, x in enumerate(t) if isinstance(x, Tensor))
+    q_block, kv_block = int(t[-3]), int(t[-2])
+    n_kv_blocks = -(-n_kv // kv_block)
+
+    def listed(num: Optional[Tensor], idx: Optional[Tensor]) -> Optional[Tensor]:
+        if not isinstance(num, Tensor) or not isinstance(idx, Tensor):
+            return None
+        width = max(n_kv_blocks, idx.shape[-1])
+        valid = torch.arange(idx.shape[-1], device=idx.device) < num[..., None]
+        at = torch.where(valid, idx.long(), width)  # the entries past the count: a dump column, cut below
+        out = torch.zeros(*idx.shape[:-1], width + 1, dtype=torch.bool, device=idx.device)
+        return out.scatter_(-1, at, True)[..., :n_kv_blocks]
+
+    return listed(t[i], t[i + 1]), listed(t[i + 2], t[i + 3]), q_block, kv_block
+
+
+def _with_blocks(keep: Tensor, parts, q_idx: Tensor, kv_idx: Tensor) -> Tensor:
+    """``keep`` (mask_mod's, for rows ``q_idx`` and keys ``kv_idx``) as FlexAttention applies it: in the listed
+    blocks only, and every key of a full block."""
+    partial, full, q_block, kv_block = parts
+    qb, kb = q_idx // q_block, kv_idx // kv_block
+
+    def at(blocks: Tensor) -> Tensor:
+        return blocks.index_select(2, qb).index_select(3, kb)
+
+    keep = keep & at(partial)
+    return keep | at(full) if full is not None else keep
+
+
 def _dense(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tensor, eps: float) -> None:
     q, k = call.q, call.k
     B, H, N, D = q.shape
@@ -124,6 +161,7 @@ def _dense(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tensor, 
     mask_fn = _bhqkv(call.mask_mod, False, len(m_buf))
     dev = q.device
     b_idx, h_idx, kv_idx = (torch.arange(n, device=dev) for n in (B, H, n_kv))
+    parts = _block_parts(call, N, n_kv)
     acc = torch.zeros(4, H, dtype=torch.int64, device=dev)
     top = torch.full((H,), float("-inf"), dtype=cdt, device=dev)
     step = max(1, min(N, CHUNK_ELEMENTS // max(1, B * H * n_kv)))
@@ -134,7 +172,7 @@ def _dense(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tensor, 
         s = s.reshape(B, H, n, n_kv) * call.scale
         q_idx = torch.arange(i0, i1, device=dev)
         s = score_fn(s, b_idx, h_idx, q_idx, kv_idx, *s_buf).to(cdt)
-        keep = mask_fn(b_idx, h_idx, q_idx, kv_idx, *m_buf).to(torch.bool)
+        keep = _with_blocks(mask_fn(b_idx, h_idx, q_idx, kv_idx, *m_buf).to(torch.bool), parts, q_idx, kv_idx)
         s = torch.where(keep, s, float("-inf"))
         t1, t2, nan = row_top_two(s)
         top = accumulate_rows(t1, t2 >= t1 - eps, nan, None if o is None else o[:, :, i0:i1], acc, top)
@@ -241,15 +279,17 @@ def switch_refusal(call: FlexCall) -> Optional[str]:
 
 def keep_mask(call: FlexCall) -> Tensor:
     """The call's mask as a boolean ``(B_m, H_m, N, N_kv)`` (True: seen), from its ``mask_mod`` over the block
-    mask's own batch and head extent (1 where the block mask was made for every batch entry or head)."""
+    mask's own batch and head extent (1 where the block mask was made for every batch entry or head), within
+    the block mask's own blocks (:func:`_block_parts`)."""
     q, k = call.q, call.k
     blocks = next(t for t in call.block_mask if isinstance(t, Tensor))  # kv_num_blocks (B_m, H_m, blocks)
     b_m, h_m = int(blocks.shape[0]), int(blocks.shape[1])
     _, m_buf = call.buffers()
     dev = q.device
     fn = _bhqkv(call.mask_mod, False, len(m_buf))
-    idx = (torch.arange(n, device=dev) for n in (b_m, h_m, q.shape[2], k.shape[2]))
-    return fn(*idx, *m_buf).to(torch.bool)
+    b, h, q_idx, kv_idx = (torch.arange(n, device=dev) for n in (b_m, h_m, q.shape[2], k.shape[2]))
+    keep = fn(b, h, q_idx, kv_idx, *m_buf).to(torch.bool)
+    return _with_blocks(keep, _block_parts(call, q.shape[2], k.shape[2]), q_idx, kv_idx)
 
 
 # A variant of the statistics and shadow passes for the calls a switch could serve (``score_mod`` leaving the
