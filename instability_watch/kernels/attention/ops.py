@@ -144,9 +144,9 @@ def _triton():
 # The documents of one packed batch serve every layer of a step, forward and backward: their tiles' ranges are
 # found once (about a hundred small device operations a call otherwise, which set the pace of an eager packed
 # call). Keyed by the boundary tensors themselves, held weakly (identity, storage and in-place version: a buffer
-# refilled by a torch operation is new documents), the lengths and the window; a few batches at most, and the
-# watch forgets them at every step (a write PyTorch does not count, through .data, NumPy or DLPack, is then seen
-# from the next step on; within a step the boundaries must change only through torch operations).
+# refilled by a torch operation is new documents), the lengths, the window and the CUDA stream; a few batches at
+# most, and the watch forgets them at every step (a write PyTorch does not count, through .data, NumPy or DLPack,
+# is then seen from the next step on; within a step the boundaries must change only through torch operations).
 # Only the calls a watch routes keep them (it sets KEEP_DOCUMENTS around its layers' packed calls and forgets them
 # at every step); a direct call of flash_attention_varlen finds its documents each time.
 KEEP_DOCUMENTS: contextvars.ContextVar = contextvars.ContextVar("instability_watch_keep_documents", default=False)
@@ -155,8 +155,12 @@ DOCUMENTS_KEPT = 4
 
 
 def _kept_documents(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, window: Tuple[int, int]):
+    # the stream too: documents found on one stream are used on that stream only (no wait for them elsewhere,
+    # and their memory is never in use on a stream the caching allocator does not know of)
+    stream = torch.cuda.current_stream(cu_q.device).cuda_stream if cu_q.is_cuda else None
     try:
-        key = (id(cu_q), cu_q.data_ptr(), cu_q._version, id(cu_k), cu_k.data_ptr(), cu_k._version, t_q, t_k, window)
+        key = (id(cu_q), cu_q.data_ptr(), cu_q._version, id(cu_k), cu_k.data_ptr(), cu_k._version, t_q, t_k, window,
+               stream)
     except RuntimeError:  # an inference tensor has no version counter: not kept
         return _triton().Documents(cu_q, cu_k, t_q, t_k, window)
     hit = _DOCUMENTS.get(key)
