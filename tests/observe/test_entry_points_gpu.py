@@ -139,11 +139,26 @@ def test_our_kernels_over_documents_match_varlen_attn():
         assert (a - e).abs().max() <= 2 * (b - e).abs().max() + 1e-3
 
 
-@pytest.mark.parametrize("kind", ["causal", "sliding", "document"])
+def _listed_blocks(N: int, block: int = 128):
+    """A BlockMask built from its blocks whose mask_mod (causal) says less than they do: each query block sees
+    its own key block and the one before; and the dense mask compiled FlexAttention applies with it."""
+    n = N // block
+    qb = torch.arange(n)
+    cols = [qb, (qb - 1).clamp(min=0)] + [qb] * (n - 2)
+    idx = torch.stack(cols, -1).view(1, 1, n, n).int().to(DEV)
+    num = torch.where(qb > 0, 2, 1).int().view(1, 1, n).to(DEV)
+    mask = fa.BlockMask.from_kv_blocks(num, idx, BLOCK_SIZE=block, mask_mod=lambda b, h, qi, kv: qi >= kv,
+                                       seq_lengths=(N, N))
+    i = torch.arange(N, device=DEV)
+    return mask, (i[:, None] >= i[None, :]) & (i[:, None] // block - i[None, :] // block <= 1)
+
+
+@pytest.mark.parametrize("kind", ["causal", "sliding", "document", "listed blocks"])
 def test_switched_compiled_flex_calls_run_on_our_kernels_within_twice_flex_error(kind):
-    """A switched head's compiled FlexAttention calls (causal, sliding window, documents) on our kernels:
-    outputs and gradients within twice FlexAttention's own BF16 error against float64 (our reference kernels
-    in float64 with the same mask), and counted as kernel calls with nothing "not applied"."""
+    """A switched head's compiled FlexAttention calls (causal, sliding window, documents, a mask built from its
+    blocks) on our kernels: outputs and gradients within twice FlexAttention's own BF16 error against float64
+    (our reference kernels in float64 with the same mask), and counted as kernel calls with nothing "not
+    applied"."""
     from instability_watch import flash_attention
 
     N, H, D = sum(DOCS), 8, 64
@@ -151,8 +166,11 @@ def test_switched_compiled_flex_calls_run_on_our_kernels_within_twice_flex_error
     masks = {"causal": lambda b, h, qi, kv: qi >= kv,
              "sliding": lambda b, h, qi, kv: (qi >= kv) & (qi - kv < 256),
              "document": lambda b, h, qi, kv: (doc[qi] == doc[kv]) & (qi >= kv)}
-    block = fa.create_block_mask(masks[kind], None, None, N, N, device=DEV)
-    keep = fa.create_mask(masks[kind], None, None, N, N, device=DEV)
+    if kind in masks:
+        block = fa.create_block_mask(masks[kind], None, None, N, N, device=DEV)
+        keep = fa.create_mask(masks[kind], None, None, N, N, device=DEV)
+    else:
+        block, keep = _listed_blocks(N)
     g = seeded("flex_switch_gpu", kind)
     q = torch.randn(2, H, N, D, generator=g).to(DEV, torch.bfloat16)
     k, v = (torch.randn(2, 2, N, D, generator=g).to(DEV, torch.bfloat16) for _ in range(2))
