@@ -19,6 +19,7 @@ import collections
 import contextvars
 import math
 import os
+import threading
 import weakref
 from typing import Optional, Tuple
 
@@ -151,6 +152,7 @@ def _triton():
 # at every step); a direct call of flash_attention_varlen finds its documents each time.
 KEEP_DOCUMENTS: contextvars.ContextVar = contextvars.ContextVar("instability_watch_keep_documents", default=False)
 _DOCUMENTS: "collections.OrderedDict[tuple, tuple]" = collections.OrderedDict()
+_DOCUMENTS_LOCK = threading.Lock()  # threads (nn.DataParallel's) share them
 DOCUMENTS_KEPT = 4
 
 
@@ -163,21 +165,24 @@ def _kept_documents(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, window: Tupl
                stream)
     except RuntimeError:  # an inference tensor has no version counter: not kept
         return _triton().Documents(cu_q, cu_k, t_q, t_k, window)
-    hit = _DOCUMENTS.get(key)
-    if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k:
-        _DOCUMENTS.move_to_end(key)
-        return hit[2]
+    with _DOCUMENTS_LOCK:
+        hit = _DOCUMENTS.get(key)
+        if hit is not None and hit[0]() is cu_q and hit[1]() is cu_k:
+            _DOCUMENTS.move_to_end(key)
+            return hit[2]
     docs = _triton().Documents(cu_q, cu_k, t_q, t_k, window)
-    _DOCUMENTS[key] = (weakref.ref(cu_q), weakref.ref(cu_k), docs)
-    while len(_DOCUMENTS) > DOCUMENTS_KEPT:
-        _DOCUMENTS.popitem(last=False)
+    with _DOCUMENTS_LOCK:
+        _DOCUMENTS[key] = (weakref.ref(cu_q), weakref.ref(cu_k), docs)
+        while len(_DOCUMENTS) > DOCUMENTS_KEPT:
+            _DOCUMENTS.popitem(last=False)
     return docs
 
 
 def forget_documents() -> None:
     """Drop the documents kept from earlier packed calls (their ranges are found again on the next call)."""
     if _DOCUMENTS:
-        _DOCUMENTS.clear()
+        with _DOCUMENTS_LOCK:
+            _DOCUMENTS.clear()
 
 
 def _documents(q: Tensor, k: Tensor, cu_q: Optional[Tensor], cu_k: Optional[Tensor], win_l: int, win_r: int,
