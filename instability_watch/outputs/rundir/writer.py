@@ -57,14 +57,14 @@ def _same_dir(a: Path, b: Path) -> bool:
 
 def live_writer(run_dir: Path) -> Optional[dict]:
     """The mark of another process on this host still writing ``run_dir`` (None if there is none: no mark, the
-    mark's process is this one or has ended, or it is on another host, where it cannot be checked)."""
+    mark's process is this one or has ended, or it is on another host or on Windows, where it is not checked)."""
     try:
         mark = json.loads((run_dir / WRITER_MARK).read_text())
         pid, host = int(mark["pid"]), str(mark["host"])
     except (OSError, ValueError, KeyError, TypeError):
         return None
-    if host != socket.gethostname() or pid == os.getpid() or pid <= 0:
-        return None
+    if host != socket.gethostname() or pid == os.getpid() or pid <= 0 or os.name != "posix":
+        return None  # (on Windows os.kill(pid, 0) would send the process a CTRL_C_EVENT: not checked there)
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
