@@ -125,8 +125,16 @@ def _report(args: argparse.Namespace) -> int:
     from instability_watch.outputs import report
     from instability_watch.outputs.rundir import RunDirError
 
+    run_dir = Path(args.run_dir)
+    inner = run_dir / "instability_watch"
+    if not (run_dir / "meta.json").exists() and (inner / "meta.json").exists():
+        # a trainer's log directory (Lightning's version_N, the HF Trainer's output_dir) holding the watch's run:
+        # its own metrics.csv, if any, is the logger's
+        print(f"instability-watch report: {run_dir} is not a run directory; reporting on the watch's run in "
+              f"{inner}", file=sys.stderr)
+        run_dir = inner
     try:
-        return report.main(args.run_dir, out_dir=args.out, top=args.top, plots=not args.no_plots)
+        return report.main(run_dir, out_dir=args.out, top=args.top, plots=not args.no_plots)
     except (RunDirError, OSError) as exc:
         message = " ".join(str(exc).splitlines())
         print(f"instability-watch report: error: {message}", file=sys.stderr)

@@ -15,7 +15,7 @@ import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, Dict, List, Optional, Tuple, Type, Union
 
-from instability_watch.engine.config import WatchConfig
+from instability_watch.engine.config import WatchConfig, config_fields
 from instability_watch.engine.metrics import summarize
 from instability_watch.errors import checking_keywords
 from instability_watch.model.layer import AttentionLayer, find_attention_layers
@@ -263,4 +263,4 @@ class WatchAdapter:
         finish(self.watch, self.reporter, self.writer, strict=self.config.strict, crashed=crashed)
 
 
-WatchAdapter.__init__ = checking_keywords(WatchAdapter.__init__)
+WatchAdapter.__init__ = checking_keywords(WatchAdapter.__init__, config_fields)

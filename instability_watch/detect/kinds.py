@@ -73,7 +73,7 @@ _TABLE: Tuple[AlertKind, ...] = (
         meaning="more rows where BF16 rounds several `P` up to 1 together — the paper's trigger",
         action="switch the head (`auto_switch=True` does); at the paper's scale, switching to the stabilized kernel "
                "(the default target) did not prevent the failure, and in one run `switch_to=\"exact_delta\"` "
-               "did (benchmarks/RESULTS.md, arms 1, 4 and 5)",
+               "did (benchmarks/RESULTS.md, arms 1, 4, 5 and 7)",
         switching_helps=True,
         message="{value:.2%} of rows have a repeated maximum score (threshold {threshold:.2%}, sustained {sustain} "
                 "steps): BF16 rounds their P to 1 together and biases O",
@@ -89,7 +89,7 @@ _TABLE: Tuple[AlertKind, ...] = (
         meaning="the backward's `δ` is biased and the error adds up along one direction of `W_Q` (paper Fig. 5a)",
         action="switch the head with `switch_to=\"exact_delta\"`: at the paper's scale, in one run, that switch "
                "from these alerts on kept every head's σ(W_Q) close to the control run's (benchmarks/RESULTS.md, "
-               "arm 5); the stabilized kernel did not (arms 1, 4); keep checkpoints from before the alert",
+               "arm 5); the stabilized kernel did not (arms 1, 4, 7); keep checkpoints from before the alert",
         switching_helps=True,
         message="sum(delta_lp - delta_hp) keeps one sign over the shadow steps (sign CUSUM {value:.1f} > "
                 "{threshold:.1f}): the backward's delta is biased, and the error adds up along one direction of W_Q",

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import asdict, dataclass, fields
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 from instability_watch.detect.kinds import (  # STABILIZABLE: the kinds the stabilized kernel addresses
     KINDS,
@@ -212,3 +212,9 @@ class WatchConfig:
 
 
 WatchConfig.__init__ = checking_keywords(WatchConfig.__init__)
+
+
+def config_fields() -> List[str]:
+    """``WatchConfig``'s field names (for the classes that take a ``config``: a field given to them directly is
+    pointed to ``config=WatchConfig(...)``)."""
+    return [f.name for f in fields(WatchConfig)]

@@ -45,14 +45,14 @@ from instability_watch.act.switching import Switchboard
 from instability_watch.detect.detectors import Alert, Detector, build_detectors
 from instability_watch.engine import state as watch_state
 from instability_watch.engine.cadence import Cadence, StepCallCheck, check_loss
-from instability_watch.engine.config import WatchConfig
+from instability_watch.engine.config import WatchConfig, config_fields
 from instability_watch.engine.faults import Faults
 from instability_watch.engine.metrics import CallTotals, MetricsBuilder, StepMetrics, head_shape, summarize
 from instability_watch.engine.readback import Listener, ReadBack
 from instability_watch.engine.reader import Reader
 from instability_watch.engine.recorder import Recorder
 from instability_watch.engine.ring import Ring, RingColumns
-from instability_watch.errors import NothingObservedError, WatchError
+from instability_watch.errors import NothingObservedError, WatchError, checking_keywords
 from instability_watch.kernels.attention.ops import forget_documents
 from instability_watch.model.families import qk_projections
 from instability_watch.model.layer import Layers, resolve_layers
@@ -512,3 +512,6 @@ class InstabilityWatch:
     def summary(self) -> Dict[str, float]:
         """A few aggregate scalars of the last read-back step (for loggers; :func:`~.metrics.summarize`)."""
         return summarize(self.last_metrics, len(self.switched), len(self.alerts))
+
+
+InstabilityWatch.__init__ = checking_keywords(InstabilityWatch.__init__, config_fields)

@@ -341,3 +341,19 @@ def test_probe_every_alone_is_enough_the_shadow_follows_it():
     assert dataclasses.replace(WatchConfig(probe_every=10, shadow_every=0), probe_every=5).shadow_period == 0
     with pytest.raises(ValueError, match=r"shadow_every must be 0 or a multiple of probe_every \(20\).*got 50"):
         WatchConfig(probe_every=20, shadow_every=50)
+
+
+def test_a_watchconfig_field_given_to_the_watch_or_a_callback_points_to_watchconfig():
+    from instability_watch import InstabilityWatchCallback
+    from instability_watch.callbacks.hf import InstabilityWatchTrainerCallback
+
+    model = GPT(GPTConfig(n_layer=1, n_head=2, n_embd=16, block_size=8))
+    with pytest.raises(TypeError, match=r"InstabilityWatch got the unknown keyword argument 'probe_every' \(a "
+                                        r"WatchConfig field: pass config=WatchConfig\(probe_every=5\)\)"):
+        InstabilityWatch(model, probe_every=5)
+    with pytest.raises(TypeError, match=r"'auto_switch' \(a WatchConfig field: pass config=WatchConfig\(auto_switch="
+                                        r"True\)\), 'live_tabel' \(did you mean 'live_table'\?\)"):
+        InstabilityWatchCallback(auto_switch=True, live_tabel=True)
+    with pytest.raises(TypeError, match=r"InstabilityWatchTrainerCallback got .*'eps' \(a WatchConfig field"):
+        InstabilityWatchTrainerCallback(eps=2e-3)
+    assert InstabilityWatch(model, WatchConfig(probe_every=5)).config.probe_every == 5

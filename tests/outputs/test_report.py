@@ -251,6 +251,20 @@ def test_cli_report_out_dir_and_no_plots(run_copy, tmp_path, capsys):
     assert not list(run_copy.rglob("*.png"))
 
 
+def test_cli_report_on_a_trainers_log_directory_reports_the_watchs_run_inside(tmp_path, capsys):
+    """A trainer's log directory (Lightning's version_N: its logger's own metrics.csv beside the watch's run in
+    instability_watch/) is reported as the watch's run, and stderr says so."""
+    log_dir = tmp_path / "lightning_logs" / "version_0"
+    write_synthetic_run(log_dir / "instability_watch", two_layer_rows(4), layers=["a", "b"], heads=[2, 3])
+    (log_dir / "metrics.csv").write_text("epoch,instability_watch/alerts,step\n0,0,9\n")  # Lightning's CSVLogger
+    assert cli.main(["report", str(log_dir), "--no-plots"]) == 0
+    captured = capsys.readouterr()
+    assert f"reporting on the watch's run in {log_dir / 'instability_watch'}" in captured.err
+    assert "steps 1..4 (4 recorded)" in captured.out and "of 5 heads" in captured.out
+    assert cli.main(["report", str(log_dir / "instability_watch"), "--no-plots"]) == 0
+    assert capsys.readouterr().err == ""
+
+
 def _bad_dirs(tmp_path):
     missing = tmp_path / "missing"
     a_file = tmp_path / "a_file"
