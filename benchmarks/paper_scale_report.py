@@ -66,6 +66,12 @@ class Arm:
     base_step: Optional[int] = None
     last_step: Optional[int] = None
     top: Tuple[str, ...] = ()
+    run: str = ""  # the run's folder name, as train.log's lines give it (the name, unless a second run's)
+
+    @property
+    def tag(self) -> str:
+        """How train.log marks this run's lines: ``[folder name]``."""
+        return f"[{self.run or self.name}]"
 
 
 # --------------------------------------------------------------------------- reading
@@ -95,13 +101,14 @@ def load_arms(paths: List[str], tmp: Path) -> List[Arm]:
             if missing:
                 raise SystemExit(f"error: {p}: run folder {r.name} lacks {', '.join(missing)}")
             # a second run of the same arm (a replicate) is named "NAME (2)", in the order given
-            name = r.name if r.name not in arms else f"{r.name} ({sum(n.split(' (')[0] == r.name for n in arms) + 1})"
+            runs_before = sum(x.run == r.name for x in arms.values())
+            name = f"{r.name} ({runs_before + 1})" if runs_before else r.name
             run = load_run(r / "run")
             arms[name] = Arm(name, json.loads((r / "config.json").read_text()),
                                json.loads((r / "status.json").read_text()) if (r / "status.json").exists()
                                else {},
                                pd.read_csv(r / "train.csv").drop_duplicates("step", keep="last").sort_values("step"),
-                               run.metrics, run.events, log.read_text() if log.exists() else None)
+                               run.metrics, run.events, log.read_text() if log.exists() else None, run=r.name)
     return list(arms.values())
 
 
@@ -176,7 +183,7 @@ def last_progress(a: Arm) -> Optional[Tuple[int, float]]:
     """``(steps since the start, cumulative steps/s)`` of the log's last progress line of this arm, if any."""
     last, start = None, 0
     for line in (a.log or "").splitlines():
-        if f"[{a.name}]" not in line:
+        if a.tag not in line:
             continue
         if m := START_LINE.search(line):
             start = int(m.group(1) or 0)
@@ -191,11 +198,11 @@ def step_times(a: Arm) -> Optional[dict]:
         return None
     pts, start, limit_after = [], 0, None
     for line in a.log.splitlines():
-        if f"[{a.name}]" in line and START_LINE.search(line):
+        if a.tag in line and START_LINE.search(line):
             m = START_LINE.search(line)
             start = int(m.group(1) or 0)
             pts.append((start, 0.0, 0.0, True))
-        elif (m := STEP_LINE.search(line)) and f"[{a.name}]" in line:
+        elif (m := STEP_LINE.search(line)) and a.tag in line:
             s, r = int(m.group(1)), float(m.group(2))
             # the rate is printed with 2 decimals: elapsed is known to (s - start) * 0.005 / r^2
             pts.append((s, (s - start) / r, (s - start) * 0.005 / r ** 2, False))
@@ -450,7 +457,7 @@ def figures(arms: List[Arm], out: Path) -> List[Path]:
                            zorder=3, label="first QK-clip")
             if a.explosion is not None:
                 ax.axvline(a.explosion, color="red", ls="--", lw=1, label=f"explosion {a.explosion:,}")
-            note = ARM_NOTES.get(a.name.split(" (")[0])
+            note = ARM_NOTES.get(a.run or a.name)
             ax.set_title(f"{a.name}: {note}" if note else a.name, fontsize=10)
             ax.set_xlabel("step")
             ax.grid(alpha=0.3)

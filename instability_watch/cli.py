@@ -133,6 +133,13 @@ def _report(args: argparse.Namespace) -> int:
         print(f"instability-watch report: {run_dir} is not a run directory; reporting on the watch's run in "
               f"{inner}", file=sys.stderr)
         run_dir = inner
+    elif not (run_dir / "meta.json").exists() and inner.is_dir():
+        # Lightning without a logger: the watch's runs are inner/version_N
+        runs = sorted(str(m.parent) for m in inner.glob("*/meta.json"))
+        if runs:
+            print(f"instability-watch report: error: {run_dir} is not a run directory; the watch's runs are in: "
+                  f"{', '.join(runs)}", file=sys.stderr)
+            return 2
     try:
         return report.main(run_dir, out_dir=args.out, top=args.top, plots=not args.no_plots)
     except (RunDirError, OSError) as exc:

@@ -195,7 +195,14 @@ def test_errors_name_the_path(report, bundle, tmp_path):
 
 def test_a_second_run_of_the_same_arm_is_kept_apart(report, bundle, tmp_path):
     # the bundle and its unpacked folder: two runs of one arm (a replicate), both reported, in the order given
+    # (the second's train.log gives its lines as the runner wrote them: "[tiny-switch]", its folder's name)
     table = tmp_path / "t.md"
+    (tmp_path / "root" / "train.log").write_text(LOG)
     report.main([str(bundle), str(tmp_path / "root"), "--out", str(tmp_path / "f"), "--markdown", str(table)])
-    rows = [line.split(" | ")[0] for line in table.read_text().splitlines() if line.startswith("| tiny-switch")]
+    text = table.read_text()
+    rows = [line.split(" | ")[0] for line in text.splitlines() if line.startswith("| tiny-switch")]
     assert rows[:2] == ["| tiny-switch", "| tiny-switch (2)"]
+    assert text.count("Slow intervals: 60–80 20.0 s (+14.0 s).") == 2  # both runs' step times, from their logs
+    arms = report.load_arms([str(bundle), str(tmp_path / "root")], tmp_path / "unpacked")
+    assert [a.name for a in arms] == ["tiny-switch", "tiny-switch (2)"] and report.last_progress(arms[1]) == (
+        120, 2.4)

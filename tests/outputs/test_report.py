@@ -263,6 +263,15 @@ def test_cli_report_on_a_trainers_log_directory_reports_the_watchs_run_inside(tm
     assert "steps 1..4 (4 recorded)" in captured.out and "of 5 heads" in captured.out
     assert cli.main(["report", str(log_dir / "instability_watch"), "--no-plots"]) == 0
     assert capsys.readouterr().err == ""
+    # Lightning without a logger: ROOT/instability_watch/version_N; the report names them
+    root = tmp_path / "root"
+    for n in (0, 1):
+        write_synthetic_run(root / "instability_watch" / f"version_{n}", two_layer_rows(2), layers=["a", "b"],
+                            heads=[2, 3])
+    assert cli.main(["report", str(root), "--no-plots"]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "the watch's runs are in: " in err
+    assert f"{root / 'instability_watch' / 'version_0'}, {root / 'instability_watch' / 'version_1'}" in err
 
 
 def _bad_dirs(tmp_path):

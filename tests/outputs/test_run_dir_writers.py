@@ -6,13 +6,14 @@ import os
 import socket
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from instability_watch import InstabilityWatch, RunWriter, WatchConfig
 from instability_watch.outputs.rundir import load_run
-from instability_watch.outputs.rundir.writer import WRITER_MARK
+from instability_watch.outputs.rundir.writer import WRITER_MARK, _process_start
 
 from nanogpt import GPT, GPTConfig
 
@@ -48,7 +49,8 @@ def test_a_directory_another_process_writes_is_refused_until_that_process_ends(t
     run = tmp_path / "run"
     run.mkdir()
     (run / WRITER_MARK).write_text(json.dumps({"host": socket.gethostname(), "pid": other_process.pid,
-                                               "since": "2026-11-28T10:00:00+00:00"}))
+                                               "since": "2026-11-28T10:00:00+00:00",
+                                               "start": _process_start(other_process.pid)}))
     for options in ({}, {"overwrite": True}):
         writer = RunWriter(run, **options)
         _, watch = _watch(writer)
@@ -60,8 +62,14 @@ def test_a_directory_another_process_writes_is_refused_until_that_process_ends(t
         watch.detach(read_back=False)
     assert not (run / "metrics.csv").exists()  # nothing of the refused runs was written
 
-    other_process.kill()
-    other_process.wait()  # a killed run leaves its mark: it no longer counts
+    other_process.kill()  # a killed run leaves its mark: it no longer counts, a zombie not yet reaped included
+    if _process_start(os.getpid()):  # (where there is /proc)
+        for _ in range(100):
+            if _process_start(other_process.pid) is None:
+                break
+            time.sleep(0.05)
+        assert RunWriter(run).conflict() is None
+    other_process.wait()
     writer = RunWriter(run)
     model, watch = _watch(writer)
     assert writer.conflict() is None
@@ -78,7 +86,8 @@ def test_a_directory_another_process_writes_is_refused_until_that_process_ends(t
 def test_a_mark_from_another_host_or_unreadable_is_not_a_writer(tmp_path, other_process):
     run = tmp_path / "run"
     run.mkdir()
-    for text in (json.dumps({"host": socket.gethostname() + "-elsewhere", "pid": other_process.pid}), "{not json"):
+    here = socket.gethostname()
+    for text in (json.dumps({"host": here + "-elsewhere", "pid": other_process.pid}), "{not json"):
         (run / WRITER_MARK).write_text(text)
         assert RunWriter(run).conflict() is None
 
@@ -125,3 +134,16 @@ def test_a_refused_second_writer_leaves_the_first_one_writing(tmp_path):
     first.close()
     watch2.detach(read_back=False)
     assert sorted(load_run(run).metrics["step"].unique()) == [1, 2, 3, 4]
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc/self"), reason="process start times come from /proc")
+def test_a_mark_whose_process_id_is_now_another_process_is_not_a_writer(tmp_path, other_process):
+    """A crashed run's process id taken by another process since (its start time differs): not a writer."""
+    run = tmp_path / "run"
+    run.mkdir()
+    start = _process_start(other_process.pid)
+    mark = {"host": socket.gethostname(), "pid": other_process.pid}
+    (run / WRITER_MARK).write_text(json.dumps({**mark, "start": str(int(start) - 1)}))
+    assert RunWriter(run).conflict() is None
+    (run / WRITER_MARK).write_text(json.dumps({**mark, "start": start}))
+    assert "being written by another run" in RunWriter(run).conflict()

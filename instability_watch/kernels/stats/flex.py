@@ -112,7 +112,7 @@ def _bhqkv(fn: Callable, with_score: bool, n_buffers: int) -> Callable:
     return fn
 
 
-def _block_parts(call: FlexCall, n: int, n_kv: int) -> Tuple[Tensor, Optional[Tensor], int, int]:
+def _block_parts(call: FlexCall, n_kv: int) -> Tuple[Tensor, Optional[Tensor], int, int]:
     """The block mask's own blocks, ``(partial, full, Q_BLOCK, KV_BLOCK)``: boolean ``(B_m, H_m, n_q_blocks,
     n_kv_blocks)``, a block where ``mask_mod`` decides (listed in ``kv_indices``), and one seen whole without it
     (``full_kv_indices``; None where the mask has none). A block in neither is not seen at all, whatever
@@ -161,7 +161,7 @@ def _dense(call: FlexCall, o: Optional[Tensor], counts: Tensor, values: Tensor, 
     mask_fn = _bhqkv(call.mask_mod, False, len(m_buf))
     dev = q.device
     b_idx, h_idx, kv_idx = (torch.arange(n, device=dev) for n in (B, H, n_kv))
-    parts = _block_parts(call, N, n_kv)
+    parts = _block_parts(call, n_kv)
     acc = torch.zeros(4, H, dtype=torch.int64, device=dev)
     top = torch.full((H,), float("-inf"), dtype=cdt, device=dev)
     step = max(1, min(N, CHUNK_ELEMENTS // max(1, B * H * n_kv)))
@@ -289,7 +289,7 @@ def keep_mask(call: FlexCall) -> Tensor:
     fn = _bhqkv(call.mask_mod, False, len(m_buf))
     b, h, q_idx, kv_idx = (torch.arange(n, device=dev) for n in (b_m, h_m, q.shape[2], k.shape[2]))
     keep = fn(b, h, q_idx, kv_idx, *m_buf).to(torch.bool)
-    return _with_blocks(keep, _block_parts(call, q.shape[2], k.shape[2]), q_idx, kv_idx)
+    return _with_blocks(keep, _block_parts(call, k.shape[2]), q_idx, kv_idx)
 
 
 # A variant of the statistics and shadow passes for the calls a switch could serve (``score_mod`` leaving the

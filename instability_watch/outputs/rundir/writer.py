@@ -55,9 +55,23 @@ def _same_dir(a: Path, b: Path) -> bool:
         return a.absolute() == b.absolute()
 
 
+def _process_start(pid: int) -> Optional[str]:
+    """When process ``pid`` started (``/proc/PID/stat``'s start time, in clock ticks since boot), ``""`` where this
+    system has no ``/proc``, None where the process is gone (or a zombie)."""
+    if not os.path.isdir("/proc/self"):
+        return ""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            fields = f.read().rsplit(b")", 1)[1].split()  # after the command name, which may hold spaces
+    except (OSError, IndexError):
+        return None
+    return None if fields[0] == b"Z" else fields[19].decode()
+
+
 def live_writer(run_dir: Path) -> Optional[dict]:
     """The mark of another process on this host still writing ``run_dir`` (None if there is none: no mark, the
-    mark's process is this one or has ended, or it is on another host or on Windows, where it is not checked)."""
+    mark's process is this one or has ended, its process id now another process's (the start times differ), or it
+    is on another host or on Windows, where it is not checked)."""
     try:
         mark = json.loads((run_dir / WRITER_MARK).read_text())
         pid, host = int(mark["pid"]), str(mark["host"])
@@ -65,10 +79,15 @@ def live_writer(run_dir: Path) -> Optional[dict]:
         return None
     if host != socket.gethostname() or pid == os.getpid() or pid <= 0 or os.name != "posix":
         return None  # (on Windows os.kill(pid, 0) would send the process a CTRL_C_EVENT: not checked there)
+    start = _process_start(pid)
+    if start is None:
+        return None  # a run that was killed left its mark
+    if start:  # /proc: the same process only if it started when the mark says
+        return mark if str(mark.get("start", start)) == start else None
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
-        return None  # a run that was killed left its mark
+        return None
     except OSError:
         pass  # it exists, owned by another user
     return mark
@@ -491,7 +510,8 @@ class RunWriter:
         loses the check against a second run)."""
         since = _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
         try:
-            _write_json(self.run_dir / WRITER_MARK, {"host": socket.gethostname(), "pid": os.getpid(), "since": since})
+            _write_json(self.run_dir / WRITER_MARK, {"host": socket.gethostname(), "pid": os.getpid(), "since": since,
+                                                     "start": _process_start(os.getpid())})
         except OSError as exc:
             log.debug("instability_watch: no writer mark in %s (%s)", self.run_dir, exc)
 
