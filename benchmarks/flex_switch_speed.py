@@ -105,7 +105,7 @@ def main() -> int:
         torch._dynamo.reset()
         plain.recompile()
         switched.recompile()
-        def run_switched(expand: bool, fused=None, ordered: bool = False):
+        def run_switched(expand: bool, fused=None, ordered=None):  # ordered None: TILE_ORDER's default
             def call():
                 ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
                 ta.FUSED_BACKWARD = fused

@@ -77,11 +77,11 @@ def main() -> int:
 
     from instability_watch.kernels.attention.ops import KEEP_DOCUMENTS, forget_documents
 
-    def ours(expand: bool = False, fused=None, ordered: bool = False, afresh: bool = False, **kw):
+    def ours(expand: bool = False, fused=None, ordered=None, afresh: bool = False, **kw):
         def call():
             ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
             ta.FUSED_BACKWARD = fused
-            ta.TILE_ORDER = ordered
+            ta.TILE_ORDER = ordered  # None: the default
             if afresh:  # the documents' ranges found again in this call, as a step's first layer finds them
                 forget_documents()
             token = KEEP_DOCUMENTS.set(True)  # as a watch's routed calls keep them
@@ -99,8 +99,8 @@ def main() -> int:
         "ours, dK/dV per query head": ours(expand=True),  # GQA_EXPAND: off by default until measured
         "ours, fused backward": ours(fused=True),  # FUSED_BACKWARD: dropout calls only by default
         "ours, fused, per query head": ours(expand=True, fused=True),
-        "ours, tiles by work": ours(ordered=True),  # TILE_ORDER: off by default until measured
-        "ours, by work, per query head": ours(expand=True, ordered=True),
+        "ours, tiles in grid order": ours(ordered=False),  # TILE_ORDER off (its default orders packed calls' tiles)
+        "ours, grid order, per query head": ours(expand=True, ordered=False),
     }
 
     results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}
@@ -132,7 +132,7 @@ def main() -> int:
             grid = None if kernel == "fwd" or args.sweep_grid == "full" else [
                 c for c in SMALL_BWD_GRID if keep(c, ta.head_dim_tile(D))]
             sweeps[name] = sweep_launch_configs(kernel, D, timed, grid=grid, log=print)
-        ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER = False, None, False
+        ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER = False, None, None
     resources = kernel_resources(ta.attn_fwd, ta.attn_bwd_dq, ta.attn_bwd_dkdv)
     if args.json:
         write_json(args.json, {"device": device_name(dev), "torch": torch.__version__, "documents": lengths,

@@ -186,6 +186,50 @@ def test_masks(shape, kind, mdtype, causal):
     assert (inc["rows"] + inc["masked_rows"]).sum() == B * H * N
 
 
+def _blocky(B, H, N, n_kv, kind):
+    """Masks with structure in tiles, different per batch entry and head: documents (block-diagonal, boundaries
+    off the 16-wide tiles), a sliding window, a band of keys nobody sees, rows that see nothing."""
+    i, j = torch.arange(N)[:, None], torch.arange(n_kv)[None, :]
+    keep = torch.zeros(B, H, N, n_kv, dtype=torch.bool)
+    for b in range(B):
+        for h in range(H):
+            if (b + h) % 3 == 0:  # documents
+                cut_q, cut_k = torch.tensor([0, 23 + 5 * h, 51, N]), torch.tensor([0, 30 + 3 * b, 64, n_kv])
+                keep[b, h] = torch.bucketize(i, cut_q[1:], right=True) == torch.bucketize(j, cut_k[1:], right=True)
+            elif (b + h) % 3 == 1:  # a sliding window of 9 + h
+                keep[b, h] = (j <= i + 10) & (j > i + 10 - (9 + h))
+            else:  # all but a band of keys, and rows 40-47 see nothing
+                keep[b, h] = (j < 20) | (j >= 52)
+                keep[b, h, 40:48] = False
+    if kind == "bool":
+        return keep
+    return torch.where(keep, (i - j).remainder(5).float() / 8.0, float("-inf"))
+
+
+@pytest.mark.parametrize("causal", [False, True])
+@pytest.mark.parametrize("kind", ["bool", "add"])
+def test_masks_whose_tiles_see_nothing_are_skipped_exactly(kind, causal, monkeypatch):
+    """A mask's pre-pass gives each query tile the span of keys its rows may see; the passes loop over that span
+    only (whole tiles nobody sees skipped), with the reference's numbers."""
+    B, H, h_kv, N, n_kv, D = 2, 4, 2, 70, 90, 32
+    q, k, v, o, do = _inputs(("blocky", kind, causal), B, H, h_kv, N, n_kv, D)
+    mask = _blocky(B, H, N, n_kv, kind)
+    seen = []
+    real = triton_stats.mask_row_ranges
+
+    def spy(*args):
+        out = real(*args)
+        seen.append(out[0])
+        return out
+
+    monkeypatch.setattr(triton_stats, "mask_row_ranges", spy)
+    inc = _run_both(q, k, v, o, do, mask, causal=causal, scale=0.125)
+    assert inc["masked_rows"].sum() >= 8 and (inc["rows"] + inc["masked_rows"]).sum() == B * H * N
+    assert len(seen) == 2  # the statistics pass and the shadow pass
+    lo, hi = seen[0][..., 0], seen[0][..., 1]
+    assert (lo > 0).any() and (hi < n_kv).any()  # spans shorter than the keys: tiles were skipped
+
+
 def test_additive_mask_with_fully_masked_rows_and_floor_values():
     """-inf, finfo.min, MASK_FLOOR itself (masked) and just above it (a visible, huge negative score)."""
     B, H, N, D = 1, 2, 20, 32

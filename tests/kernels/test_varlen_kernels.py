@@ -294,6 +294,38 @@ def test_tiles_launched_in_the_order_of_their_work_give_the_same_results(case, m
         assert (span[order.long()].diff() <= 0).all() and span.unique().numel() > 1, name  # the widest first
 
 
+def test_a_kept_call_s_backward_reuses_its_documents_outside_the_forward_s_context(monkeypatch):
+    """A watch keeps a routed call's documents around its forward only; the backward runs later (on a GPU in
+    autograd's own thread) and must use them too, not find them afresh: one search for forward and backward."""
+    from instability_watch.kernels.attention import ops
+
+    made = []
+    real = ops._triton().Documents
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(ops._triton(), "Documents", Counted)
+    ops.forget_documents()
+    cu = torch.tensor(CU, dtype=torch.int32)
+    q, k, v, do = _inputs(("kept_backward",))
+    qq, kk, vv = (t.detach().clone().requires_grad_(True) for t in (q, k, v))
+    token = ops.KEEP_DOCUMENTS.set(True)
+    try:
+        o = flash_attention_varlen(qq, kk, vv, cu, causal=True, backend="triton")
+    finally:
+        ops.KEEP_DOCUMENTS.reset(token)
+    assert len(made) == 1
+    o.backward(do)
+    assert len(made) == 1  # the backward took the forward's documents
+    o2 = flash_attention_varlen(qq, kk, vv, cu.clone(), causal=True, backend="triton")  # a direct call: its own
+    o2.backward(do)
+    assert len(made) == 3
+    ops.forget_documents()
+
+
 def test_the_documents_of_a_batch_are_found_once_for_every_layer_and_again_when_they_change():
     """The layers of a step pass the same boundary tensors: their documents (and the tiles' ranges) are kept and
     reused, forward and backward. A boundary tensor refilled in place, or another tensor, is new documents; and

@@ -337,7 +337,7 @@ def test_flex_statistics_through_sdpas_passes_with_the_mask_equal_the_default(pa
     torch.testing.assert_close(via, default, rtol=1e-6, atol=1e-6)
 
 
-def test_flex_shadow_through_sdpas_pass_with_the_mask_equals_the_default():
+def test_flex_shadow_through_sdpas_pass_with_the_mask_equals_the_default(monkeypatch):
     """The shadow of a document-causal FlexAttention call with no score_mod: SDPA's shadow pass over its mask
     (flex.VIA_MASK) against the default (the call again in float32): the same rows, signs and sums."""
     import instability_watch.kernels.stats.flex as flex
@@ -354,12 +354,11 @@ def test_flex_shadow_through_sdpas_pass_with_the_mask_equals_the_default():
     default, via = Probe(4), Probe(4)
     o_hp, live = flex_shadow_forward(call)
     FlexShadowTap.apply(o.detach().requires_grad_(True), o_hp, live, default.counts, default.values, None).backward(do)
-    flex.VIA_MASK = True
-    try:
-        qm, km, vm, keep, sc = flex.mask_inputs(call)
-    finally:
-        flex.VIA_MASK = False
+    assert flex.VIA_MASK  # the default
+    qm, km, vm, keep, sc = flex.mask_inputs(call)
     assert keep.shape[-2:] == (sum(DOCS), sum(DOCS)) and sc == scale
+    monkeypatch.setattr(flex, "VIA_MASK_MAX_BYTES", keep.numel() - 1)
+    assert flex.mask_inputs(call) is None  # a mask over the limit: FlexAttention's passes
     ShadowTap.apply(o.detach().requires_grad_(True), qm, km, vm, keep, via.counts, via.values, False, sc,
                     None).backward(do)
     assert via.shadow_rows.tolist() == default.shadow_rows.tolist() == [q.shape[0] * sum(DOCS)] * 4

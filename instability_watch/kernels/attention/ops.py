@@ -330,6 +330,9 @@ class FlashAttention(torch.autograd.Function):
                      cu_q, cu_k, win_l, win_r)
         ctx.save_for_backward(q, k, v, o, lse, attn_mask, seed, cu_q, cu_k)
         ctx.window = (win_l, win_r)
+        # a routed packed call's documents serve its backward too, which runs later, outside the watch's
+        # KEEP_DOCUMENTS (on a GPU in autograd's own thread, which does not see this one's context variables)
+        ctx.keep_documents = cu_q is not None and KEEP_DOCUMENTS.get()
         # The step that ran the forward is the step whose backward is shadowed.
         # The probe buffers are held as attributes, not saved tensors: other
         # forwards may add to them before this backward runs (gradient
@@ -362,6 +365,7 @@ class FlashAttention(torch.autograd.Function):
         counts, values = ctx.probe_buffers
         mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
         bwd = attention_bwd if torch.compiler.is_compiling() else _backward
+        token = KEEP_DOCUMENTS.set(True) if ctx.keep_documents else None
         try:
             dq, dk, dv, dmask = bwd(
                 q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
@@ -375,5 +379,8 @@ class FlashAttention(torch.autograd.Function):
                 attn_mask = _documents(q, k, cu_q, cu_k, *ctx.window, "reference")[1]
             dq, dk, dv, dmask = _pytorch_backward(q, k, v, do, attn_mask, seed, ctx.causal, ctx.scale, ctx.dropout_p,
                                                   mask_grad, dlse)
+        finally:
+            if token is not None:
+                KEEP_DOCUMENTS.reset(token)
         return (dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None, None, None,
                 None, None, None, None, None, None, None, None)

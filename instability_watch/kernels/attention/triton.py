@@ -71,15 +71,19 @@ FUSED_BACKWARD: Optional[bool] = None
 # Calls with a mask or documents: launch each kernel's tiles in the order of their work, the widest range first,
 # the heads of one tile together (grid (batch x heads, tiles)), so that the longest programs do not start last.
 # A packed call's tiles differ in work by their place in their document: in grid order a simulation of the
-# benchmark's documents puts the last program's end 1.1-1.7x past the mean load (RESULTS.md); off until measured.
-TILE_ORDER = False
+# benchmark's documents puts the last program's end 1.1-1.7x past the mean load (RESULTS.md). None (the default):
+# packed calls only (measured on an H200, 2026-11-28: 2.45 ms a forward + backward where grid order takes 3.22;
+# their order is kept with their documents), not calls with a mask (the order is found again each call, and the
+# switched flex calls measured slower with it); True: those too; False: never.
+TILE_ORDER: Optional[bool] = None
 
 
 def _launch_grid(tiles: int, heads: int, mask, key, ranges):
     """``(grid, order, ordered)`` of a launch over ``tiles`` tiles of ``heads`` (batch x heads) programs each: with
     :data:`TILE_ORDER` and ranges, the tiles sorted by the widest span any (batch, head) of them has (a permutation,
     int32 on the device, cached with the mask's ranges), else the plain grid."""
-    if not TILE_ORDER or ranges is None:
+    ordered = isinstance(mask, Documents) if TILE_ORDER is None else TILE_ORDER
+    if not ordered or ranges is None:
         return (tiles, heads), None, False
     orders = mask.__dict__.setdefault("_orders", {})
     if key not in orders:
@@ -166,6 +170,14 @@ class _MaskArgs:
                                       torch.where(whole, cdiv(N, block_m) * block_m, 0).to(torch.int32)], dim=-1)
             self._ranges[key] = _expanded(ranges, (B, H, cdiv(n_kv, block_n)))
         return self._ranges[key]
+
+
+def mask_row_ranges(attn_mask: torch.Tensor, B: int, H: int, N: int, n_kv: int, block_m: int, block_n: int):
+    """``(ranges, strides)`` of a boolean or additive mask broadcastable to (B, H, N, N_kv): per (batch, head,
+    query tile of ``block_m`` rows), int32 ``(lo, hi, whole_lo, whole_hi)`` in keys, tiles of ``block_n``
+    (:meth:`_MaskArgs.rows`; one pre-pass launch over the mask's own extent). Keys outside ``[lo, hi)`` are masked
+    for every row of the tile (an additive mask's entries at or below ``MASK_FLOOR``)."""
+    return _MaskArgs(attn_mask, B, H, N, n_kv).rows(block_m, block_n)
 
 
 class Documents:

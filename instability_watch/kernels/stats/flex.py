@@ -292,19 +292,25 @@ def keep_mask(call: FlexCall) -> Tensor:
     return _with_blocks(keep, _block_parts(call, k.shape[2]), q_idx, kv_idx)
 
 
-# A variant of the statistics and shadow passes for the calls a switch could serve (``score_mod`` leaving the
-# scores as they are): SDPA's passes (Triton on CUDA) over the call's inputs with its mask evaluated from
-# ``mask_mod`` (:func:`keep_mask`, ``B_m·N·N_kv`` bytes), where the default takes two more FlexAttention forwards and
-# one in float32 (the call again, for O_hp). The same definitions, so the same numbers up to the order of sums;
-# off until a GPU run says which is cheaper (``benchmarks/observer_overhead.py --flex-stats mask``).
-VIA_MASK = False
+# The statistics and shadow passes of the calls a switch could serve (``score_mod`` leaving the scores as they are,
+# as Hugging Face's): SDPA's passes (Triton on CUDA, each query tile over the span of keys its rows see) over the
+# call's inputs with its mask evaluated from ``mask_mod`` (:func:`keep_mask`, ``B_m·H_m·N·N_kv`` bytes, held for the
+# backward on shadow steps), where the other way takes two more FlexAttention forwards and one in float32 (the call
+# again, for O_hp): the same definitions, so the same numbers up to the order of sums. A failure in SDPA's passes
+# fails open; FlexAttention's passes are traced into the user's graph and raise. Calls whose mask would take more
+# than VIA_MASK_MAX_BYTES, and every call with VIA_MASK off, take FlexAttention's passes.
+VIA_MASK = True
+VIA_MASK_MAX_BYTES = 1 << 26  # 64 MiB a layer: one 8,192 x 8,192 mask
 
 
 def mask_inputs(call: FlexCall) -> Optional[Tuple[Tensor, Tensor, Tensor, Tensor, float]]:
     """``(q, k, v, keep, scale)`` for SDPA's passes over this call (:data:`VIA_MASK`; the inputs in the dtype the
-    call computes in, detached), or None: the default passes (:data:`VIA_MASK` off, or a ``score_mod`` that
-    changes the scores)."""
+    call computes in, detached), or None: FlexAttention's passes (:data:`VIA_MASK` off, a ``score_mod`` that
+    changes the scores, or a mask over :data:`VIA_MASK_MAX_BYTES`)."""
     if not VIA_MASK or switch_refusal(call) is not None:
+        return None
+    blocks = next(t for t in call.block_mask if isinstance(t, Tensor))  # kv_num_blocks (B_m, H_m, blocks)
+    if blocks.shape[0] * blocks.shape[1] * call.q.shape[2] * call.k.shape[2] > VIA_MASK_MAX_BYTES:
         return None
     device = call.q.device.type
     dtype = torch.get_autocast_dtype(device) if torch.is_autocast_enabled(device) else call.q.dtype

@@ -35,6 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
+from instability_watch.kernels.attention.triton import mask_row_ranges
 from instability_watch.kernels.common import dropout_scale, dropout_threshold, mask4
 from instability_watch.kernels.configs import head_dim_tile, launch_config
 from instability_watch.kernels.launch import INTERPRET, Launcher, cdiv, dot_precision
@@ -192,17 +193,18 @@ def _shadow_inner(
 
 @triton.jit
 def _attn_stats(
-    Q, K, V, O, DO, Mask, Counts, Values, Seed,
+    Q, K, V, O, DO, Mask, Ranges, Counts, Values, Seed,
     stride_qb, stride_qh, stride_qn,
     stride_kb, stride_kh, stride_kn,
     stride_vb, stride_vh, stride_vn,
     stride_ob, stride_oh, stride_on,
     stride_dob, stride_doh, stride_don,
     stride_mb, stride_mh, stride_mm, stride_mn,
+    stride_rb, stride_rh, stride_rm,
     H, GROUP, N_Q, N_KV, D, DV,
     scale, eps, drop_thr, drop_scale, n_docs, win_l, win_r,
     SHADOW: tl.constexpr, CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr, SCALED: tl.constexpr,
-    HAS_O: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr,
+    HAS_RANGES: tl.constexpr, HAS_O: tl.constexpr, HEAD_DIM: tl.constexpr, HEAD_DV: tl.constexpr, BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, EVEN_DV: tl.constexpr, DOT_PRECISION: tl.constexpr,
 ):
     """One tile of BLOCK_M query rows of one head: its statistics (or shadow sums) added to the head's counters."""
@@ -267,6 +269,12 @@ def _attn_stats(
     else:
         hi = N_KV
         n_full = N_KV // BLOCK_N * BLOCK_N
+    if HAS_RANGES:
+        # a mask's pre-pass: the keys outside [lo, hi) are masked for every row of the tile (skipped)
+        r = Ranges + off_b * stride_rb + off_h64 * stride_rh + start_m * stride_rm
+        kv_lo = tl.load(r)
+        hi = tl.minimum(hi, tl.load(r + 1))
+        n_full = tl.maximum(tl.minimum(n_full, hi // BLOCK_N * BLOCK_N), kv_lo)
 
     if SHADOW:
         # ----------------------------------------------------------------- shadow pass
@@ -373,6 +381,7 @@ def _launch(q, k, v, o, do, attn_mask, counts, values, *, shadow: bool, causal: 
     dv = o.shape[-1] if o is not None else D
     # the call's mask as a (B, H, N, N_kv) view (stride 0 on broadcast dims); bool read as bytes
     mask = mask4(attn_mask, B, H, N, n_kv)
+    ranges, range_strides = None, (0, 0, 0)
     n_docs, win_l, win_r = 0, -1, -1
     if documents is not None:  # a packed call: (the document vector, its number of documents, the window)
         mask, n_docs, (win_l, win_r) = documents
@@ -392,15 +401,18 @@ def _launch(q, k, v, o, do, attn_mask, counts, values, *, shadow: bool, causal: 
         cfg = launch_config("stats", head_dim, q.dtype)
     # the statistics compare scores exactly: scale * q.k and + mask rounded separately (no FMA)
     options = {} if (INTERPRET or shadow) else dict(enable_fp_fusion=False)
+    if kind in (1, 2):  # each query tile's span of keys some row sees (one pre-pass launch over the mask)
+        ranges, range_strides = mask_row_ranges(attn_mask, B, H, N, n_kv, cfg.block_m, cfg.block_n)
     _launch_stats(
         (cdiv(N, cfg.block_m), B * H),
-        (q, k, v, o, do, mask, counts, values, seed if dropout_p else None),
-        (*q.stride()[:3], *k.stride()[:3], *_strides(v), *_strides(o), *_strides(do), *mask_strides,
+        (q, k, v, o, do, mask, ranges, counts, values, seed if dropout_p else None),
+        (*q.stride()[:3], *k.stride()[:3], *_strides(v), *_strides(o), *_strides(do), *mask_strides, *range_strides,
          H, H // h_kv, N, n_kv, D, dv, scale, eps,
          dropout_threshold(dropout_p) if dropout_p else 0, dropout_scale(dropout_p) if dropout_p else 1.0,
          n_docs, win_l, win_r),
         dict(
-            SHADOW=shadow, CAUSAL=causal, MASK_KIND=kind, DROPOUT=bool(dropout_p), SCALED=scaled, HAS_O=o is not None,
+            SHADOW=shadow, CAUSAL=causal, MASK_KIND=kind, DROPOUT=bool(dropout_p), SCALED=scaled,
+            HAS_RANGES=ranges is not None, HAS_O=o is not None,
             HEAD_DIM=head_dim, HEAD_DV=head_dv, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
             EVEN_D=D == head_dim, EVEN_DV=dv == head_dv, DOT_PRECISION=dot_precision(q.dtype),
             **cfg.options(), **options,
