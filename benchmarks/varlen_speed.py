@@ -42,6 +42,10 @@ def main() -> int:
                     help="also sweep this kernel's launch configs on the packed call (repeatable)")
     ap.add_argument("--sweep-grid", choices=["small", "full"], default="small",
                     help="the backward's grid: small (15 configs, one device call) or full (_common.BWD_GRID)")
+    ap.add_argument("--sweep-configs", metavar="BM,BN,W,ST;...",
+                    help="sweep these launch configs only (block_m, block_n, warps, stages; ';' between them)")
+    ap.add_argument("--variants", metavar="NAME,...",
+                    help="time these variants only (varlen_attn and ours always; default: all of them)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("varlen_speed.py needs a CUDA GPU (varlen_attn has no CPU kernel)")
@@ -74,6 +78,7 @@ def main() -> int:
             return varlen_attn(q, k.repeat_interleave(H // KV, 1), v.repeat_interleave(H // KV, 1), cu, cu, max_len,
                                max_len, window_size=(-1, 0))
     import instability_watch.kernels.attention.triton as ta
+    from instability_watch.kernels.configs import has_launch_config
 
     from instability_watch.kernels.attention.ops import KEEP_DOCUMENTS, forget_documents
 
@@ -103,6 +108,12 @@ def main() -> int:
         "ours, grid order, per query head": ours(expand=True, ordered=False),
     }
 
+    if args.variants:
+        wanted = {"varlen_attn", "ours", *(v.strip() for v in args.variants.split(","))}
+        unknown = wanted - set(variants)
+        if unknown:
+            raise SystemExit(f"--variants: unknown {sorted(unknown)}; the variants are {list(variants)}")
+        variants = {name: fn for name, fn in variants.items() if name in wanted}
     results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}
     for r in range(args.rounds):
         names = list(variants) if r % 2 == 0 else list(reversed(variants))
@@ -131,7 +142,12 @@ def main() -> int:
                     return cuda_ms(fn, args.iters, do)
             grid = None if kernel == "fwd" or args.sweep_grid == "full" else [
                 c for c in SMALL_BWD_GRID if keep(c, ta.head_dim_tile(D))]
-            sweeps[name] = sweep_launch_configs(kernel, D, timed, grid=grid, log=print)
+            if args.sweep_configs:
+                grid = [tuple(int(x) for x in c.split(",")) for c in args.sweep_configs.split(";") if c.strip()]
+            # packed calls' dK/dV takes its own entry where the table has one
+            key = "dkdv_docs" if kernel == "dkdv" and has_launch_config("dkdv_docs", ta.head_dim_tile(D),
+                                                                          torch.bfloat16) else kernel
+            sweeps[name] = sweep_launch_configs(key, D, timed, grid=grid, log=print)
         ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER = False, None, None
     resources = kernel_resources(ta.attn_fwd, ta.attn_bwd_dq, ta.attn_bwd_dkdv)
     if args.json:

@@ -17,7 +17,7 @@ from instability_watch.kernels.launch import INTERPRET
 
 # The kernels pad the head dim D to one of these tiles (a power of two of at least 16).
 HEAD_DIM_TILES = (16, 32, 64, 128, 256)
-KERNELS = ("fwd", "dkdv", "dk", "dv", "dq", "fused", "stats", "shadow")
+KERNELS = ("fwd", "dkdv", "dkdv_docs", "dk", "dv", "dq", "fused", "stats", "shadow")
 
 
 @dataclass(frozen=True)
@@ -76,6 +76,10 @@ LAUNCH_TABLE: Dict[Tuple[str, str], Dict[int, LaunchConfig]] = {
     # dK/dV (64, 64, 8, 2) and dQ (64, 64, 4, 2) were the fastest of 28 each.
     ("dkdv", TENSOR_CORES): {16: _C(64, 64, 4, 3), 32: _C(64, 64, 4, 3), 64: _C(64, 64, 4, 3), 128: _C(64, 128, 8, 3),
                              256: _C(64, 64, 8, 2)},
+    # dK/dV over a packed call's documents (MASK_DOCS; other tiles take "dkdv"): `benchmarks/varlen_speed.py
+    # --sweep dkdv` on an H200 (2026-11-28, 10 documents in 16,384 tokens, H 16/4, causal): (32, 128, 8, 3) the
+    # fastest in two sweeps, 2.310 ms a forward + backward against 2.452 for the dense calls' (64, 128, 8, 3).
+    ("dkdv_docs", TENSOR_CORES): {128: _C(32, 128, 8, 3)},
     # The dK/dV kernel in two passes (dK, then dV; by default the backward splits wherever both have
     # an entry): at D = 256 its two (BLOCK_N, 256) float32 accumulators fill the registers, so the
     # fused pass is stuck at 64 keys per program; alone, each pass fits 128 (the same lab run,
@@ -142,7 +146,8 @@ def launch_config(
     """The launch configuration of one kernel launch.
 
     Args:
-        kernel: one of :data:`KERNELS`: ``"fwd"``, ``"dkdv"`` (or its passes ``"dk"``, ``"dv"``), ``"dq"``,
+        kernel: one of :data:`KERNELS`: ``"fwd"``, ``"dkdv"`` (or its passes ``"dk"``, ``"dv"``; over a packed
+            call's documents ``"dkdv_docs"`` where the table has it), ``"dq"``,
             ``"fused"`` (attention),
             ``"stats"``, ``"shadow"`` (the observer's passes).
         head_dim: the head-dim tile (:func:`head_dim_tile`), one of :data:`HEAD_DIM_TILES`.

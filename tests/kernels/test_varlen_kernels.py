@@ -376,3 +376,33 @@ def test_the_documents_of_a_batch_are_found_once_for_every_layer_and_again_when_
     assert int(ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0)).doc_q[25]) == 0
     watch.detach()
     ops.forget_documents()
+
+
+def test_packed_calls_take_their_own_dkdv_tiles(monkeypatch):
+    """The launch table's "dkdv_docs" entry (measured on packed calls, D = 128) serves packed calls' dK/dV; a dense
+    call keeps "dkdv"'s. The gradients are those of the interpreter's tiles up to float32 sums in another order."""
+    from instability_watch.kernels import configs
+    from instability_watch.kernels.attention import triton as ta
+
+    d = 128
+    g = seeded("varlen_kernels", "docs tiles")
+    q = torch.randn(CU[-1], H, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(CU[-1], H_KV, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    do = torch.randn(CU[-1], H, d, generator=g).to(torch.bfloat16)
+    cu = torch.tensor(CU, dtype=torch.int32)
+    packed = (lambda a, b, c: flash_attention_varlen(a, b, c, cu, causal=True, backend="triton"))
+    as4 = (lambda t: t.permute(1, 0, 2).unsqueeze(0))
+    dense = (lambda a, b, c: flash_attention(as4(a), as4(b), as4(c), causal=True, backend="triton")[0])
+    small = _fwd_bwd(packed, q, k, v, do)  # the interpreter's 16 x 16 tiles
+    tiles = []
+    launch = ta.launch_dkdv
+    monkeypatch.setattr(ta, "launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or tiles.append(
+        (meta["BLOCK_M"], meta["BLOCK_N"])))
+    monkeypatch.setattr(configs, "INTERPRET", False)  # launch_config reads the table, as on the GPU
+    table = _fwd_bwd(packed, q, k, v, do)
+    _fwd_bwd(dense, q, k, v, do.permute(1, 0, 2))
+    docs, plain = (configs.launch_config(kind, d, torch.bfloat16) for kind in ("dkdv_docs", "dkdv"))
+    assert (docs.block_m, docs.block_n) != (plain.block_m, plain.block_n)
+    assert tiles == [(docs.block_m, docs.block_n), (plain.block_m, plain.block_n)]
+    for a, b in zip(small, table):
+        torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)

@@ -588,7 +588,8 @@ def attention_backward_lse2(
                 kernel, override = "dkdv", config_dkdv  # split=True where the table has no pass of its own
             dkdv(launch_config(kernel, head_dim, q.dtype, override=override), None, part=part)
     else:
-        dkdv(launch_config("dkdv", head_dim, q.dtype, override=config_dkdv), None)
+        packed = mask.kind == MASK_DOCS and has_launch_config("dkdv_docs", head_dim, q.dtype)
+        dkdv(launch_config("dkdv_docs" if packed else "dkdv", head_dim, q.dtype, override=config_dkdv), None)
     if dmask is not None:
         dmask = reduce_to(dmask, attn_mask.shape).to(attn_mask.dtype)
     return dq, dk, dv, dmask
