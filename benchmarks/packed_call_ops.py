@@ -50,21 +50,19 @@ def main() -> None:
             for _ in range(2))
     do = torch.zeros(args.tokens, args.heads, args.head_dim, dtype=torch.bfloat16)
 
-    def call() -> collections.Counter:
+    def call(keep: bool) -> collections.Counter:
         count = Count()
         with count:
-            flash_attention_varlen(q, k, v, cu, causal=True, backend="triton").backward(do)
+            with ops.keeping_documents(keep):  # as a watch keeps them: around the forward (the backward comes later)
+                o = flash_attention_varlen(q, k, v, cu, causal=True, backend="triton")
+            o.backward(do)
         return count.ops
 
     ops.forget_documents()
-    afresh = call()
-    token = ops.KEEP_DOCUMENTS.set(True)
-    try:
-        call()  # a step's first layer: its documents found and kept
-        kept = call()
-    finally:
-        ops.KEEP_DOCUMENTS.reset(token)
-        ops.forget_documents()
+    afresh = call(False)
+    call(True)  # a step's first layer: its documents found and kept
+    kept = call(True)
+    ops.forget_documents()
     print(f"{args.tokens} tokens, {args.docs} documents, H {args.heads}/{args.kv_heads}, D {args.head_dim}, causal: "
           f"PyTorch operations in one forward + backward, launches not counted")
     print(f"  documents found afresh: {sum(afresh.values())}")

@@ -40,7 +40,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from instability_watch.kernels import dropout_seed, flash_attention, flash_attention_varlen, unsupported
-from instability_watch.kernels.attention.ops import ERROR_HANDLER, KEEP_DOCUMENTS
+from instability_watch.kernels.attention.ops import ERROR_HANDLER, KEEP_DOCUMENTS, keeping_documents
 from instability_watch.kernels import stats as _stats_kernels
 from instability_watch.kernels.stats import attention_shadow, attention_stats
 from instability_watch.kernels.stats.flex import (FLEX_OP, FlexCall, flex_shadow, flex_shadow_forward, flex_stats,
@@ -178,10 +178,10 @@ class VarlenShadowTap(torch.autograd.Function):
     on ``dO`` and returns ``dO`` unchanged."""
 
     @staticmethod
-    def forward(ctx, o, q, k, v, cu_q, cu_k, causal, scale, window, counts, values, on_error):
+    def forward(ctx, o, q, k, v, cu_q, cu_k, causal, scale, window, counts, values, on_error, keep=False):
         ctx.save_for_backward(o, q, k, v, cu_q, cu_k)
         ctx.buffers, ctx.on_error = (counts, values), on_error  # attributes: see ShadowTap
-        ctx.causal, ctx.scale, ctx.window = causal, scale, window
+        ctx.causal, ctx.scale, ctx.window, ctx.keep = causal, scale, window, keep
         return o.view_as(o)
 
     @staticmethod
@@ -189,8 +189,9 @@ class VarlenShadowTap(torch.autograd.Function):
         o, q, k, v, cu_q, cu_k = ctx.saved_tensors
         counts, values = ctx.buffers
         call = VarlenCall(q, k, v, cu_q, cu_k, ctx.causal, ctx.scale, ctx.window, False)
-        _shadow_pass(ctx.on_error, counts, lambda: varlen_shadow(call, o, do, counts, values))
-        return do, None, None, None, None, None, None, None, None, None, None, None
+        with keeping_documents(ctx.keep):  # as the forward kept them (this runs later, outside the watch's)
+            _shadow_pass(ctx.on_error, counts, lambda: varlen_shadow(call, o, do, counts, values))
+        return do, None, None, None, None, None, None, None, None, None, None, None, None
 
 
 # ----------------------------------------------------------------------------- the mode
@@ -378,6 +379,9 @@ class SdpaObserver(TorchFunctionMode):
                 self.count(UNOBSERVED, why)
             return out
         self._in_other = True
+        # a packed batch's documents kept for the step's other layers (forgotten at every step), eager calls only
+        keep = parser is VarlenCall and not torch.compiler.is_compiling()
+        token = KEEP_DOCUMENTS.set(True) if keep else None
         try:
             sdpa = mask_inputs(call) if parser is FlexCall and (self.stats or self.shadow) else None
             if self.stats:
@@ -400,7 +404,7 @@ class SdpaObserver(TorchFunctionMode):
                     cu_k = call.cu_seq_k if call.cu_seq_k is not None else call.cu_seq_q
                     tapped = VarlenShadowTap.apply(out[0], call.q.detach(), call.k.detach(), call.v.detach(),
                                                    call.cu_seq_q, cu_k, call.is_causal, call.scale, call.window,
-                                                   self.counts, self.values, on_error)
+                                                   self.counts, self.values, on_error, keep)
                 out = (tapped, *out[1:])
         except Exception as exc:  # noqa: BLE001 - fail open: the user's output stands
             if self.on_error is None or torch.compiler.is_compiling():
@@ -408,6 +412,8 @@ class SdpaObserver(TorchFunctionMode):
             self.on_error("statistics", exc)
         finally:
             self._in_other = False
+            if token is not None:
+                KEEP_DOCUMENTS.reset(token)
         return out
 
     def _flex_routed(self, call: FlexCall):

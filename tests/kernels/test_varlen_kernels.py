@@ -335,10 +335,10 @@ def test_the_documents_of_a_batch_are_found_once_for_every_layer_and_again_when_
     ops.forget_documents()
     cu = torch.tensor(CU, dtype=torch.int32)
     q, k, v, do = _inputs(("kept",))
-    first = ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0))
-    assert ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0)) is first
-    assert ops._kept_documents(cu, cu, CU[-1], CU[-1], (9, 0)) is not first  # another window: other ranges
-    assert ops._kept_documents(cu.clone(), cu, CU[-1], CU[-1], (-1, 0)) is not first  # another tensor
+    first = ops.kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0))
+    assert ops.kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0)) is first
+    assert ops.kept_documents(cu, cu, CU[-1], CU[-1], (9, 0)) is not first  # another window: other ranges
+    assert ops.kept_documents(cu.clone(), cu, CU[-1], CU[-1], (-1, 0)) is not first  # another tensor
     # a direct call keeps nothing (a buffer refilled behind PyTorch's back would be read stale); a watch's call does
     _fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu.clone(), causal=True, backend="triton"), q, k, v, do)
     assert len(ops._DOCUMENTS) == 3
@@ -347,7 +347,7 @@ def test_the_documents_of_a_batch_are_found_once_for_every_layer_and_again_when_
                      do)]
     assert len(ops._DOCUMENTS) == 3  # the call's documents were the ones kept
     cu[1] = 20  # refilled in place: new documents
-    moved = ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0))
+    moved = ops.kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0))
     assert moved is not first and int(moved.doc_q[25]) == 1 and int(first.doc_q[25]) == 0
     outs.append(_fwd_bwd(lambda a, b, c: flash_attention_varlen(a, b, c, cu, causal=True, backend="triton"), q, k,
                          v, do))
@@ -359,21 +359,21 @@ def test_the_documents_of_a_batch_are_found_once_for_every_layer_and_again_when_
     assert not torch.equal(outs[0][0], outs[1][0])
     with torch.inference_mode():  # no version counter: found afresh each time, not kept
         cu_inf = torch.tensor(CU, dtype=torch.int32)
-    assert ops._kept_documents(cu_inf, cu_inf, CU[-1], CU[-1], (-1, 0)) is not ops._kept_documents(
+    assert ops.kept_documents(cu_inf, cu_inf, CU[-1], CU[-1], (-1, 0)) is not ops.kept_documents(
         cu_inf, cu_inf, CU[-1], CU[-1], (-1, 0))
     for i in range(ops.DOCUMENTS_KEPT + 3):
-        ops._kept_documents(torch.tensor(CU), torch.tensor(CU), CU[-1], CU[-1], (i, 0))
+        ops.kept_documents(torch.tensor(CU), torch.tensor(CU), CU[-1], CU[-1], (i, 0))
     assert len(ops._DOCUMENTS) == ops.DOCUMENTS_KEPT
     # a write PyTorch does not count (through .data) is seen once the watch's step forgets what was kept
     from instability_watch import InstabilityWatch
 
     watch = InstabilityWatch(torch.nn.MultiheadAttention(8, 2))
-    kept = ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0))
+    kept = ops.kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0))
     cu.data[1] = 30
-    assert ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0)) is kept  # within the step: as documented
+    assert ops.kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0)) is kept  # within the step: as documented
     watch.step()
     assert not ops._DOCUMENTS
-    assert int(ops._kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0)).doc_q[25]) == 0
+    assert int(ops.kept_documents(cu, cu, CU[-1], CU[-1], (-1, 0)).doc_q[25]) == 0
     watch.detach()
     ops.forget_documents()
 

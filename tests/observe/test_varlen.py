@@ -192,6 +192,48 @@ def test_training_a_watched_packed_model_takes_the_shadow_pass():
         assert torch.equal(a, b)
 
 
+def test_a_step_finds_a_packed_batch_s_documents_once_for_every_layer(monkeypatch):
+    """The layers of a step pass the same boundaries: the statistics and shadow passes (the Triton kernels, here on
+    the interpreter) of every layer's call use one search for the batch's documents, the shadow pass in the
+    backward too; the next step searches again (the watch forgets them)."""
+    from instability_watch import InstabilityWatch, WatchConfig
+    from instability_watch.kernels import stats as stats_kernels
+    from instability_watch.kernels.attention import ops
+    from instability_watch.model.layer import AttentionLayer
+
+    made = []
+    real = ops._triton().Documents
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(ops._triton(), "Documents", Counted)
+    monkeypatch.setattr(stats_kernels, "triton_serves", lambda *a: True)
+    from instability_watch.kernels.stats import varlen as varlen_module
+
+    found = varlen_module.documents  # the passes' own search, where they do not take the kept documents
+    monkeypatch.setattr(varlen_module, "documents", lambda *a: made.append(1) or found(*a))
+    torch.manual_seed(0)
+    blocks = nn.ModuleList([PackedAttention(), PackedAttention()])
+    layers = [AttentionLayer(b, 4, (lambda b=b: b.wq.weight.view(4, 16, 64)), name=f"packed{i}")
+              for i, b in enumerate(blocks)]
+    watch = InstabilityWatch(blocks, WatchConfig(probe_every=1, spectral_every=0, log_every=1, warmup_steps=100,
+                                                 strict=True), layers=layers)
+    cu = torch.tensor([0, 30, 52, 80], dtype=torch.int32)
+    x = torch.randn(80, 64, generator=seeded("packed_documents_once"))
+    for step in range(2):
+        loss = blocks[1](blocks[0](x, cu, 30), cu, 30).float().pow(2).mean()
+        loss.backward()
+        assert len(made) == step + 1  # stats and shadow of both layers: one search a step
+        watch.step(loss)
+    for cov in watch.coverage():
+        assert cov.unobserved_calls == {} and cov.observed_calls == 2 and cov.shadow_calls == 2
+    assert not ops._DOCUMENTS
+    watch.detach()
+
+
 def test_the_cpu_kernels_of_the_tests_are_right():
     """The tests' CPU backward of the varlen op against autograd through the same attention, in float64."""
     from varlen_cpu import attend, cpu_varlen_backward

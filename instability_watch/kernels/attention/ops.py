@@ -16,6 +16,7 @@ passed back to the same backend's backward.
 from __future__ import annotations
 
 import collections
+import contextlib
 import contextvars
 import math
 import os
@@ -156,7 +157,9 @@ _DOCUMENTS_LOCK = threading.Lock()  # threads (nn.DataParallel's) share them
 DOCUMENTS_KEPT = 4
 
 
-def _kept_documents(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, window: Tuple[int, int]):
+def kept_documents(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, window: Tuple[int, int]):
+    """The packed batch's documents (the Triton kernels' :class:`~.triton.Documents`, their tiles' ranges found
+    as the kernels ask for them): the ones kept for these boundary tensors and this window, else found and kept."""
     # the stream too: documents found on one stream are used on that stream only (no wait for them elsewhere,
     # and their memory is never in use on a stream the caching allocator does not know of)
     stream = torch.cuda.current_stream(cu_q.device).cuda_stream if cu_q.is_cuda else None
@@ -178,6 +181,18 @@ def _kept_documents(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, window: Tupl
     return docs
 
 
+@contextlib.contextmanager
+def keeping_documents(keep: bool = True):
+    """Within it, packed calls keep their documents (:data:`KEEP_DOCUMENTS`); with ``keep`` False, nothing
+    changes. Eager code only (Dynamo does not trace setting a context variable)."""
+    token = KEEP_DOCUMENTS.set(True) if keep else None
+    try:
+        yield
+    finally:
+        if token is not None:
+            KEEP_DOCUMENTS.reset(token)
+
+
 def forget_documents() -> None:
     """Drop the documents kept from earlier packed calls (their ranges are found again on the next call)."""
     if _DOCUMENTS:
@@ -194,7 +209,7 @@ def _documents(q: Tensor, k: Tensor, cu_q: Optional[Tensor], cu_k: Optional[Tens
     t_q, t_k = q.shape[2], k.shape[2]
     if backend == "triton":
         if KEEP_DOCUMENTS.get():
-            return _kept_documents(cu_q, cu_k, t_q, t_k, (win_l, win_r)), None
+            return kept_documents(cu_q, cu_k, t_q, t_k, (win_l, win_r)), None
         return _triton().Documents(cu_q, cu_k, t_q, t_k, (win_l, win_r)), None
     doc_q, pos_q, doc_k, pos_k = documents(cu_q, cu_k, t_q, t_k)
     keep = doc_q[:, None] == doc_k[None, :]
@@ -332,7 +347,7 @@ class FlashAttention(torch.autograd.Function):
         ctx.window = (win_l, win_r)
         # a routed packed call's documents serve its backward too, which runs later, outside the watch's
         # KEEP_DOCUMENTS (on a GPU in autograd's own thread, which does not see this one's context variables)
-        ctx.keep_documents = cu_q is not None and KEEP_DOCUMENTS.get()
+        ctx.keep_documents = cu_q is not None and not torch.compiler.is_compiling() and KEEP_DOCUMENTS.get()
         # The step that ran the forward is the step whose backward is shadowed.
         # The probe buffers are held as attributes, not saved tensors: other
         # forwards may add to them before this backward runs (gradient
@@ -365,12 +380,12 @@ class FlashAttention(torch.autograd.Function):
         counts, values = ctx.probe_buffers
         mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
         bwd = attention_bwd if torch.compiler.is_compiling() else _backward
-        token = KEEP_DOCUMENTS.set(True) if ctx.keep_documents else None
         try:
-            dq, dk, dv, dmask = bwd(
-                q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
-                ctx.shadow, mask_grad, ctx.backend, ctx.hp_delta, cu_q, cu_k, *ctx.window, dlse,
-            )
+            with keeping_documents(ctx.keep_documents):
+                dq, dk, dv, dmask = bwd(
+                    q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
+                    ctx.shadow, mask_grad, ctx.backend, ctx.hp_delta, cu_q, cu_k, *ctx.window, dlse,
+                )
         except Exception as exc:
             if ctx.on_error is None:
                 raise
@@ -379,8 +394,5 @@ class FlashAttention(torch.autograd.Function):
                 attn_mask = _documents(q, k, cu_q, cu_k, *ctx.window, "reference")[1]
             dq, dk, dv, dmask = _pytorch_backward(q, k, v, do, attn_mask, seed, ctx.causal, ctx.scale, ctx.dropout_p,
                                                   mask_grad, dlse)
-        finally:
-            if token is not None:
-                KEEP_DOCUMENTS.reset(token)
         return (dq, dk, dv, (dmask if mask_grad else None), None, None, None, None, None, None, None, None, None,
                 None, None, None, None, None, None, None, None)

@@ -200,6 +200,13 @@ class Documents:
         self.win_l, self.win_r = int(window[0]), int(window[1])
         self.strides = (self.n, self.win_l, self.win_r, 0)
         self._ranges = {}
+        self._stats_vector = None
+
+    def stats_vector(self) -> torch.Tensor:
+        """The statistics kernel's document vector, int64 ``[doc_q, pos_q, doc_k, pos_k, cu_seq_k]`` (made once)."""
+        if self._stats_vector is None:
+            self._stats_vector = torch.cat([self.tensor, self.cu_k])
+        return self._stats_vector
 
     def _seen(self, doc: torch.Tensor, past: int):
         """For each row (key): its document clamped to a real one, and whether it is in one."""

@@ -142,18 +142,30 @@ def varlen_shadow(call: VarlenCall, o: Tensor, do: Tensor, counts: Tensor, value
 
     if triton is None:
         triton = triton_serves(call.q, call.k, call.v)
-    t_q, t_k = call.q.shape[0], call.k.shape[0]
-    cu_k = call.cu_seq_k if call.cu_seq_k is not None else call.cu_seq_q
-    docs = documents(call.cu_seq_q, cu_k, t_q, t_k)
     scale = float(call.scale) if call.scale is not None else 1.0 / math.sqrt(call.q.shape[-1])
     with torch.autocast(call.q.device.type, enabled=False):
         if triton:
             from instability_watch.kernels.stats.triton import attention_shadow_documents
 
-            attention_shadow_documents(call.q, call.k, call.v, o, do, torch.cat([*docs, cu_k.long()]),
+            attention_shadow_documents(call.q, call.k, call.v, o, do, _document_vector(call),
                                        call.cu_seq_q.numel() - 1, call.window, counts, values, scale=scale)
         else:
+            cu_k = call.cu_seq_k if call.cu_seq_k is not None else call.cu_seq_q
+            docs = documents(call.cu_seq_q, cu_k, call.q.shape[0], call.k.shape[0])
             _varlen_shadow(call, o, do, docs, counts, values, scale)
+
+
+def _document_vector(call: VarlenCall) -> Tensor:
+    """The statistics kernel's document vector ``[doc_q, pos_q, doc_k, pos_k, cu_seq_k]`` (int64): kept with the
+    batch's documents where the watch keeps them for the step (``KEEP_DOCUMENTS``: the layers of a step pass the
+    same boundaries), else found on the device."""
+    from instability_watch.kernels.attention.ops import KEEP_DOCUMENTS, kept_documents
+
+    t_q, t_k = call.q.shape[0], call.k.shape[0]
+    cu_k = call.cu_seq_k if call.cu_seq_k is not None else call.cu_seq_q
+    if KEEP_DOCUMENTS.get() and not torch.compiler.is_compiling():
+        return kept_documents(call.cu_seq_q, cu_k, t_q, t_k, call.window).stats_vector()
+    return torch.cat([*documents(call.cu_seq_q, cu_k, t_q, t_k), cu_k.long()])
 
 
 def _varlen_shadow(call: VarlenCall, o: Tensor, do: Tensor, docs, counts: Tensor, values: Tensor,
@@ -197,13 +209,9 @@ def _varlen_shadow(call: VarlenCall, o: Tensor, do: Tensor, docs, counts: Tensor
 def _varlen_stats_triton(call: VarlenCall, o: Optional[Tensor], counts: Tensor, values: Tensor, eps: float) -> None:
     from instability_watch.kernels.stats.triton import attention_stats_documents
 
-    t_q, t_k = call.q.shape[0], call.k.shape[0]
-    cu_k = call.cu_seq_k if call.cu_seq_k is not None else call.cu_seq_q
-    doc_q, pos_q, doc_k, pos_k = documents(call.cu_seq_q, cu_k, t_q, t_k)
-    vec = torch.cat([doc_q, pos_q, doc_k, pos_k, cu_k.long()])
     scale = float(call.scale) if call.scale is not None else 1.0 / math.sqrt(call.q.shape[-1])
-    attention_stats_documents(call.q, call.k, o, vec, call.cu_seq_q.numel() - 1, call.window, counts, values,
-                              scale=scale, eps=eps)
+    attention_stats_documents(call.q, call.k, o, _document_vector(call), call.cu_seq_q.numel() - 1, call.window,
+                              counts, values, scale=scale, eps=eps)
 
 
 def _varlen_stats(call: VarlenCall, o: Optional[Tensor], counts: Tensor, values: Tensor, eps: float) -> None:
