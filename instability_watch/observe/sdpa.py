@@ -4,11 +4,10 @@ The user's SDPA call runs exactly as without the watch: same function,
 arguments, autocast, backend and random numbers. On probe steps a layer's
 ``forward`` runs inside :class:`SdpaObserver`, which catches its SDPA calls:
 
-* each call is first run by PyTorch; then the statistics pass
-  (:mod:`~instability_watch.kernels.stats`) reads the same ``q, k, attn_mask``
-  *in the dtype the call computes in* (autocast's rule for SDPA applied:
-  floating tensors other than float64 are cast to the autocast dtype) and the
-  output, with autocast disabled, and adds per-head counts into the layer's probe;
+* each call is first run by PyTorch; then the statistics pass (:mod:`~instability_watch.kernels.stats`) reads
+  the same ``q, k, attn_mask`` *in the dtype the call computes in* (autocast's rule for SDPA applied: floating
+  tensors other than float64 are cast to the autocast dtype) and the output, with autocast disabled, and adds
+  per-head counts into the layer's probe;
 * on shadow steps the output also goes through :class:`ShadowTap`, an autograd
   node whose backward hands the gradient back unchanged and runs the shadow
   pass on ``dO``. The user's calls with dropout get no shadow (their keep mask
@@ -23,9 +22,8 @@ arguments, autocast, backend and random numbers. On probe steps a layer's
   autocast) stays on PyTorch; the layer's switch is then reported as not
   applied, with the reason.
 
-The observer reads only its own attributes, which
-:class:`~instability_watch.observe.observation.Observation` keeps current, never the model.
-"""
+The observer reads only its own attributes, which :class:`~instability_watch.observe.observation.Observation`
+keeps current, never the model."""
 from __future__ import annotations
 
 import itertools
@@ -189,7 +187,10 @@ class VarlenShadowTap(torch.autograd.Function):
         o, q, k, v, cu_q, cu_k = ctx.saved_tensors
         counts, values = ctx.buffers
         call = VarlenCall(q, k, v, cu_q, cu_k, ctx.causal, ctx.scale, ctx.window, False)
-        with keeping_documents(ctx.keep):  # as the forward kept them (this runs later, outside the watch's)
+        if ctx.keep:  # eager: the documents the forward kept (this runs later, outside the watch's keeping)
+            with keeping_documents():
+                _shadow_pass(ctx.on_error, counts, lambda: varlen_shadow(call, o, do, counts, values))
+        else:
             _shadow_pass(ctx.on_error, counts, lambda: varlen_shadow(call, o, do, counts, values))
         return do, None, None, None, None, None, None, None, None, None, None, None, None
 

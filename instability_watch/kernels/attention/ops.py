@@ -182,15 +182,14 @@ def kept_documents(cu_q: Tensor, cu_k: Tensor, t_q: int, t_k: int, window: Tuple
 
 
 @contextlib.contextmanager
-def keeping_documents(keep: bool = True):
-    """Within it, packed calls keep their documents (:data:`KEEP_DOCUMENTS`); with ``keep`` False, nothing
-    changes. Eager code only (Dynamo does not trace setting a context variable)."""
-    token = KEEP_DOCUMENTS.set(True) if keep else None
+def keeping_documents():
+    """Within it, packed calls keep their documents (:data:`KEEP_DOCUMENTS`). Eager code only (not for code
+    Dynamo traces)."""
+    token = KEEP_DOCUMENTS.set(True)
     try:
         yield
     finally:
-        if token is not None:
-            KEEP_DOCUMENTS.reset(token)
+        KEEP_DOCUMENTS.reset(token)
 
 
 def forget_documents() -> None:
@@ -380,12 +379,14 @@ class FlashAttention(torch.autograd.Function):
         counts, values = ctx.probe_buffers
         mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
         bwd = attention_bwd if torch.compiler.is_compiling() else _backward
+        args = (q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
+                ctx.shadow, mask_grad, ctx.backend, ctx.hp_delta, cu_q, cu_k, *ctx.window, dlse)
         try:
-            with keeping_documents(ctx.keep_documents):
-                dq, dk, dv, dmask = bwd(
-                    q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
-                    ctx.shadow, mask_grad, ctx.backend, ctx.hp_delta, cu_q, cu_k, *ctx.window, dlse,
-                )
+            if ctx.keep_documents:  # eager only (nothing of this is traced under compile)
+                with keeping_documents():
+                    dq, dk, dv, dmask = bwd(*args)
+            else:
+                dq, dk, dv, dmask = bwd(*args)
         except Exception as exc:
             if ctx.on_error is None:
                 raise

@@ -68,13 +68,11 @@ GQA_EXPAND = False
 # deterministic algorithms). For the benchmarks' variants: measured faster on dense calls with dropout only, not yet
 # on packed or masked calls (benchmarks/varlen_speed.py and flex_switch_speed.py time it).
 FUSED_BACKWARD: Optional[bool] = None
-# Calls with a mask or documents: launch each kernel's tiles in the order of their work, the widest range first,
-# the heads of one tile together (grid (batch x heads, tiles)), so that the longest programs do not start last.
-# A packed call's tiles differ in work by their place in their document: in grid order a simulation of the
-# benchmark's documents puts the last program's end 1.1-1.7x past the mean load (RESULTS.md). None (the default):
-# packed calls only (measured on an H200, 2026-11-28: 2.45 ms a forward + backward where grid order takes 3.22;
-# their order is kept with their documents), not calls with a mask (the order is found again each call, and the
-# switched flex calls measured slower with it); True: those too; False: never.
+# Launch each kernel's tiles widest range first, the heads of one tile together (grid (batch x heads, tiles)), so
+# that the longest programs do not start last (a packed call's tiles differ in work by their place in their
+# document). None (the default): packed calls (H200, 2026-11-28: 2.45 ms a forward + backward, 3.22 in grid order;
+# the order kept with the documents), not calls with a mask (found again each call; the switched flex calls measured
+# slower with it; RESULTS.md); True: those too; False: never.
 TILE_ORDER: Optional[bool] = None
 
 
