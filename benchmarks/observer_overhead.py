@@ -12,7 +12,10 @@ model train side by side in one process, in interleaved blocks of steps:
 
 Both copies see the same batches, so they do the same work (the watch does not
 change training). The ratio per round is plain time / watch time; the table gives
-the median over rounds. Then the cost of each kind of step, measured on the
+the median over rounds, and (``est.``, on CUDA) the ratio the watched copy's own
+median step times give at its cadence: plain / (plain + (probe - plain) / probe_every),
+for models whose rounds scatter more than the watch costs (host-bound ones; a read-back
+on a step other than a probe step is not in it). Then the cost of each kind of step, measured on the
 plain copy with a watch attached for one block (its first steps untimed):
 
 * ``probe``    -- a statistics pass on every step (``probe_every=1``, no shadow);
@@ -358,7 +361,12 @@ def bench(name: str, args, device: str) -> dict:
 
         out["dynamo"] = {k: dict(v) for k, v in counters.items() if k in ("stats", "graph_break", "recompiles")}
         print(f"[{name}] dynamo: {out['dynamo']}", flush=True)
-    print(f"[{name}] watched copy, median ms per step: {out['watched_step_ms']}", flush=True)
+    steps = out["watched_step_ms"]
+    if "plain" in steps and "probe" in steps:  # the medians at the watch's cadence: a probe step every probe_every
+        every = watched.watch.config.probe_every
+        out["estimated_ratio"] = steps["plain"] / (steps["plain"] + (steps["probe"] - steps["plain"]) / every)
+    print(f"[{name}] watched copy, median ms per step: {steps}; estimated ratio at the cadence: "
+          f"{out.get('estimated_ratio', float('nan')):.4f}", flush=True)
     if args.profile and device == "cuda":
         profile_steps(name, watched, batches, device, args.profile)
     watched.watch.detach()
@@ -415,7 +423,7 @@ def main() -> int:
     if args.json:
         write_json(args.json, {"device": device_name(device), "torch": torch.__version__,
                                "flex_stats": args.flex_stats, "results": results})
-    print(f"\n{'model':<14} {'plain ms':>9} {'watch ms':>9} {'ratio':>7} {'range':>15} {'unobserved':>10}  "
+    print(f"\n{'model':<14} {'plain ms':>9} {'watch ms':>9} {'ratio':>7} {'range':>15} {'est.':>7} {'unobserved':>10}  "
           f"{'probe':>7} {'shadow':>7} {'switched':>8} {'clip':>7}")
     for r in results:
         k = r["kinds"]
@@ -426,7 +434,8 @@ def main() -> int:
                   f"watched copy's steps (ms): {r['watched_step_ms']}")
             continue
         print(f"{r['model']:<14} {statistics.median(r['plain_ms']):9.2f} {statistics.median(r['watch_ms']):9.2f} "
-              f"{r['ratio_median']:7.4f} {min(r['ratios']):7.4f}-{max(r['ratios']):.4f} {r['unobserved_calls']:10d}  "
+              f"{r['ratio_median']:7.4f} {min(r['ratios']):7.4f}-{max(r['ratios']):.4f} "
+              f"{r.get('estimated_ratio', float('nan')):7.4f} {r['unobserved_calls']:10d}  "
               f"{100 * k['probe']['median']:+6.2f}% {100 * k['shadow']['median']:+6.2f}% "
               f"{100 * k['switched']['median']:+7.2f}% {100 * k['clip']['median']:+6.2f}%"
               + ("" if not k["switched"]["layer0_not_applied"] else
