@@ -46,6 +46,8 @@ def main() -> int:
                     help="also sweep this kernel's launch configs on each mask's switched call (repeatable)")
     ap.add_argument("--sweep-grid", choices=["small", "full"], default="small",
                     help="the backward's grid: small (15 configs, one device call) or full (_common.BWD_GRID)")
+    ap.add_argument("--sweep-configs", metavar="BM,BN,W,ST;...",
+                    help="sweep these launch configs only (block_m, block_n, warps, stages; ';' between them)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("flex_switch_speed.py needs a CUDA GPU (FlexAttention trains on CUDA only)")
@@ -139,6 +141,8 @@ def main() -> int:
                     return cuda_ms(fn, args.iters, do)
             grid = None if kernel == "fwd" or args.sweep_grid == "full" else [
                 c for c in SMALL_BWD_GRID if keep(c, ta.head_dim_tile(D))]
+            if args.sweep_configs:
+                grid = [tuple(int(x) for x in c.split(",")) for c in args.sweep_configs.split(";") if c.strip()]
             sweeps.setdefault(mask, {})[kernel] = sweep_launch_configs(kernel, D, timed, grid=grid, log=print)
     resources = kernel_resources(ta.attn_fwd, ta.attn_bwd_dq, ta.attn_bwd_dkdv)
     print_kernel_resources(resources)
