@@ -367,7 +367,7 @@ def _brute_ranges(vis, block, other, size_other, whole_ok, cols=False):
 
 @pytest.mark.parametrize("kind", ["causal", "sliding", "documents", "holed", "padding", "random", "additive"])
 def test_the_mask_pre_pass_gives_each_tile_its_span_and_its_whole_tiles(kind):
-    """The pre-pass kernel (one launch) against a brute-force walk over the tiles: for query tiles, the keys their
+    """The pre-pass kernels (two launches) against a brute-force walk over the tiles: for query tiles, the keys their
     rows may see and the first run of key tiles they all see whole; for key tiles, the same over query rows (the
     transpose), at tile sizes that divide the lengths and ones that do not; per batch entry and head of the mask."""
     import instability_watch.kernels.attention.triton as ta
@@ -396,6 +396,22 @@ def test_the_mask_pre_pass_gives_each_tile_its_span_and_its_whole_tiles(kind):
                 assert [tuple(r) for r in cols[b, h].tolist()] == _brute_ranges(v.T, bn, bm, N, whole_ok, cols=True)
                 n_whole += int((rows[b, h, :, 3] > rows[b, h, :, 2]).sum())
     assert (n_whole > 0) == (kind != "additive")
+
+
+def test_the_mask_pre_pass_reads_rows_of_more_tiles_than_one_chunk():
+    """More key tiles than the pre-pass reads in one chunk (256): a span and a run of whole tiles that cross
+    chunks, a tile row that sees nothing, against the brute-force walk."""
+    import instability_watch.kernels.attention.triton as ta
+
+    N, n_kv = 40, 16 * 270 + 5  # 270 key tiles of 16 and a ragged one
+    keep = torch.zeros(1, 1, N, n_kv, dtype=torch.bool)
+    keep[..., :32, 3000:4200] = True  # a run of whole tiles across tile 256 (key 4096)
+    keep[..., :32, 4300:4310] = True  # then a partial tile; rows 32-39 see nothing
+    rows, _ = ta._MaskArgs(keep, 1, 1, N, n_kv).rows(32, 16)
+    cols, _ = ta._MaskArgs(keep, 1, 1, N, n_kv).cols(16, 32)
+    assert [tuple(r) for r in rows[0, 0].tolist()] == _brute_ranges(keep[0, 0], 32, 16, n_kv, True)
+    assert [tuple(r) for r in cols[0, 0].tolist()] == _brute_ranges(keep[0, 0].T, 16, 32, N, True, cols=True)
+    assert rows[0, 0].tolist() == [[2992, 4320, 3008, 4192], [0, 0, 0, 0]]
 
 
 @pytest.mark.parametrize("kind", ["causal", "mask", "dropout", "split"])

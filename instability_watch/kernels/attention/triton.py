@@ -36,7 +36,7 @@ import torch
 from instability_watch.kernels.attention.alloc import empty_like_layout
 from instability_watch.kernels.attention.triton_bwd import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
 from instability_watch.kernels.attention.triton_fwd import attn_fwd
-from instability_watch.kernels.attention.triton_ranges import mask_ranges
+from instability_watch.kernels.attention.triton_ranges import mask_flag_ranges, mask_tile_flags
 from instability_watch.kernels.common import (
     documents,
     LOG2E,
@@ -55,7 +55,7 @@ launch_fwd, launch_dq, launch_dkdv = Launcher(attn_fwd), Launcher(attn_bwd_dq), 
 
 
 launch_delta = Launcher(attn_bwd_delta)
-launch_ranges = Launcher(mask_ranges)
+launch_flags, launch_flag_ranges = Launcher(mask_tile_flags), Launcher(mask_flag_ranges)
 
 
 TIE_SAMPLE_MAX = 16  # at most 1 in 16 query tiles of unstabilized heads track ties for the probe
@@ -119,19 +119,19 @@ class _MaskArgs:
         self._vis = m if m.dtype == torch.bool else ~(m <= MASK_FLOOR)  # NaN: seen (it makes the row NaN)
 
     def _launch_ranges(self, cols: bool, block_m: int, block_n: int) -> torch.Tensor:
-        """The pre-pass kernel (``triton_ranges.py``) over the mask's own extent: (B_m, H_m, tiles, 4) int32."""
+        """The pre-pass kernels (``triton_ranges.py``) over the mask's own extent: (B_m, H_m, tiles, 4) int32."""
         vis = self._vis
         bm_, hm_, rows, n_kv = vis.shape
         tiles = cdiv(n_kv, block_n) if cols else cdiv(rows, block_m)
         other = cdiv(rows, block_m) if cols else cdiv(n_kv, block_n)
+        flags = torch.empty((bm_, hm_, tiles, other), dtype=torch.uint8, device=vis.device)
         out = torch.empty((bm_, hm_, tiles, 4), dtype=torch.int32, device=vis.device)
         u8 = vis.view(torch.uint8)
-        launch_ranges(
-            (tiles, bm_ * hm_), (u8, out),
-            (*u8.stride(), *out.stride()[:3], hm_, rows, n_kv, other),
-            dict(COLS=cols, WHOLE=self.kind == MASK_BOOL, BLOCK_M=block_m, BLOCK_N=block_n,
-                 num_warps=4, num_stages=1),
-        )
+        launch_flags((tiles, other, bm_ * hm_), (u8, flags), (*u8.stride(), *flags.stride()[:3], hm_, rows, n_kv),
+                     dict(COLS=cols, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1))
+        launch_flag_ranges((tiles, bm_ * hm_), (flags, out), (*flags.stride()[:3], *out.stride()[:3], hm_, other,
+                           rows if cols else n_kv), dict(UNIT=block_m if cols else block_n, CHUNK=256,
+                           WANT_WHOLE=self.kind == MASK_BOOL, num_warps=4, num_stages=1))
         return out
 
     def rows(self, block_m: int, block_n: int):

@@ -1,71 +1,101 @@
-"""The mask pre-pass in Triton: each tile's key range and run of whole tiles, in one launch (host side:
+"""The mask pre-pass in Triton: each tile's key range and run of whole tiles, in two launches (host side:
 :class:`.triton._MaskArgs`).
 
 Its PyTorch form took about forty small operations per range (a reduction per tile axis, argmax tricks for the
 first and last tile and for the first run), about 1 ms of host time per call on the H200 machine and 0.2 ms of GPU
-time: more than a sliding-window call's forward kernel. One program here walks one tile's row (or column) of
-tiles of the mask, reading each once.
+time: more than a sliding-window call's forward kernel. A first Triton form walked one tile's row of mask tiles in
+one program, a load at a time: 0.1-0.2 ms a launch on an 8,192 x 8,192 mask (H200, 2026-11-28), its loads waiting
+on each other. Now one program per pair of tiles reads its tile of the mask once (:func:`mask_tile_flags`: every
+load at once) and one program per tile reads that tile's row of flags, a byte per tile (:func:`mask_flag_ranges`).
 """
 from __future__ import annotations
 
 import triton
 import triton.language as tl
 
+SEEN = tl.constexpr(1)  # some real row keeps some key of the tile
+WHOLE = tl.constexpr(2)  # every real row keeps every key of the tile, and every key is a real one
+
 
 @triton.jit
-def mask_ranges(
-    Mask, Out,
+def mask_tile_flags(
+    Mask, Flags,
     stride_mb, stride_mh, stride_mn, stride_mk,
-    stride_ob, stride_oh, stride_ot,
-    H_M, N, N_KV, N_OTHER,
-    COLS: tl.constexpr, WHOLE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    stride_fb, stride_fh, stride_ft,
+    H_M, N, N_KV,
+    COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """One tile's ranges: ``Out[b, h, t] = (lo, hi, whole_lo, whole_hi)``, int32.
+    """``Flags[b, h, t, j]`` (uint8): :data:`SEEN` | :data:`WHOLE` of the mask tile at tile ``t`` and tile ``j`` of
+    the other axis (grid: ``t``, ``j``, batch x heads of the mask). ``Mask`` (B_m, H_m, N, N_KV) uint8, nonzero =
+    kept. Without ``COLS``, ``t`` is a query tile (``BLOCK_M`` rows) and ``j`` a key tile (``BLOCK_N`` keys); with
+    it, the other way round. Rows past ``N`` count as seeing everything, keys past ``N_KV`` as unseen."""
+    t = tl.program_id(0)
+    j = tl.program_id(1)
+    off_bh = tl.program_id(2)
+    off_b = off_bh // H_M
+    off_h = off_bh % H_M
+    if COLS:
+        rows = j * BLOCK_M + tl.arange(0, BLOCK_M)
+        keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
+    else:
+        rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
+        keys = j * BLOCK_N + tl.arange(0, BLOCK_N)
+    row_ok = rows < N
+    key_ok = keys < N_KV
+    base = Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
+    keep = tl.load(base + rows[:, None].to(tl.int64) * stride_mn + keys[None, :] * stride_mk,
+                   mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
+    seen = tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0
+    whole = tl.min(tl.min((keep | ~row_ok[:, None]).to(tl.int32), 1), 0) > 0
+    whole = whole & (tl.min(key_ok.to(tl.int32), 0) > 0)
+    flag = tl.where(seen, SEEN, 0) | tl.where(whole, WHOLE, 0)
+    tl.store(Flags + off_b * stride_fb + off_h * stride_fh + t * stride_ft + j, flag.to(tl.uint8))
 
-    ``Mask`` (B_m, H_m, N, N_KV) uint8, nonzero = kept (the mask's own extent, ``N`` > 1 rows). Without ``COLS``,
-    program ``t`` is query tile ``t`` (``BLOCK_M`` rows) and walks the ``N_OTHER`` key tiles (``BLOCK_N`` keys):
-    ``lo``/``hi`` the first and past-the-last key of the tiles some row sees (``hi`` at most ``N_KV``), and
-    ``[whole_lo, whole_hi)`` the first run of key tiles every row sees whole (rows past ``N`` count as seeing
-    everything, keys past ``N_KV`` as unseen; ``(0, 0)`` if there is none, or without ``WHOLE``). With ``COLS``,
-    program ``t`` is key tile ``t`` and walks the query tiles, the ranges in query rows (``hi`` at most ``N``)."""
+
+@triton.jit
+def mask_flag_ranges(
+    Flags, Out,
+    stride_fb, stride_fh, stride_ft,
+    stride_ob, stride_oh, stride_ot,
+    H_M, N_OTHER, END,
+    UNIT: tl.constexpr, WANT_WHOLE: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One tile's ranges from its row of flags (``N_OTHER`` tiles of ``UNIT`` along the other axis, which ends at
+    ``END``): ``Out[b, h, t] = (lo, hi, whole_lo, whole_hi)``, int32: ``lo``/``hi`` the first and past-the-last
+    index of the tiles seen (``hi`` at most ``END``; ``(0, 0)`` if none), ``[whole_lo, whole_hi)`` the first run of
+    whole tiles (``(0, 0)`` if none, or without ``WANT_WHOLE``)."""
     t = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H_M
     off_h = off_bh % H_M
-    base = Mask + off_b * stride_mb + off_h * stride_mh
-    lo = -1
+    row = Flags + off_b * stride_fb + off_h * stride_fh + t * stride_ft
+    lo = N_OTHER
     hi = 0
-    w0 = -1
-    w1 = -1
-    for j in range(0, N_OTHER):
-        if COLS:
-            rows = j * BLOCK_M + tl.arange(0, BLOCK_M)
-            keys = t * BLOCK_N + tl.arange(0, BLOCK_N)
-        else:
-            rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
-            keys = j * BLOCK_N + tl.arange(0, BLOCK_N)
-        row_ok = rows < N
-        key_ok = keys < N_KV
-        inside = row_ok[:, None] & key_ok[None, :]
-        keep = tl.load(base + rows[:, None] * stride_mn + keys[None, :] * stride_mk, mask=inside, other=0) != 0
-        seen = tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0
-        lo = tl.where(seen & (lo < 0), j, lo)
-        hi = tl.where(seen, j + 1, hi)
-        if WHOLE:
-            # a whole tile: every real row keeps every key, and every key is a real one
-            whole = tl.min(tl.min((keep | ~row_ok[:, None]).to(tl.int32), 1), 0) > 0
-            whole = whole & (tl.min(key_ok.to(tl.int32), 0) > 0)
-            start = whole & (w0 < 0)
-            w0 = tl.where(start, j, w0)
-            w1 = tl.where(start | (whole & (w1 == j)), j + 1, w1)
-    unit = BLOCK_M if COLS else BLOCK_N
-    end = N if COLS else N_KV
-    seen_any = lo >= 0
-    lo = tl.where(seen_any, lo * unit, 0)
-    hi = tl.where(seen_any, tl.minimum(hi * unit, end), 0)
-    has_whole = w0 >= 0
-    w0 = tl.where(has_whole, w0 * unit, 0)
-    w1 = tl.where(has_whole, w1 * unit, 0)
+    w0 = N_OTHER
+    for c in range(0, N_OTHER, CHUNK):
+        idx = c + tl.arange(0, CHUNK)
+        ok = idx < N_OTHER
+        f = tl.load(row + idx, mask=ok, other=0).to(tl.int32)
+        seen = ok & ((f & SEEN) != 0)
+        lo = tl.minimum(lo, tl.min(tl.where(seen, idx, N_OTHER), 0))
+        hi = tl.maximum(hi, tl.max(tl.where(seen, idx + 1, 0), 0))
+        w0 = tl.minimum(w0, tl.min(tl.where(ok & ((f & WHOLE) != 0), idx, N_OTHER), 0))
+    w1 = N_OTHER
+    if WANT_WHOLE:  # the first run ends at the first tile past w0 that is not whole
+        for c in range(0, N_OTHER, CHUNK):
+            idx = c + tl.arange(0, CHUNK)
+            ok = idx < N_OTHER
+            f = tl.load(row + idx, mask=ok, other=0).to(tl.int32)
+            ends = ok & (idx > w0) & ((f & WHOLE) == 0)
+            w1 = tl.minimum(w1, tl.min(tl.where(ends, idx, N_OTHER), 0))
+    else:
+        w0 = N_OTHER
+    seen_any = hi > 0
+    lo = tl.where(seen_any, lo * UNIT, 0)
+    hi = tl.where(seen_any, tl.minimum(hi * UNIT, END), 0)
+    has_whole = w0 < N_OTHER
+    w1 = tl.where(has_whole, w1 * UNIT, 0)
+    w0 = tl.where(has_whole, w0 * UNIT, 0)
     out = Out + off_b * stride_ob + off_h * stride_oh + t * stride_ot
     tl.store(out, lo)
     tl.store(out + 1, hi)
