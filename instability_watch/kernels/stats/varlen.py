@@ -163,7 +163,7 @@ def _document_vector(call: VarlenCall) -> Tensor:
 
     t_q, t_k = call.q.shape[0], call.k.shape[0]
     cu_k = call.cu_seq_k if call.cu_seq_k is not None else call.cu_seq_q
-    if KEEP_DOCUMENTS.get() and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and KEEP_DOCUMENTS.get():  # (Dynamo cannot trace the get)
         return kept_documents(call.cu_seq_q, cu_k, t_q, t_k, call.window).stats_vector()
     return torch.cat([*documents(call.cu_seq_q, cu_k, t_q, t_k), cu_k.long()])
 
