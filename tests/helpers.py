@@ -152,3 +152,20 @@ def fused_and_split_backward(q, k, v, do, *, causal, scale, tol, attn_mask=None,
         assert torch.isfinite(a).all(), name
         assert max_err(a, b) <= tol * max(b.abs().max().item(), 1e-6), (name, q.dtype, max_err(a, b))
     return fused[:3]
+
+
+def count_document_searches(monkeypatch) -> list:
+    """A list that gains an entry each time a packed batch's documents are found for the Triton kernels (a
+    ``Documents`` made), for the rest of the test."""
+    from instability_watch.kernels.attention import ops
+
+    made = []
+    real = ops._triton().Documents
+
+    class Counted(real):
+        def __init__(self, *args, **kwargs):
+            made.append(1)
+            super().__init__(*args, **kwargs)
+
+    monkeypatch.setattr(ops._triton(), "Documents", Counted)
+    return made

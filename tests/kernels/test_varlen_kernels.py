@@ -6,7 +6,7 @@ import torch
 
 from instability_watch import flash_attention, flash_attention_varlen
 
-from helpers import max_err, seeded
+from helpers import count_document_searches, max_err, seeded
 
 pytest.importorskip("triton")
 if torch.cuda.is_available():
@@ -299,15 +299,7 @@ def test_a_kept_call_s_backward_reuses_its_documents_outside_the_forward_s_conte
     autograd's own thread) and must use them too, not find them afresh: one search for forward and backward."""
     from instability_watch.kernels.attention import ops
 
-    made = []
-    real = ops._triton().Documents
-
-    class Counted(real):
-        def __init__(self, *args, **kwargs):
-            made.append(1)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(ops._triton(), "Documents", Counted)
+    made = count_document_searches(monkeypatch)
     ops.forget_documents()
     cu = torch.tensor(CU, dtype=torch.int32)
     q, k, v, do = _inputs(("kept_backward",))

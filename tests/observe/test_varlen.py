@@ -11,7 +11,7 @@ import torch.nn as nn
 from instability_watch import Probe
 from instability_watch.kernels.stats.varlen import VARLEN_OP, VarlenCall, documents, varlen_stats
 
-from helpers import seeded
+from helpers import count_document_searches, seeded
 from varlen_cpu import NAMES, visible as _visible  # registers the CPU kernel
 
 if VARLEN_OP is None:
@@ -201,15 +201,7 @@ def test_a_step_finds_a_packed_batch_s_documents_once_for_every_layer(monkeypatc
     from instability_watch.kernels.attention import ops
     from instability_watch.model.layer import AttentionLayer
 
-    made = []
-    real = ops._triton().Documents
-
-    class Counted(real):
-        def __init__(self, *args, **kwargs):
-            made.append(1)
-            super().__init__(*args, **kwargs)
-
-    monkeypatch.setattr(ops._triton(), "Documents", Counted)
+    made = count_document_searches(monkeypatch)
     monkeypatch.setattr(stats_kernels, "triton_serves", lambda *a: True)
     from instability_watch.kernels.stats import varlen as varlen_module
 
