@@ -121,8 +121,8 @@ class Launcher:
         if entry is not None and self._hooks_empty():
             launch, coop, pdl, function, packed, tail = entry
             try:
-                launch(grid[0], grid[1], 1, self._stream(device), function, coop, pdl, None, None, packed, None, None,
-                       None, *descs, *ptrs, *scalars, *tail)
+                launch(*grid, *(1,) * (3 - len(grid)), self._stream(device), function, coop, pdl, None, None, packed,
+                       None, None, None, *descs, *ptrs, *scalars, *tail)
                 return
             except Exception as exc:  # a launcher that does not take these arguments: Triton's path from now on
                 type(self).enabled = False

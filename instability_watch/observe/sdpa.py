@@ -187,7 +187,7 @@ class VarlenShadowTap(torch.autograd.Function):
         o, q, k, v, cu_q, cu_k = ctx.saved_tensors
         counts, values = ctx.buffers
         call = VarlenCall(q, k, v, cu_q, cu_k, ctx.causal, ctx.scale, ctx.window, False)
-        if ctx.keep:  # eager: the documents the forward kept (this runs later, outside the watch's keeping)
+        if ctx.keep and not torch.compiler.is_compiling():  # the forward's kept documents (this runs later)
             with keeping_documents():
                 _shadow_pass(ctx.on_error, counts, lambda: varlen_shadow(call, o, do, counts, values))
         else:

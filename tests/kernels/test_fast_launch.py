@@ -63,6 +63,19 @@ def test_second_launch_calls_the_compiled_launcher_with_addresses():
     assert args[13:] == (x.data_ptr(), y.data_ptr(), 64, 0.5, 16, True)
 
 
+@pytest.mark.parametrize("grid", [(5,), (3, 2), (3, 2, 4)])
+def test_the_fast_launch_passes_every_axis_of_the_grid(grid):
+    """One, two and three grid axes reach the compiled launcher as (x, y, z), the missing ones 1 (a 3-D grid's z
+    axis dropped would run its first plane only)."""
+    fn = FakeKernel()
+    launcher = Launcher(fn)
+    x, y = torch.zeros(64), torch.ones(64)
+    for _ in range(2):
+        launcher(grid, (x, y), (64, 0.5), dict(BLOCK=16, FLAG=True, num_warps=4))
+    assert fn.triton_calls[0][0] == grid and len(fn.fast_calls) == 1
+    assert fn.fast_calls[0][:3] == tuple(grid) + (1,) * (3 - len(grid))
+
+
 @pytest.mark.parametrize(
     "change",
     ["misaligned", "dtype", "int_value", "constexpr", "option"],

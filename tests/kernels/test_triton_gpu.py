@@ -515,3 +515,31 @@ def test_split_dkdv_at_d256(h_kv, N, causal, mask_kind, p, dtype):
         pt = run_fwd_bwd(lambda a, b, c: _sdpa(a, b, c, causal), q, k, v, do, torch.bfloat16)
         for name, a, pp, x in zip(("dq", "dk", "dv"), default, pt[1:], f64[1:]):
             assert max_err(a, x) <= 2 * max_err(pp, x) + 1e-6, (name, max_err(a, x), max_err(pp, x))
+
+
+def test_masked_calls_of_one_shape_again_and_again_with_other_masks(monkeypatch):
+    """The mask pre-pass's grid has a third axis (the mask's batch entries and heads): every launch after the first
+    of a shape goes through the fast launch path, which must pass that axis too. Calls of one shape, each with other
+    per-batch masks (windows and padding), against PyTorch's math attention; the statistics against their
+    reference."""
+    from instability_watch.kernels import launch as _launch
+    from instability_watch.kernels import stats
+
+    monkeypatch.setattr(_launch.Launcher, "enabled", _launch.fast_launch_enabled())
+    B, H, N, D = 3, 4, 300, 64
+    for call in range(3):
+        g = seeded("pre-pass planes", call)  # small integers: every score exact, the tie counts comparable
+        q, k = (torch.randint(-3, 4, (B, H, N, D), generator=g).to(DEV, torch.bfloat16) for _ in range(2))
+        v = torch.randn(B, H, N, D, generator=g).to(DEV, torch.bfloat16)
+        i, j = torch.arange(N, device=DEV)[:, None], torch.arange(N, device=DEV)[None, :]
+        keep = torch.stack([(j <= i) & (j > i - 40 - 60 * b - 20 * call) & (j < N - 30 * b) for b in range(B)])
+        keep[:, :, 0] = True  # every row sees a key
+        mask = keep[:, None]  # (B, 1, N, N)
+        o = flash_attention(q, k, v, attn_mask=mask, scale=0.125)
+        with sdpa_kernel(SDPBackend.MATH):
+            ref = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=mask, scale=0.125)
+        assert max_err(o, ref) < 2e-2, (call, max_err(o, ref))
+        ours, want = Probe(H, DEV), Probe(H, DEV)
+        stats.attention_stats(q, k, mask, o, ours.counts, ours.values, causal=False, scale=0.125, eps=0.3125)
+        stats.stats_reference(q, k, mask, o, want.counts, want.values, causal=False, scale=0.125, eps=0.3125)
+        assert_probe_counts_equal(ours, want)

@@ -382,7 +382,7 @@ class FlashAttention(torch.autograd.Function):
         args = (q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
                 ctx.shadow, mask_grad, ctx.backend, ctx.hp_delta, cu_q, cu_k, *ctx.window, dlse)
         try:
-            if ctx.keep_documents:  # eager only (nothing of this is traced under compile)
+            if ctx.keep_documents and not torch.compiler.is_compiling():  # (a backward traced: compiled autograd)
                 with keeping_documents():
                     dq, dk, dv, dmask = bwd(*args)
             else:

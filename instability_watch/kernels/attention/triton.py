@@ -116,7 +116,7 @@ class _MaskArgs:
             if m.shape[d] > 1 and m.stride(d) == 0:
                 m = m.narrow(d, 0, 1)
         m = m.expand(*m.shape[:3], n_kv)
-        self._vis = m if m.dtype == torch.bool else ~(m <= MASK_FLOOR)  # NaN: seen (it makes the row NaN)
+        self._vis = m  # an additive mask's keys at or below MASK_FLOOR are unseen (NaN: seen, it makes the row NaN)
 
     def _launch_ranges(self, cols: bool, block_m: int, block_n: int) -> torch.Tensor:
         """The pre-pass kernels (``triton_ranges.py``) over the mask's own extent: (B_m, H_m, tiles, 4) int32."""
@@ -126,9 +126,9 @@ class _MaskArgs:
         other = cdiv(rows, block_m) if cols else cdiv(n_kv, block_n)
         flags = torch.empty((bm_, hm_, tiles, other), dtype=torch.uint8, device=vis.device)
         out = torch.empty((bm_, hm_, tiles, 4), dtype=torch.int32, device=vis.device)
-        u8 = vis.view(torch.uint8)
-        launch_flags((tiles, other, bm_ * hm_), (u8, flags), (*u8.stride(), *flags.stride()[:3], hm_, rows, n_kv),
-                     dict(COLS=cols, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4, num_stages=1))
+        m = vis.view(torch.uint8) if vis.dtype == torch.bool else vis  # read in place: no copy of the mask
+        launch_flags((tiles, other, bm_ * hm_), (m, flags), (*m.stride(), *flags.stride()[:3], hm_, rows, n_kv),
+                     dict(COLS=cols, ADDITIVE=self.kind == MASK_ADD, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
         launch_flag_ranges((tiles, bm_ * hm_), (flags, out), (*flags.stride()[:3], *out.stride()[:3], hm_, other,
                            rows if cols else n_kv), dict(UNIT=block_m if cols else block_n, CHUNK=256,
                            WANT_WHOLE=self.kind == MASK_BOOL, num_warps=4, num_stages=1))
@@ -156,7 +156,7 @@ class _MaskArgs:
             if self._vis.shape[2] > 1:
                 ranges = self._launch_ranges(True, block_m, block_n)
             else:  # every row sees the same keys: all rows or none
-                vis = self._vis[:, :, 0]
+                vis = self._vis[:, :, 0] if self.kind == MASK_BOOL else ~(self._vis[:, :, 0].float() <= MASK_FLOOR)
                 n_tiles = cdiv(n_kv, block_n)
                 if n_tiles * block_n != n_kv:
                     vis = torch.cat([vis, vis.new_zeros((*vis.shape[:2], n_tiles * block_n - n_kv))], dim=2)
@@ -173,7 +173,7 @@ class _MaskArgs:
 def mask_row_ranges(attn_mask: torch.Tensor, B: int, H: int, N: int, n_kv: int, block_m: int, block_n: int):
     """``(ranges, strides)`` of a boolean or additive mask broadcastable to (B, H, N, N_kv): per (batch, head,
     query tile of ``block_m`` rows), int32 ``(lo, hi, whole_lo, whole_hi)`` in keys, tiles of ``block_n``
-    (:meth:`_MaskArgs.rows`; one pre-pass launch over the mask's own extent). Keys outside ``[lo, hi)`` are masked
+    (:meth:`_MaskArgs.rows`; the pre-pass's two launches over the mask's own extent). Keys outside ``[lo, hi)`` are masked
     for every row of the tile (an additive mask's entries at or below ``MASK_FLOOR``)."""
     return _MaskArgs(attn_mask, B, H, N, n_kv).rows(block_m, block_n)
 

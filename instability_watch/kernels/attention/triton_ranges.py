@@ -13,6 +13,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from instability_watch.kernels.triton_common import FLOOR
+
 SEEN = tl.constexpr(1)  # some real row keeps some key of the tile
 WHOLE = tl.constexpr(2)  # every real row keeps every key of the tile, and every key is a real one
 
@@ -23,12 +25,14 @@ def mask_tile_flags(
     stride_mb, stride_mh, stride_mn, stride_mk,
     stride_fb, stride_fh, stride_ft,
     H_M, N, N_KV,
-    COLS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    COLS: tl.constexpr, ADDITIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """``Flags[b, h, t, j]`` (uint8): :data:`SEEN` | :data:`WHOLE` of the mask tile at tile ``t`` and tile ``j`` of
-    the other axis (grid: ``t``, ``j``, batch x heads of the mask). ``Mask`` (B_m, H_m, N, N_KV) uint8, nonzero =
-    kept. Without ``COLS``, ``t`` is a query tile (``BLOCK_M`` rows) and ``j`` a key tile (``BLOCK_N`` keys); with
-    it, the other way round. Rows past ``N`` count as seeing everything, keys past ``N_KV`` as unseen."""
+    the other axis (grid: ``t``, ``j``, batch x heads of the mask). ``Mask`` (B_m, H_m, N, N_KV): uint8, nonzero =
+    kept, or with ``ADDITIVE`` a float mask, kept where not at or below ``FLOOR`` in float32 (as the attention and
+    statistics kernels read it; NaN kept). Without ``COLS``, ``t`` is a query tile (``BLOCK_M`` rows) and ``j`` a
+    key tile (``BLOCK_N`` keys); with it, the other way round. Rows past ``N`` count as seeing everything, keys past
+    ``N_KV`` as unseen."""
     t = tl.program_id(0)
     j = tl.program_id(1)
     off_bh = tl.program_id(2)
@@ -43,8 +47,12 @@ def mask_tile_flags(
     row_ok = rows < N
     key_ok = keys < N_KV
     base = Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
-    keep = tl.load(base + rows[:, None].to(tl.int64) * stride_mn + keys[None, :] * stride_mk,
-                   mask=row_ok[:, None] & key_ok[None, :], other=0) != 0
+    inside = row_ok[:, None] & key_ok[None, :]
+    x = tl.load(base + rows[:, None].to(tl.int64) * stride_mn + keys[None, :] * stride_mk, mask=inside, other=0)
+    if ADDITIVE:
+        keep = inside & ~(x.to(tl.float32) <= FLOOR)
+    else:
+        keep = x != 0
     seen = tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0
     whole = tl.min(tl.min((keep | ~row_ok[:, None]).to(tl.int32), 1), 0) > 0
     whole = whole & (tl.min(key_ok.to(tl.int32), 0) > 0)

@@ -401,7 +401,7 @@ def _launch(q, k, v, o, do, attn_mask, counts, values, *, shadow: bool, causal: 
         cfg = launch_config("stats", head_dim, q.dtype)
     # the statistics compare scores exactly: scale * q.k and + mask rounded separately (no FMA)
     options = {} if (INTERPRET or shadow) else dict(enable_fp_fusion=False)
-    if kind in (1, 2):  # each query tile's span of keys some row sees (one pre-pass launch over the mask)
+    if kind in (1, 2):  # each query tile's span of keys some row sees (the mask pre-pass, two launches)
         ranges, range_strides = mask_row_ranges(attn_mask, B, H, N, n_kv, cfg.block_m, cfg.block_n)
     _launch_stats(
         (cdiv(N, cfg.block_m), B * H),
