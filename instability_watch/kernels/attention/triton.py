@@ -52,8 +52,6 @@ from instability_watch.kernels.launch import INTERPRET, Launcher, cdiv, dot_prec
 from instability_watch.kernels.triton_common import MASK_ADD, MASK_BOOL, MASK_DOCS, MASK_NONE
 
 launch_fwd, launch_dq, launch_dkdv = Launcher(attn_fwd), Launcher(attn_bwd_dq), Launcher(attn_bwd_dkdv)
-
-
 launch_delta = Launcher(attn_bwd_delta)
 launch_flags, launch_flag_ranges = Launcher(mask_tile_flags), Launcher(mask_flag_ranges)
 
@@ -127,7 +125,8 @@ class _MaskArgs:
         flags = torch.empty((bm_, hm_, tiles, other), dtype=torch.uint8, device=vis.device)
         out = torch.empty((bm_, hm_, tiles, 4), dtype=torch.int32, device=vis.device)
         m = vis.view(torch.uint8) if vis.dtype == torch.bool else vis  # read in place: no copy of the mask
-        launch_flags((tiles, other, bm_ * hm_), (m, flags), (*m.stride(), *flags.stride()[:3], hm_, rows, n_kv),
+        launch_flags((tiles * other, bm_ * hm_), (m, flags),
+                     (*m.stride(), *flags.stride()[:3], hm_, rows, n_kv, other),
                      dict(COLS=cols, ADDITIVE=self.kind == MASK_ADD, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
         launch_flag_ranges((tiles, bm_ * hm_), (flags, out), (*flags.stride()[:3], *out.stride()[:3], hm_, other,
                            rows if cols else n_kv), dict(UNIT=block_m if cols else block_n, CHUNK=256,

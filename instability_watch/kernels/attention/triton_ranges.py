@@ -6,7 +6,8 @@ first and last tile and for the first run), about 1 ms of host time per call on 
 time: more than a sliding-window call's forward kernel. A first Triton form walked one tile's row of mask tiles in
 one program, a load at a time: 0.1-0.2 ms a launch on an 8,192 x 8,192 mask (H200, 2026-11-28), its loads waiting
 on each other. Now one program per pair of tiles reads its tile of the mask once (:func:`mask_tile_flags`: every
-load at once) and one program per tile reads that tile's row of flags, a byte per tile (:func:`mask_flag_ranges`).
+load at once; the pairs along the grid's first axis, the mask's planes along its second, as every launch here) and
+one program per tile reads that tile's row of flags, a byte per tile (:func:`mask_flag_ranges`).
 """
 from __future__ import annotations
 
@@ -24,18 +25,18 @@ def mask_tile_flags(
     Mask, Flags,
     stride_mb, stride_mh, stride_mn, stride_mk,
     stride_fb, stride_fh, stride_ft,
-    H_M, N, N_KV,
+    H_M, N, N_KV, N_OTHER,
     COLS: tl.constexpr, ADDITIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
     """``Flags[b, h, t, j]`` (uint8): :data:`SEEN` | :data:`WHOLE` of the mask tile at tile ``t`` and tile ``j`` of
-    the other axis (grid: ``t``, ``j``, batch x heads of the mask). ``Mask`` (B_m, H_m, N, N_KV): uint8, nonzero =
-    kept, or with ``ADDITIVE`` a float mask, kept where not at or below ``FLOOR`` in float32 (as the attention and
-    statistics kernels read it; NaN kept). Without ``COLS``, ``t`` is a query tile (``BLOCK_M`` rows) and ``j`` a
+    the other axis (grid: ``t * N_OTHER + j``, batch x heads of the mask). ``Mask`` (B_m, H_m, N, N_KV): uint8,
+    nonzero = kept, or with ``ADDITIVE`` a float mask, kept where not at or below ``FLOOR`` in float32 (as the
+    attention and statistics kernels read it; NaN kept). Without ``COLS``, ``t`` is a query tile (``BLOCK_M`` rows) and ``j`` a
     key tile (``BLOCK_N`` keys); with it, the other way round. Rows past ``N`` count as seeing everything, keys past
     ``N_KV`` as unseen."""
-    t = tl.program_id(0)
-    j = tl.program_id(1)
-    off_bh = tl.program_id(2)
+    t = tl.program_id(0) // N_OTHER
+    j = tl.program_id(0) % N_OTHER
+    off_bh = tl.program_id(1)
     off_b = off_bh // H_M
     off_h = off_bh % H_M
     if COLS:
