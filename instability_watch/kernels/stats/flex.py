@@ -296,9 +296,10 @@ def keep_mask(call: FlexCall) -> Tensor:
 # as Hugging Face's): SDPA's passes (Triton on CUDA, each query tile over the span of keys its rows see) over the
 # call's inputs with its mask evaluated from ``mask_mod`` (:func:`keep_mask`, ``B_m·H_m·N·N_kv`` bytes, held for the
 # backward on shadow steps), where the other way takes two more FlexAttention forwards and one in float32 (the call
-# again, for O_hp): the same definitions, so the same numbers up to the order of sums. A failure in SDPA's passes
-# fails open; FlexAttention's passes are traced into the user's graph and raise. Calls whose mask would take more
-# than VIA_MASK_MAX_BYTES, and every call with VIA_MASK off, take FlexAttention's passes.
+# again, for O_hp): the same definitions, so the same numbers up to the order of sums. A failure in SDPA's passes'
+# kernels fails open; FlexAttention's passes (and the evaluation of mask_mod) are traced into the user's graph and
+# raise. Calls whose kept mask would take more than VIA_MASK_MAX_BYTES (uncompiled, its evaluation makes temporaries
+# of several times that), and every call with VIA_MASK off, take FlexAttention's passes.
 VIA_MASK = True
 VIA_MASK_MAX_BYTES = 1 << 26  # 64 MiB a layer: one 8,192 x 8,192 mask
 
