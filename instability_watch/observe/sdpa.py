@@ -454,11 +454,8 @@ class SdpaObserver(TorchFunctionMode):
         def run():
             if torch.compiler.is_compiling():  # traced (Dynamo cannot set a context variable): the op body finds them
                 return flash_attention_varlen(call.q, call.k, call.v, call.cu_seq_q, call.cu_seq_k, **kw)
-            token = KEEP_DOCUMENTS.set(True)  # the documents kept for the step's other layers (forgotten each step)
-            try:
+            with keeping_documents():  # the documents kept for the step's other layers (forgotten each step)
                 return flash_attention_varlen(call.q, call.k, call.v, call.cu_seq_q, call.cu_seq_k, **kw)
-            finally:
-                KEEP_DOCUMENTS.reset(token)
 
         out = self._on_our_kernels(run)
         if out is None:
