@@ -1,20 +1,23 @@
 #!/usr/bin/env bash
-# Issue 43: bring flash-attn 4 (FA4, `flash_attn.cute`, pure Python over NVIDIA's CuTe DSL) to a lent GPU and see
-# what of it runs there, before the watch observes its functions. FA4's compiler library is a 92 MB wheel; a device
-# call carries 64 MiB with the working tree (20 MB), so the wheels travel in three calls to the same warm machine.
+# Issue 43: bring flash-attn 4 (FA4, `flash_attn.cute`, pure Python over NVIDIA's CuTe DSL) to a lent GPU, see
+# what of it runs there, and run the watch's FA4 tests against it. FA4's compiler library is a 92 MB wheel; a device
+# call carries 64 MiB with the working tree (31 MB), so that wheel travels recompressed (xz, 64 MB) and cut in
+# parts, with the other wheels, in three calls to the same warm machine.
 #
-#   bash benchmarks/fa4_contact.sh fetch    here: the wheels into .whl/fa4_1, .whl/fa4_2, .whl/fa4_3 (37 MB each)
+#   bash benchmarks/fa4_contact.sh fetch    here: the loads into .whl/fa4_1, .whl/fa4_2, .whl/fa4_3 (~27 MB each;
+#                                           recompressing takes ~3 minutes on 2 cores)
 #   bash benchmarks/fa4_contact.sh stage    device calls 1 and 2, carry [".whl/fa4_1"], then [".whl/fa4_2"]: keeps
 #                                           what came in $FA4_HOME/parts
-#   bash benchmarks/fa4_contact.sh run      device call 3 (the machine still warm), carry [".whl/fa4_3"]: joins the
-#                                           parts, installs into $FA4_HOME/site, runs benchmarks/fa4_contact.py
+#   bash benchmarks/fa4_contact.sh run      device call 3 (the machine still warm), carry [".whl/fa4_3"]: installs
+#                                           into $FA4_HOME/site, runs benchmarks/fa4_contact.py, then the watch's
+#                                           FA4 tests (tests/observe/test_flash_attn_gpu.py); logs in $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 home=${FA4_HOME:-/root/fa4}
 big=nvidia_cutlass_dsl_libs_cu13-4.8.1-cp312-cp312-manylinux_2_28_x86_64.whl
 case ${1:-} in
 fetch)
-    rm -rf .whl/fa4_1 .whl/fa4_2 .whl/fa4_3 .whl/fa4_dl && mkdir -p .whl/fa4_1 .whl/fa4_2 .whl/fa4_3 .whl/fa4_dl
+    rm -rf .whl/fa4_1 .whl/fa4_2 .whl/fa4_3 .whl/fa4_dl && mkdir -p .whl/fa4_1 .whl/fa4_2 .whl/fa4_3 .whl/fa4_dl/x
     plat="--platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_24_x86_64"
     plat="$plat --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64"
     # versions as on the package index on 2026-11-27; --no-deps: each need named (the GPU image has torch,
@@ -25,12 +28,16 @@ fetch)
         python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp $plat \
             -d .whl/fa4_dl "$w"
     done
-    # three loads of ~36.9 MB each (110.6 MB of wheels), each beside the 27 MB working tree under the 64 MiB a call
-    head -c 28500000 ".whl/fa4_dl/$big" > ".whl/fa4_1/$big.part-aa"
-    tail -c +28500001 ".whl/fa4_dl/$big" | head -c 26600000 > ".whl/fa4_2/$big.part-ab"
-    tail -c +55100001 ".whl/fa4_dl/$big" > ".whl/fa4_3/$big.part-ac" && rm ".whl/fa4_dl/$big"
-    mv .whl/fa4_dl/cuda_bindings-*.whl .whl/fa4_1/ && mv .whl/fa4_dl/*.whl .whl/fa4_2/
-    rm -rf .whl/fa4_dl
+    # the big wheel's files (its layout is what an install writes: a package folder and its dist-info) as tar.xz,
+    # cut in 27 MB parts; the last part travels with the other wheels
+    (cd .whl/fa4_dl/x && unzip -q "../$big")
+    tar -C .whl/fa4_dl/x -cf - . | xz -9 -T0 > .whl/fa4_dl/libs.tar.xz
+    rm -rf .whl/fa4_dl/x ".whl/fa4_dl/$big"
+    dd if=.whl/fa4_dl/libs.tar.xz of=.whl/fa4_1/libs.tar.xz.part-aa bs=1000000 count=27 status=none
+    dd if=.whl/fa4_dl/libs.tar.xz of=.whl/fa4_2/libs.tar.xz.part-ab bs=1000000 skip=27 count=27 status=none
+    dd if=.whl/fa4_dl/libs.tar.xz of=.whl/fa4_3/libs.tar.xz.part-ac bs=1000000 skip=54 status=none
+    sha256sum .whl/fa4_dl/libs.tar.xz | cut -d' ' -f1 > .whl/fa4_3/libs.tar.xz.sha256
+    rm .whl/fa4_dl/libs.tar.xz && mv .whl/fa4_dl/*.whl .whl/fa4_3/ && rm -rf .whl/fa4_dl
     du -sh .whl/fa4_1 .whl/fa4_2 .whl/fa4_3
     ;;
 stage)
@@ -38,15 +45,29 @@ stage)
     ;;
 run)
     mkdir -p "$home/parts" && cp .whl/fa4_*/* "$home/parts/"
-    n=$(ls "$home/parts/$big".part-* | wc -l)
+    n=$(ls "$home"/parts/libs.tar.xz.part-* | wc -l)
     if [ "$n" -lt 3 ]; then
-        echo "fa4_contact.sh: $n of 3 parts of $big here (a fresh machine?): stage again" >&2; exit 2
+        echo "fa4_contact.sh: $n of 3 parts of the compiler library here (a fresh machine?): stage again" >&2; exit 2
     fi
-    cat "$home/parts/$big".part-* > "$home/$big"
+    cat "$home"/parts/libs.tar.xz.part-* > "$home/libs.tar.xz"
+    echo "$(cat "$home/parts/libs.tar.xz.sha256")  $home/libs.tar.xz" | sha256sum -c --quiet
+    rm -rf "$home/site"
+    # the small wheels first, in one install (several share the folder nvidia_cutlass_dsl), then the big one's files
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$home/site" \
-        "$home/$big" $(ls "$home"/parts/*.whl)
-    export PYTHONPATH=$home/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
-    python3 benchmarks/fa4_contact.py --json "${OUT:-/tmp}/fa4_contact.json"
+        $(ls "$home"/parts/*.whl)
+    tar -C "$home/site" -xJf "$home/libs.tar.xz"
+    # what nvidia_cutlass_dsl_packages.pth does in a site-packages (a --target folder reads no .pth)
+    export PYTHONPATH=$home/site/nvidia_cutlass_dsl/dsl_packages:$home/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    out=${OUT:-/tmp/fa4}
+    mkdir -p "$out"
+    set +e
+    timeout "${FA4_TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -rs tests/observe/test_flash_attn_gpu.py \
+        > "$out/fa4_tests.log" 2>&1
+    echo "fa4_tests rc $?"
+    timeout "${FA4_CONTACT_S:-240}" python3 benchmarks/fa4_contact.py --dims "${FA4_DIMS:-128,64}" \
+        --json "$out/fa4_contact.json" > "$out/fa4_contact.log" 2>&1
+    echo "fa4_contact rc $?"
+    tail -n 20 "$out/fa4_contact.log"; tail -n 25 "$out/fa4_tests.log"
     ;;
 *)
     echo "usage: fa4_contact.sh fetch | stage | run (got '${1:-}')" >&2; exit 2 ;;

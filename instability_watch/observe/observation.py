@@ -27,6 +27,7 @@ from instability_watch.model.layer import AttentionLayer, without_sdpa
 from instability_watch.model.sharding import each_in_its_unit, fsdp1_pieces, whole_params, whole_plan, with_params
 from instability_watch.observe.coverage import (KIND_ROW, NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED, LayerCoverage,
                                                 layer_coverage)
+from instability_watch.observe import flash_attn
 from instability_watch.observe.sdpa import SdpaObserver, entered, param_device
 from instability_watch.probe.bank import ProbeBank
 from instability_watch.probe.spectral import gram
@@ -95,16 +96,19 @@ def _observed_forward(self: nn.Module, *args, **kwargs):
             return _forward(self, own, args, kwargs)
     before = observer.sdpa_calls
     previous = entered(observer.key)
+    hooked = flash_attn.hook(observer)  # FA4's calls, where FA4 is imported (observe.flash_attn)
     try:
         with observer:
             out = _forward(self, own, args, kwargs)
     finally:
+        if hooked is not None:
+            flash_attn.unhook(hooked)
         entered(previous)
     if (observer.sdpa_calls == before and not observer.observation.compiled_calls and observer.stats
             and self.training):
         observer.count(UNOBSERVED, "no attention call the watch can see (F.scaled_dot_product_attention, "
-                                    "FlexAttention, varlen_attn) in the layer's forward (attention computed "
-                                    "another way, e.g. attn_implementation='eager')")
+                                    "FlexAttention, varlen_attn, flash_attn.cute) in the layer's forward "
+                                    "(attention computed another way, e.g. attn_implementation='eager')")
     return out
 
 

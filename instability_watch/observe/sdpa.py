@@ -294,7 +294,7 @@ class SdpaObserver(TorchFunctionMode):
         if why is None:
             # before any buffer is read: under torch.compile this runs at trace time (the buffers
             # the graph then reads are the ones on the call's device)
-            why = _follow_device(self.group, call.q.device)
+            why = follow_device(self.group, call.q.device)
         if why is not None:
             if self.route:
                 self.count(NOT_APPLIED, why)
@@ -364,13 +364,13 @@ class SdpaObserver(TorchFunctionMode):
             return func(*args, **kwargs)  # PyTorch reports the bad call
         why = call.unobservable(self.num_heads)
         if why is None:
-            why = _follow_device(self.group, call.q.device)
+            why = follow_device(self.group, call.q.device)
         out = None
         if self.route:
             if why is not None:
                 self.count(NOT_APPLIED, why)
             elif parser is VarlenCall:
-                out = self._varlen_routed(call)
+                out = self.varlen_routed(call)
             else:
                 out = self._flex_routed(call)
         if out is None:
@@ -441,7 +441,7 @@ class SdpaObserver(TorchFunctionMode):
         out = self._on_our_kernels(run)
         return None if out is None else op_outputs(call, *out)
 
-    def _varlen_routed(self, call: VarlenCall):
+    def varlen_routed(self, call: VarlenCall):
         """A switched layer's varlen call on our kernels, over its documents (the op's outputs: ``(o, lse,
         rng_state)``), or None: it stays on PyTorch's, reason counted."""
         reason = unsupported(call.q.transpose(0, 1)[None], call.k.transpose(0, 1)[None],
@@ -575,7 +575,7 @@ def _note(group: int, kind: str, reason: str) -> int:
 
 
 @torch._dynamo.assume_constant_result
-def _follow_device(group: int, device: torch.device) -> Optional[str]:
+def follow_device(group: int, device: torch.device) -> Optional[str]:
     """Bring the watch to ``device`` if the model was moved there; else why this call cannot be watched.
 
     Eager code: called directly by eager calls, and run by Dynamo at trace time

@@ -1,0 +1,212 @@
+"""flash-attn 4's functions (``flash_attn.cute``) in a watched layer: observed through the CPU stand-in of
+tests/fa4_cpu.py (FA4's argument names and order, float32 math). The real package runs in
+test_flash_attn_gpu.py."""
+import pytest
+import torch
+import torch.nn as nn
+
+from instability_watch import InstabilityWatch, Probe, WatchConfig
+from instability_watch.kernels.stats import attention_stats
+from instability_watch.kernels.stats.varlen import VarlenCall, varlen_stats
+from instability_watch.model.layer import AttentionLayer
+from instability_watch.observe import flash_attn as fa_observe
+
+import fa4_cpu
+from helpers import seeded
+
+EPS = 1e-3
+
+
+@pytest.fixture
+def cute(monkeypatch):
+    return fa4_cpu.install(monkeypatch)
+
+
+class FA4Attention(nn.Module):
+    """Self-attention through FA4's functions, as a user's module calls them: imported by name before the watch
+    attaches. ``x``: (B, S, C) for ``flash_attn_func``; (T, C) with ``cu`` for ``flash_attn_varlen_func``."""
+
+    def __init__(self, cute, dim=64, heads=4, kv_heads=2, **call):
+        super().__init__()
+        self.heads, self.kv_heads, self.hd = heads, kv_heads, dim // heads
+        self.wq = nn.Linear(dim, dim, bias=False)
+        self.wkv = nn.Linear(dim, 2 * kv_heads * self.hd, bias=False)
+        self.func, self.varlen_func, self.call = cute.flash_attn_func, cute.flash_attn_varlen_func, call
+        self.hooked = []  # per forward: whether FA4's autograd functions were hooked while it ran
+
+    def forward(self, x, cu=None):
+        self.hooked.append("apply" in fa4_cpu.FlashAttnFunc.__dict__)
+        lead = x.shape[:-1]
+        q = self.wq(x).view(*lead, self.heads, self.hd)
+        k, v = self.wkv(x).view(*lead, 2, self.kv_heads, self.hd).unbind(-3)
+        if cu is None:
+            out, _ = self.func(q, k, v, **self.call)
+        else:
+            n = int((cu[1:] - cu[:-1]).max())
+            out, _ = self.varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=n, max_seqlen_k=n,
+                                      **self.call)
+        return out.reshape(*lead, -1)
+
+    def qk(self, x):
+        lead = x.shape[:-1]
+        return self.wq(x).view(*lead, self.heads, self.hd), self.wkv(x).view(*lead, 2, self.kv_heads, self.hd)[..., 0, :, :]
+
+
+def _integer(model):
+    """Sparse weights of -1, 0, 1: with inputs of -1, 0, 1 the scores are exact and many rows tie at their top."""
+    g = seeded("fa4_weights")
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(torch.randint(-1, 2, p.shape, generator=g) * (torch.randint(0, 16, p.shape, generator=g) == 0))
+    return model
+
+
+def _watch(model, **config):
+    layer = AttentionLayer(model, 4, lambda: model.wq.weight.view(4, 16, 64), name="fa4")
+    cfg = dict(probe_every=1, shadow_every=0, spectral_every=0, log_every=1, warmup_steps=100, strict=True)
+    cfg.update(config)
+    metrics = []
+    watch = InstabilityWatch(model, WatchConfig(**cfg), layers=[layer],
+                             listeners=[lambda r: metrics.extend(r.metrics)])
+    return watch, metrics
+
+
+def test_a_batched_call_is_observed_with_sdpa_s_statistics(cute):
+    """flash_attn_func, causal, GQA, in train mode under no_grad: observed, nothing unobserved; the statistics
+    those of the same q, k through SDPA's statistics pass (causal, the batch's rows one by one)."""
+    torch.manual_seed(0)
+    model = _integer(FA4Attention(cute, causal=True))
+    watch, metrics = _watch(model)
+    x = torch.randint(-1, 2, (2, 40, 64), generator=seeded("fa4_batched")).float()
+    with torch.no_grad():
+        out = model(x)
+    watch.step(out.float().pow(2).mean())
+    (cov,) = watch.coverage()
+    assert cov.unobserved_calls == {} and cov.observed_calls == 1
+    q, k = model.qk(x)
+    probe = Probe(4)
+    attention_stats(q.transpose(1, 2), k.transpose(1, 2).repeat_interleave(2, 1), None, None, probe.counts,
+                    probe.values, causal=True, scale=0.25, eps=EPS)
+    assert metrics[0]["rows"].tolist() == [[80] * 4]
+    assert metrics[0]["multi_max_rows"].tolist() == [probe.multi_max_rows.tolist()]
+    assert 0 < probe.multi_max_rows.sum() and probe.multi_max_rows.max() < 80
+    torch.testing.assert_close(torch.as_tensor(metrics[0]["max_score"][0]), probe.max_score.double())
+    assert model.hooked == [True] and "apply" not in fa4_cpu.FlashAttnFunc.__dict__
+    watch.detach()
+
+
+def test_a_packed_call_is_observed_document_by_document_and_trained_unchanged(cute):
+    """flash_attn_varlen_func over three documents with a sliding window: the statistics those of the packed
+    call's documents; training takes the shadow pass and leaves every gradient as without the watch."""
+    cu = torch.tensor([0, 30, 52, 80], dtype=torch.int32)
+    x = torch.randint(-1, 2, (80, 64), generator=seeded("fa4_packed")).float()
+    grads, got = {}, None
+    for watched in (False, True):
+        torch.manual_seed(0)
+        model = _integer(FA4Attention(cute, causal=True, window_size=(9, None)))
+        if watched:
+            watch, metrics = _watch(model, shadow_every=1, log_every=2)
+        loss = model(x, cu).float().pow(2).mean()
+        loss.backward()
+        grads[watched] = [p.grad.clone() for p in model.parameters()]
+        if watched:
+            watch.step(loss)
+            (cov,) = watch.coverage()
+            assert cov.unobserved_calls == {} and cov.shadow_skipped == {}
+            assert cov.observed_calls == 1 and cov.shadow_calls == 1
+            got = metrics[0]
+            with torch.no_grad():
+                q, k = model.qk(x)
+            watch.detach()
+    for a, b in zip(grads[False], grads[True]):
+        assert torch.equal(a, b)
+    probe = Probe(4)
+    varlen_stats(VarlenCall(q, k, k, cu, cu, True, None, (9, 0), False), None, probe.counts, probe.values, eps=EPS)
+    assert got["rows"].tolist() == [probe.rows.tolist()]
+    assert got["multi_max_rows"].tolist() == [probe.multi_max_rows.tolist()]
+    assert 0 < probe.multi_max_rows.sum() and probe.multi_max_rows.max() < 80
+    torch.testing.assert_close(torch.as_tensor(got["max_score"][0]), probe.max_score.double())
+    assert got["shadow_rows"].tolist() == [[80] * 4]
+
+
+@pytest.mark.parametrize("call, named", [
+    (dict(softcap=30.0), "softcap"),
+    (dict(learnable_sink=torch.zeros(4)), "learnable_sink"),
+    (dict(score_mod=lambda score, *index: score), "score_mod"),
+])
+def test_a_call_the_statistics_cannot_reproduce_is_unobserved_by_name(cute, call, named, caplog):
+    """Counted unobserved with the argument's name, said once; the call itself runs as the user made it (with
+    ``strict`` the watch raises: it sees nothing of this model's attention)."""
+    torch.manual_seed(0)
+    model = FA4Attention(cute, causal=True, **call)
+    watch, _ = _watch(model, strict=False)
+    x = torch.randn(2, 24, 64)
+    with torch.no_grad():
+        out = model(x)
+    watch.step(out.float().pow(2).mean())
+    (cov,) = watch.coverage()
+    assert cov.observed_calls == 0
+    ((reason, n),) = cov.unobserved_calls.items()
+    assert reason.startswith("flash_attn_func: ") and named in reason and n == 1
+    # the layer's note, then the watch's error (nothing of the model's attention observed: statistics off)
+    assert sum(reason in r.getMessage() for r in caplog.records) == 2
+    watch.detach()
+    with torch.no_grad():
+        assert torch.equal(out, model(x))
+
+
+def test_between_probe_steps_fa4_is_untouched(cute):
+    torch.manual_seed(0)
+    model = FA4Attention(cute, causal=True)
+    watch, _ = _watch(model, probe_every=3)
+    x = torch.randn(2, 24, 64)
+    for _ in range(4):
+        with torch.no_grad():
+            out = model(x)
+        watch.step(out.float().pow(2).mean())
+    assert model.hooked == [True, False, False, True]
+    assert "apply" not in fa4_cpu.FlashAttnFunc.__dict__ and "apply" not in fa4_cpu.FlashAttnVarlenFunc.__dict__
+    watch.detach()
+
+
+@pytest.mark.parametrize("varlen", [False, True])
+def test_a_switched_head_runs_fa4_calls_on_our_kernels(cute, varlen):
+    """After watch.switch, the layer's FA4 calls run on our kernels over the same documents: counted as kernel
+    calls, nothing "not applied"; out and lse as FA4's (shapes, values within BF16 rounding); gradients flow."""
+    cu = torch.tensor([0, 30, 52, 80], dtype=torch.int32) if varlen else None
+    x = torch.randn(*((80,) if varlen else (2, 40)), 64, generator=seeded("fa4_switch", varlen)).to(torch.bfloat16)
+    torch.manual_seed(0)
+    model = FA4Attention(cute, causal=True, return_lse=True).to(torch.bfloat16)
+    lse = {}
+    model.func = _keep_lse(model.func, lse, "reference")
+    model.varlen_func = _keep_lse(model.varlen_func, lse, "reference")
+    with torch.no_grad():
+        reference = model(x, cu)
+    watch, _ = _watch(model, shadow_every=1, spectral_every=1, log_every=2)
+    watch.switch(0, 1)
+    model.func = _keep_lse(cute.flash_attn_func, lse, "switched")
+    model.varlen_func = _keep_lse(cute.flash_attn_varlen_func, lse, "switched")
+    out = model(x, cu)
+    out.float().pow(2).mean().backward()
+    assert model.wq.weight.grad is not None and torch.isfinite(model.wq.weight.grad).all()
+    assert (out - reference).abs().max() <= 2 ** -6 * reference.abs().max()
+    assert lse["switched"].shape == lse["reference"].shape
+    torch.testing.assert_close(lse["switched"].float(), lse["reference"].float(), rtol=1e-2, atol=1e-2)
+    watch.step(out.float().pow(2).mean())
+    (cov,) = watch.coverage()
+    assert cov.kernel_calls == 1 and cov.not_applied == {} and cov.unobserved_calls == {}
+    assert cov.observed_calls == 1 and cov.shadow_calls == 1
+    watch.detach()
+
+
+def _keep_lse(func, into, key):
+    def call(*args, **kwargs):
+        out, lse = func(*args, **kwargs)
+        into[key] = lse.detach()
+        return out, lse
+    return call
+
+
+def test_without_fa4_imported_nothing_is_hooked(monkeypatch):
+    monkeypatch.delitem(__import__("sys").modules, fa_observe.INTERFACE, raising=False)
+    assert fa_observe.hook(object()) is None
