@@ -10,7 +10,7 @@
 #   IW_EP_PARTS="flex" bash benchmarks/gpu_entry_points.sh              (6 minutes at most)
 #   IW_EP_PARTS="overhead" bash benchmarks/gpu_entry_points.sh          (7 minutes at most; with a kernel table of
 #                                                                        one ordinary and one probe step a model;
-#                                                                        packed flex also with --flex-stats mask)
+#                                                                        packed flex also with --flex-stats flex)
 #   IW_EP_PARTS="sweep" bash benchmarks/gpu_entry_points.sh             (7 minutes at most)
 #
 # (default: all five, in this order; IW_SWEEP_S and IW_OVERHEAD_S change those parts' limits).
@@ -43,12 +43,12 @@ for p in $parts; do
                     --profile "$out/profile" ;;
         flex) run flex_switch_speed 360 python benchmarks/flex_switch_speed.py --rounds 3 \
                   --json "$out/flex_switch_speed.json" --profile "$out/profile" ;;
-        overhead)  # packed flex twice: its passes through FlexAttention (the default), then SDPA's over its mask
+        overhead)  # packed flex twice: SDPA's passes over its mask (the default), then FlexAttention's passes
             run overhead "${IW_OVERHEAD_S:-200}" python benchmarks/observer_overhead.py \
                 --models "${IW_OVERHEAD_MODELS:-packed-flex,packed-varlen}" --rounds 2 --kind-rounds 1 \
                 --json "$out/overhead.json" --profile "$out/profile"
-            run overhead_mask "${IW_OVERHEAD_S:-200}" python benchmarks/observer_overhead.py --models packed-flex \
-                --rounds 2 --kind-rounds 1 --flex-stats mask --json "$out/overhead_mask.json" \
+            run overhead_flex "${IW_OVERHEAD_S:-200}" python benchmarks/observer_overhead.py --models packed-flex \
+                --rounds 2 --kind-rounds 1 --flex-stats flex --json "$out/overhead_flex.json" \
                 --profile "$out/profile" ;;
         sweep) run varlen_sweep "${IW_SWEEP_S:-420}" python benchmarks/varlen_speed.py --rounds 1 --sweep dkdv \
                    --sweep dq --json "$out/varlen_sweep.json" ;;
@@ -60,7 +60,7 @@ done
 [ -f "$out/flex_switch_speed.log" ] && { echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"
     grep -v "^profile\|^resources" "$out/flex_switch_speed.log" | tail -n 19
     grep -h "^resources" "$out/flex_switch_speed.log" | grep -v "spills=0 " | head -n 20; }
-for f in overhead overhead_mask; do
+for f in overhead overhead_flex; do
     [ -f "$out/$f.log" ] && { echo "=== $f"; grep -h "profile, " "$out/$f.log"; grep -v "profile, " "$out/$f.log" |
         tail -n 8; }
 done

@@ -409,15 +409,17 @@ def main() -> int:
     ap.add_argument("--compile", action="store_true", help="torch.compile both copies (after the watch attached); "
                                                            "no per-kind costs")
     ap.add_argument("--json", help="write the results here")
-    ap.add_argument("--flex-stats", choices=("flex", "mask"), default="flex",
-                    help="the statistics and shadow passes of FlexAttention calls: FlexAttention's own (the default) "
-                         "or SDPA's over the call's mask (kernels.stats.flex.VIA_MASK)")
+    ap.add_argument("--flex-stats", choices=("flex", "mask"), default=None,
+                    help="the statistics and shadow passes of FlexAttention calls: FlexAttention's own or SDPA's "
+                         "over the call's mask (kernels.stats.flex.VIA_MASK); default: the library's (mask)")
     ap.add_argument("--profile", metavar="DIR", help="also a kernel table of one ordinary and one probe step of each "
                                                      "model's watched copy, into DIR (CUDA)")
     args = ap.parse_args()
     import instability_watch.kernels.stats.flex as flex_stats
 
-    flex_stats.VIA_MASK = args.flex_stats == "mask"
+    if args.flex_stats is not None:
+        flex_stats.VIA_MASK = args.flex_stats == "mask"
+    args.flex_stats = "mask" if flex_stats.VIA_MASK else "flex"
     device = "cuda" if torch.cuda.is_available() else "cpu"
     results = [bench(name, args, device) for name in args.models.split(",")]
     if args.json:
