@@ -5,6 +5,7 @@ into ``sys.modules``; their ``flash_attn_func`` and ``flash_attn_varlen_func`` a
 (4.0.0b36) and returns ``(out, lse)`` as FA4 does. The attention itself is float32 math per document (causal and
 windows bottom-right aligned, GQA, softcap); the features the watch refuses by name only need to be accepted.
 The real package is exercised on the GPU (tests/observe/test_flash_attn_gpu.py)."""
+import importlib.machinery
 import math
 import sys
 import types
@@ -128,5 +129,6 @@ def install(monkeypatch):
     package = types.ModuleType("flash_attn")
     package.cute = cute
     for name, module in (("flash_attn", package), ("flash_attn.cute", cute), ("flash_attn.cute.interface", interface)):
+        module.__spec__ = importlib.machinery.ModuleSpec(name, None, is_package=name != "flash_attn.cute.interface")
         monkeypatch.setitem(sys.modules, name, module)
     return cute

@@ -233,7 +233,8 @@ def without_sdpa(module: nn.Module, model: Optional[nn.Module] = None) -> Option
         ``None`` where nothing says so (its calls are then observed, and a forward without any is counted).
     """
     impl = attention_implementation(module)
-    if impl is not None and impl not in ("sdpa", "flex_attention"):  # both observed (SDPA, the flex op)
+    # observed: SDPA, the flex op, flash-attn 4's functions (observe.flash_attn), which HF imports from flash_attn.cute
+    if impl is not None and impl not in ("sdpa", "flex_attention", "flash_attention_4"):
         setting = f"attn_implementation={impl!r}"
         # the outermost Hugging Face model: its class says whether the architecture supports SDPA
         hf_model = next((m for m in (model.modules() if model is not None else ())

@@ -167,14 +167,21 @@ def hook(observer) -> Optional[List[tuple]]:
     module = sys.modules.get(INTERFACE)
     if module is None:
         return None
-    saved = []
-    for name, function in FUNCTIONS.items():
-        cls = getattr(module, name, None)
-        if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
-            continue
-        handler = functools.partial(observed_call, observer, cls.apply, function, _signature(cls))
-        saved.append((cls, cls.__dict__.get("apply")))
-        cls.apply = staticmethod(handler)
+    saved: List[tuple] = []
+    try:
+        for name, function in FUNCTIONS.items():
+            cls = getattr(module, name, None)
+            if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+                continue
+            handler = functools.partial(observed_call, observer, cls.apply, function, _signature(cls))
+            saved.append((cls, cls.__dict__.get("apply")))
+            cls.apply = staticmethod(handler)
+    except Exception as exc:  # noqa: BLE001 - fail open: FA4 as it was, the failure reported
+        unhook(saved)
+        if observer.on_error is None:
+            raise
+        observer.on_error("statistics", exc)
+        return None
     return saved
 
 
@@ -197,10 +204,16 @@ def observed_call(observer, apply, function: str, signature, *args, **kwargs):
     watching = observer.stats or observer.shadow
     if not (watching or observer.route):
         return apply(*args, **kwargs)
-    call = FlashAttnCall.parse(function, signature, args, kwargs, observer.num_heads)
-    why = call.why
-    if why is None:
-        why = follow_device(observer.group, call.packed.q.device)
+    try:
+        call = FlashAttnCall.parse(function, signature, args, kwargs, observer.num_heads)
+        why = call.why
+        if why is None:
+            why = follow_device(observer.group, call.packed.q.device)
+    except Exception as exc:  # noqa: BLE001 - fail open: the user's call as they made it
+        if observer.on_error is None:
+            raise
+        observer.on_error("statistics", exc)
+        return apply(*args, **kwargs)
     out = None
     if observer.route:
         if why is not None:

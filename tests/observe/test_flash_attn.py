@@ -210,3 +210,101 @@ def _keep_lse(func, into, key):
 def test_without_fa4_imported_nothing_is_hooked(monkeypatch):
     monkeypatch.delitem(__import__("sys").modules, fa_observe.INTERFACE, raising=False)
     assert fa_observe.hook(object()) is None
+
+
+@pytest.mark.parametrize("strict", [False, True])
+def test_a_failure_reading_an_fa4_call_never_breaks_the_user_s_call(cute, monkeypatch, caplog, strict):
+    """A failure of the watch's own handling of an FA4 call: the user's output as without the watch, the failure
+    reported once and the statistics turned off (``strict``: raised)."""
+    def broken(*args, **kwargs):
+        raise RuntimeError("reading the call failed")
+
+    monkeypatch.setattr(fa_observe.FlashAttnCall, "parse", broken)
+    torch.manual_seed(0)
+    model = FA4Attention(cute, causal=True)
+    x = torch.randn(2, 24, 64)
+    with torch.no_grad():
+        want = model(x)
+    watch, _ = _watch(model, strict=strict)
+    with torch.no_grad():
+        if strict:
+            with pytest.raises(RuntimeError, match="reading the call failed"):
+                model(x)
+            assert "apply" not in fa4_cpu.FlashAttnFunc.__dict__  # put back all the same
+        else:
+            assert torch.equal(model(x), want)
+            assert sum("reading the call failed" in r.getMessage() for r in caplog.records) == 1
+    watch.detach()
+
+
+# ----------------------------------------------------------------------------- Hugging Face's flash_attention_4
+
+
+def _hf_llama(impl):
+    """A 2-layer HF Llama; ``flash_attention_4`` set after building (HF checks for FA4 and CUDA when building; at
+    run time it imports ``flash_attn.cute``, here the stand-in)."""
+    t = pytest.importorskip("transformers")
+    cfg = t.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                        intermediate_size=128, vocab_size=64, max_position_embeddings=256, bos_token_id=0,
+                        eos_token_id=0, attn_implementation="sdpa")
+    torch.manual_seed(0)
+    model = t.LlamaForCausalLM(cfg)
+    for m in model.modules():
+        if hasattr(getattr(m, "config", None), "_attn_implementation"):
+            m.config._attn_implementation = impl
+    return model
+
+
+def _hf_probe_step(model, batch):
+    metrics = []
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, spectral_every=0, log_every=1,
+                                                warmup_steps=100, strict=True),
+                             listeners=[lambda r: metrics.extend(r.metrics)])
+    model.train()
+    with torch.no_grad():
+        loss = model(**batch).logits.float().pow(2).mean()
+    watch.step(loss)
+    coverage = watch.coverage()
+    watch.detach()
+    return metrics, coverage
+
+
+@pytest.mark.parametrize("batch_kind", ["rows", "padded", "packed"])
+def test_hf_llama_on_flash_attention_4_is_watched_like_sdpa(cute, batch_kind):
+    """The same weights through sdpa and through HF's flash_attention_4 (HF's own FA4 integration calling
+    flash_attn.cute): 0 calls unobserved, the same per-head statistics. Rows: flash_attn_func; padded: HF
+    unpads the rows into flash_attn_varlen_func; packed: three documents in one row as DataCollatorWithFlattening
+    packs them (flash_attn_varlen_func over the documents)."""
+    g = seeded("hf_fa4", batch_kind)
+    ids = torch.randint(1, 64, (2, 96), generator=g)
+    if batch_kind == "rows":
+        batch = dict(input_ids=ids)
+    elif batch_kind == "padded":
+        mask = torch.ones(2, 96, dtype=torch.long)
+        mask[1, 70:] = 0  # right padding, as a causal LM's collator pads
+        batch = dict(input_ids=ids, attention_mask=mask)
+    else:
+        cu = torch.tensor([0, 40, 70, 96], dtype=torch.int32)
+        pos = torch.cat([torch.arange(n) for n in (40, 30, 26)]).unsqueeze(0)
+        batch = dict(input_ids=ids[:1], position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=40,
+                     max_length_k=40, use_cache=False)
+    metrics, coverage = _hf_probe_step(_hf_llama("flash_attention_4"), batch)
+    assert [c.unobserved_calls for c in coverage] == [{}, {}]
+    assert all(c.observed_calls == 1 for c in coverage)
+    fa4 = metrics[0]
+    if batch_kind == "padded":
+        # HF's FA4 path drops the padded rows (sdpa would count them, with HF's mask giving them keys): the
+        # statistics of the two rows' real tokens run one by one on sdpa
+        rows = [_hf_probe_step(_hf_llama("sdpa"), dict(input_ids=ids[i:i + 1, :n]))[0][0] for i, n in ((0, 96), (1, 70))]
+        sdpa = {name: sum(torch.as_tensor(m[name]) for m in rows) for name in ("rows", "multi_max_rows", "masked_rows")}
+        sdpa["max_score"] = torch.stack([torch.as_tensor(m["max_score"]) for m in rows]).amax(dim=0)
+        assert sdpa["rows"].tolist() == [[166] * 4] * 2
+    else:
+        metrics, coverage = _hf_probe_step(_hf_llama("sdpa"), batch)
+        assert [c.unobserved_calls for c in coverage] == [{}, {}]
+        sdpa = metrics[0]
+    for name in ("rows", "multi_max_rows", "masked_rows"):
+        assert torch.equal(torch.as_tensor(fa4[name]), torch.as_tensor(sdpa[name])), name
+    assert torch.as_tensor(fa4["multi_max_rows"]).sum() > 0
+    torch.testing.assert_close(torch.as_tensor(fa4["max_score"]), torch.as_tensor(sdpa["max_score"]),
+                               rtol=1e-5, atol=1e-5)
