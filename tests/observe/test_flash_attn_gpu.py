@@ -192,3 +192,51 @@ def _float64_attention(model, x, cu):
 def test_fa4_is_hooked_only_inside_a_watched_forward():
     interface = sys.modules["flash_attn.cute.interface"]
     assert "apply" not in interface.FlashAttnFunc.__dict__ and "apply" not in interface.FlashAttnVarlenFunc.__dict__
+
+
+def test_hf_llama_on_flash_attention_4_trains_watched():
+    """Hugging Face's own FA4 integration (``attn_implementation="flash_attention_4"``, which calls flash_attn.cute)
+    on a packed batch as DataCollatorWithFlattening packs it: three training steps, every call observed and
+    shadowed; the first step's statistics those of the same weights on sdpa (rows equal, multi-max rows and max
+    logits within the statistics passes' float32 summation order)."""
+    t = pytest.importorskip("transformers")
+    available = getattr(t.utils, "is_flash_attn_4_available", None)
+    if available is None or not available():
+        pytest.skip(f"transformers {t.__version__} has no flash_attention_4, or does not find flash-attn 4")
+    lengths = (300, 200, 524)
+    g = seeded("hf_fa4_gpu")
+    ids = torch.randint(1, 256, (1, sum(lengths)), generator=g).to(DEV)
+    pos = torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0).to(DEV)
+    cu = torch.tensor([0, 300, 500, 1024], dtype=torch.int32, device=DEV)
+    batch = dict(input_ids=ids, position_ids=pos, cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=524,
+                 max_length_k=524, use_cache=False)
+    firsts = {}
+    for impl in ("sdpa", "flash_attention_4"):
+        cfg = t.LlamaConfig(num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=2, hidden_size=1024,
+                            intermediate_size=2048, vocab_size=256, max_position_embeddings=2048, bos_token_id=0,
+                            eos_token_id=0)
+        torch.manual_seed(0)
+        model = t.LlamaForCausalLM._from_config(cfg, attn_implementation=impl, dtype=torch.bfloat16).to(DEV)
+        metrics = []
+        watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=1, spectral_every=0, log_every=1,
+                                                    warmup_steps=100, strict=True),
+                                 listeners=[lambda r: metrics.extend(r.metrics)])
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+        model.train()
+        for _ in range(3):
+            loss = model(**batch, labels=ids).loss
+            loss.backward()
+            watch.step(loss)
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+        coverage = watch.coverage()
+        assert [c.unobserved_calls for c in coverage] == [{}, {}], impl
+        assert [(c.observed_calls, c.shadow_calls) for c in coverage] == [(3, 3), (3, 3)], impl
+        assert torch.isfinite(loss)
+        watch.detach()
+        firsts[impl] = metrics[0]
+    sdpa, fa4 = firsts["sdpa"], firsts["flash_attention_4"]
+    assert fa4["rows"].tolist() == sdpa["rows"].tolist()
+    assert abs(fa4["multi_max_rows"] - sdpa["multi_max_rows"]).max() <= 0.02 * sdpa["rows"].max()
+    torch.testing.assert_close(torch.as_tensor(fa4["max_score"]), torch.as_tensor(sdpa["max_score"]), rtol=2e-2,
+                               atol=2e-2)
