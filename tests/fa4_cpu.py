@@ -2,8 +2,10 @@
 dependency. :func:`install` puts modules named ``flash_attn``, ``flash_attn.cute`` and ``flash_attn.cute.interface``
 into ``sys.modules``; their ``flash_attn_func`` and ``flash_attn_varlen_func`` apply two autograd functions,
 ``FlashAttnFunc`` and ``FlashAttnVarlenFunc``, whose ``forward`` takes FA4's arguments by FA4's names and order
-(4.0.0b36) and returns ``(out, lse)`` as FA4 does. The attention itself is float32 math per document (causal and
-windows bottom-right aligned, GQA, softcap); the features the watch refuses by name only need to be accepted.
+(4.0.0b36) and returns ``(out, lse)`` as FA4 does (``lse`` None unless asked for or an input requires grad; -inf
+for a row without keys). The attention itself is float32 math per document (causal and windows bottom-right
+aligned and read as FA4 reads them, GQA, softcap); the features the watch refuses by name only need to be
+accepted.
 The real package is exercised on the GPU (tests/observe/test_flash_attn_gpu.py)."""
 import importlib.machinery
 import math
@@ -12,14 +14,30 @@ import types
 
 import torch
 
-from varlen_cpu import visible
+
+
+def _visible(n_q, n_k, causal, window):
+    """(n_q, n_k) bool, as FA4 reads ``causal`` and ``window_size``: bottom-right aligned; a side is unbounded when
+    None or when both are negative; ``causal`` sets the right side to 0; any other negative side is a bound."""
+    left, right = (None if w is None else int(w) for w in (window if window is not None else (None, None)))
+    if left is not None and right is not None and left < 0 and right < 0:
+        left = right = None
+    if causal:
+        right = 0
+    a = torch.arange(n_q)[:, None] + (n_k - n_q)
+    j = torch.arange(n_k)[None, :]
+    keep = torch.ones(n_q, n_k, dtype=torch.bool)
+    if left is not None:
+        keep &= j >= a - left
+    if right is not None:
+        keep &= j <= a + right
+    return keep
 
 
 def _attend(q, k, v, cu_q, cu_k, causal, window, scale, softcap):
-    """(out (T_q, H, D_v) float32, lse (H, T_q) float32) per document; differentiable."""
+    """(out (T_q, H, D_v) float32, lse (H, T_q) float32; -inf for a row without keys) per document;
+    differentiable."""
     scale = scale or 1.0 / math.sqrt(q.shape[-1])
-    left = -1 if window[0] is None or window[0] < 0 else window[0]
-    right = -1 if window[1] is None or window[1] < 0 else window[1]
     g = q.shape[1] // k.shape[1]
     outs, lses = [], []
     for d in range(len(cu_q) - 1):
@@ -27,7 +45,7 @@ def _attend(q, k, v, cu_q, cu_k, causal, window, scale, softcap):
         s = torch.einsum("nhd,mhd->hnm", q[qs].float(), k[ks].float().repeat_interleave(g, 1)) * scale
         if softcap:
             s = softcap * torch.tanh(s / softcap)
-        s = s.masked_fill(~visible(s.shape[1], s.shape[2], causal, (left, right)), float("-inf"))
+        s = s.masked_fill(~_visible(s.shape[1], s.shape[2], causal, window), float("-inf"))
         p = torch.softmax(s, dim=-1).nan_to_num(0.0)
         outs.append(torch.einsum("hnm,mhd->nhd", p, v[ks].float().repeat_interleave(g, 1)))
         lses.append(s.logsumexp(-1))
@@ -35,11 +53,13 @@ def _attend(q, k, v, cu_q, cu_k, causal, window, scale, softcap):
 
 
 def _run(ctx, q, k, v, cu_q, cu_k, causal, window, scale, softcap, return_lse):
+    """FA4's forward: ``out`` in ``q``'s dtype; ``lse`` when asked for or when an input requires grad, else None."""
     ctx.save_for_backward(q, k, v)
     ctx.args = (cu_q, cu_k, causal, window, scale, softcap)
     with torch.no_grad():
         out, lse = _attend(q, k, v, cu_q, cu_k, causal, window, scale, softcap)
-    return out.to(q.dtype), lse
+    keep_lse = return_lse or any(t.requires_grad for t in (q, k, v))
+    return out.to(q.dtype), lse if keep_lse else None
 
 
 def _grads(ctx, dout):
@@ -63,7 +83,8 @@ class FlashAttnFunc(torch.autograd.Function):
         ctx.batch = (b, s_q)
         out, lse = _run(ctx, *flat, list(range(0, (b + 1) * s_q, s_q)), list(range(0, (b + 1) * s_k, s_k)),
                         causal, window_size, softmax_scale, softcap, return_lse)
-        return out.view(b, s_q, *out.shape[1:]), lse.view(lse.shape[0], b, s_q).permute(1, 0, 2)
+        return (out.view(b, s_q, *out.shape[1:]),
+                None if lse is None else lse.view(lse.shape[0], b, s_q).permute(1, 0, 2).contiguous())
 
     @staticmethod
     def backward(ctx, dout, dlse):

@@ -3,27 +3,32 @@
 They are Python functions over FA4's own autograd functions (``FlashAttnFunc``, ``FlashAttnVarlenFunc`` in
 ``flash_attn.cute.interface``), not torch functions: a layer's ``TorchFunctionMode`` does not see them. So while a
 watched layer's forward runs under its observer (probe steps and switched layers; eager forwards), the ``apply`` of
-those two autograd functions is the observer's handler, put back when the forward ends (:func:`hook`,
-:func:`unhook`). Between probe steps nothing of the watch is on FA4's path, however the user imported its functions.
+those two autograd functions is a handler that hands each call to that observer (:func:`hook`, :func:`unhook`):
+the observer is a context variable (each thread, and a watched module inside another, sees its own), and the
+handler is installed while any watched forward runs and removed when the last one ends. Between probe steps
+nothing of the watch is on FA4's path, however the user imported its functions.
 The watch never imports FA4: a process that has not imported ``flash_attn.cute`` has no calls to hook.
 
 A call is read by its arguments' names (FA4's ``forward`` signature, read once per class) and seen as a packed
 call (:class:`~instability_watch.kernels.stats.varlen.VarlenCall`): a varlen call by its ``cu_seqlens_q`` and
 ``cu_seqlens_k``, a batched call ``(B, S, H, D)`` as ``B`` documents of ``S`` rows; ``causal`` and
-``window_size`` bottom-right aligned within a document, as FA4's. Its statistics and shadow pass are the packed
-call's, on the call's own O. A call with an argument the statistics cannot reproduce (``softcap``, ``score_mod``,
-``mask_mod``, ``learnable_sink``, ``qv``, paged or gathered keys, ...) is counted unobserved with that argument's
-name. A switched layer's calls run on our kernels over the same documents
-(:func:`~instability_watch.flash_attention_varlen`) and return what FA4 returns, ``(out, lse)``.
+``window_size`` bottom-right aligned within a document and read as FA4 reads them (:func:`_window`). Its
+statistics and shadow pass are the packed call's, on the call's own O. A call with an argument the statistics
+cannot reproduce (``softcap``, ``score_mod``, ``mask_mod``, ``learnable_sink``, ``qv``, paged or gathered keys,
+a window with one negative side, ...) is counted unobserved with that argument's name. A switched layer's calls
+run on our kernels over the same documents (:func:`~instability_watch.flash_attention_varlen`) and return what
+FA4 returns, ``(out, lse)``.
 
 Not observed: FA4 inside a forward compiled by ``torch.compile`` (Dynamo traces the call, not the hook), and
 flash-attn 2 and 3 (``flash_attn``, ``flash_attn_interface``), which never ran here.
 """
 from __future__ import annotations
 
+import contextvars
 import functools
 import inspect
 import sys
+import threading
 from dataclasses import dataclass
 from typing import Dict, List, Optional, Tuple
 
@@ -66,7 +71,9 @@ class FlashAttnCall:
         names, defaults = signature
         got = dict(zip(names, args))
         got.update(kwargs)
-        return_lse = bool(got.get("return_lse", False))
+        # FA4 returns its log-sum-exp when asked, or when an input requires grad (None otherwise)
+        return_lse = bool(got.get("return_lse", False)) or any(
+            isinstance(got.get(n), Tensor) and got[n].requires_grad for n in ("q", "k", "v"))
 
         def refused(why: str) -> "FlashAttnCall":
             return cls(function, None, None, return_lse, f"{function}: {why}")
@@ -79,11 +86,11 @@ class FlashAttnCall:
         q, k, v = got.get("q"), got.get("k"), got.get("v")
         if not all(isinstance(t, Tensor) for t in (q, k, v)):
             return refused("inputs are not tensors")
-        if k is v:
-            return refused("k is v (FA4's MLA form)")
+        if k is v and v.shape[-1] == 512:
+            return refused("k is v with a head dim of 512 (FA4's MLA form)")
         window = _window(bool(got.get("causal", False)), got.get("window_size"))
         if window is None:
-            return refused(f"window_size {got.get('window_size')!r}")
+            return refused(f"window_size {got.get('window_size')!r} (one side negative: FA4 takes it as a bound)")
         scale = got.get("softmax_scale")
         cu_q, cu_k = got.get("cu_seqlens_q"), got.get("cu_seqlens_k")
         if cu_q is None and cu_k is None:
@@ -103,12 +110,15 @@ class FlashAttnCall:
         return cls(function, packed, batch, return_lse, None if why is None else f"{function}: {why}")
 
     def outputs(self, o: Tensor, lse: Optional[Tensor]):
-        """FA4's outputs ``(out, lse)`` from the packed call's ``o (T_q, H, D_v)`` and ``lse (H, T_q)``."""
+        """FA4's outputs ``(out, lse)`` from the packed call's ``o (T_q, H, D_v)`` and ``lse (H, T_q)``: a row that
+        sees no key has ``lse = -inf``, as FA4's (our kernels give +inf)."""
+        if lse is not None:
+            lse = lse.masked_fill(torch.isposinf(lse), float("-inf"))
         if self.batch is None:
             return o, lse
         b, s = self.batch
-        out = o.view(b, s, *o.shape[1:])
-        return out, None if lse is None else lse.view(lse.shape[0], b, s).permute(1, 0, 2)
+        out = o.reshape(b, s, *o.shape[1:])
+        return out, None if lse is None else lse.reshape(lse.shape[0], b, s).permute(1, 0, 2).contiguous()
 
     def flat(self, out: Tensor) -> Tensor:
         """FA4's ``out`` as the packed call's ``o (T_q, H, D_v)``."""
@@ -118,6 +128,8 @@ class FlashAttnCall:
 def _at_default(value, default) -> bool:
     if value is None or value is default:
         return True
+    if isinstance(value, (tuple, list)) and not value and default is None:
+        return True  # aux_tensors=[], aux_scalars=(): FA4 reads them as None
     if isinstance(value, bool) or isinstance(default, bool):
         return value is False and default in (False, None)
     if isinstance(value, (int, float)) and isinstance(default, (int, float)):
@@ -126,17 +138,22 @@ def _at_default(value, default) -> bool:
 
 
 def _window(causal: bool, window_size) -> Optional[Tuple[int, int]]:
-    """FA4's ``causal`` and ``window_size = (left, right)`` (None or negative: unbounded) as the packed call's
-    ``(left, right)`` (-1: unbounded); None for a window it cannot read."""
+    """FA4's ``causal`` and ``window_size = (left, right)`` as the packed call's ``(left, right)`` (-1: unbounded),
+    read as FA4 reads them: a side is unbounded when it is None, or when both are negative; ``causal`` sets
+    ``right = 0``. None where FA4 would take a negative side as a bound (a window the statistics do not model)."""
     if window_size is None:
         window_size = (None, None)
     try:
-        left, right = window_size
-        left = -1 if left is None or int(left) < 0 else int(left)
-        right = -1 if right is None or int(right) < 0 else int(right)
+        left, right = (None if w is None else int(w) for w in window_size)
     except (TypeError, ValueError):
         return None
-    return (left, 0) if causal else (left, right)
+    if left is not None and right is not None and left < 0 and right < 0:
+        left = right = None
+    if causal:
+        right = 0
+    if (left is not None and left < 0) or (right is not None and right < 0):
+        return None
+    return (-1 if left is None else left, -1 if right is None else right)
 
 
 def _batch_bounds(b: int, s_q: int, s_k: int, device: torch.device) -> Tuple[Tensor, Tensor]:
@@ -161,37 +178,74 @@ def _signature(cls: type) -> Tuple[Tuple[str, ...], Dict[str, object]]:
     return hit
 
 
-def hook(observer) -> Optional[List[tuple]]:
-    """While a layer's forward runs: FA4's calls go to ``observer`` (:func:`observed_call`). What to give
-    :func:`unhook` when the forward ends; None where no FA4 is imported."""
+_OBSERVER: contextvars.ContextVar = contextvars.ContextVar("instability_watch_fa4", default=None)
+_LOCK = threading.Lock()
+_INSTALLED: List[tuple] = []  # (class, what its __dict__ held under "apply") while any watched forward runs
+_HANDLERS: Dict[type, object] = {}  # one handler per class, made once (the same object every probe step)
+_USERS = [0]  # watched forwards running now, in every thread
+
+
+def hook(observer) -> Optional[contextvars.Token]:
+    """A watched layer's forward begins: FA4's calls in this context go to ``observer`` (:func:`observed_call`)
+    until :func:`unhook` with what this returns; None where no FA4 is imported."""
     module = sys.modules.get(INTERFACE)
     if module is None:
         return None
-    saved: List[tuple] = []
     try:
-        for name, function in FUNCTIONS.items():
-            cls = getattr(module, name, None)
-            if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
-                continue
-            handler = functools.partial(observed_call, observer, cls.apply, function, _signature(cls))
-            saved.append((cls, cls.__dict__.get("apply")))
-            cls.apply = staticmethod(handler)
+        with _LOCK:
+            if _USERS[0] == 0:
+                try:
+                    _install(module)
+                except Exception:
+                    _restore()
+                    raise
+            _USERS[0] += 1
     except Exception as exc:  # noqa: BLE001 - fail open: FA4 as it was, the failure reported
-        unhook(saved)
         if observer.on_error is None:
             raise
         observer.on_error("statistics", exc)
         return None
-    return saved
+    return _OBSERVER.set(observer)
 
 
-def unhook(saved: List[tuple]) -> None:
-    """FA4's autograd functions as they were before :func:`hook`."""
-    for cls, before in reversed(saved):
+def unhook(token: contextvars.Token) -> None:
+    """The forward that :func:`hook` returned ``token`` for has ended: its observer no longer takes FA4's calls,
+    and FA4's autograd functions are as they were once no watched forward runs."""
+    _OBSERVER.reset(token)
+    with _LOCK:
+        _USERS[0] -= 1
+        if _USERS[0] == 0:
+            _restore()
+
+
+def _restore() -> None:
+    for cls, before in reversed(_INSTALLED):
         if before is None:
             del cls.apply
         else:
             cls.apply = before
+    _INSTALLED.clear()
+
+
+def _install(module) -> None:
+    for name, function in FUNCTIONS.items():
+        cls = getattr(module, name, None)
+        if not (isinstance(cls, type) and issubclass(cls, torch.autograd.Function)):
+            continue
+        before = cls.__dict__.get("apply")
+        handler = _HANDLERS.get(cls)
+        if handler is None:
+            handler = staticmethod(functools.partial(_dispatch, cls.apply, function, _signature(cls)))
+            _HANDLERS[cls] = handler
+        _INSTALLED.append((cls, before))
+        cls.apply = handler
+
+
+def _dispatch(apply, function: str, signature, *args, **kwargs):
+    observer = _OBSERVER.get()
+    if observer is None:  # another thread's call, or one after its forward ended
+        return apply(*args, **kwargs)
+    return observed_call(observer, apply, function, signature, *args, **kwargs)
 
 
 def observed_call(observer, apply, function: str, signature, *args, **kwargs):

@@ -96,8 +96,9 @@ def _observed_forward(self: nn.Module, *args, **kwargs):
             return _forward(self, own, args, kwargs)
     before = observer.sdpa_calls
     previous = entered(observer.key)
-    hooked = flash_attn.hook(observer)  # FA4's calls, where FA4 is imported (observe.flash_attn)
+    hooked = None
     try:
+        hooked = flash_attn.hook(observer)  # FA4's calls, where FA4 is imported (observe.flash_attn)
         with observer:
             out = _forward(self, own, args, kwargs)
     finally:

@@ -308,3 +308,167 @@ def test_hf_llama_on_flash_attention_4_is_watched_like_sdpa(cute, batch_kind):
     assert torch.as_tensor(fa4["multi_max_rows"]).sum() > 0
     torch.testing.assert_close(torch.as_tensor(fa4["max_score"]), torch.as_tensor(sdpa["max_score"]),
                                rtol=1e-5, atol=1e-5)
+
+
+# ----------------------------------------------------------------------------- FA4's semantics kept
+
+
+@pytest.mark.parametrize("causal, window, named", [
+    (True, (-1, 0), True),  # FA2's way of saying "causal": FA4 takes the -1 as a bound (every key masked)
+    (False, (-1, 0), True),
+    (True, (-1, 64), True),
+    (False, (-1, -1), False),  # both negative: unbounded, as FA4 reads it
+    (True, (None, None), False),
+    (False, (16, None), False),
+])
+def test_fa4_s_window_is_read_as_fa4_reads_it(cute, causal, window, named):
+    """A window with one negative side is a bound to FA4, not "unbounded": such a call is counted unobserved by
+    name; the others are read as FA4 reads them, with FA4's statistics (the stand-in's mask is FA4's)."""
+    torch.manual_seed(0)
+    model = _integer(FA4Attention(cute, causal=causal, window_size=window))
+    watch, metrics = _watch(model, strict=False)
+    x = torch.randint(-1, 2, (2, 40, 64), generator=seeded("fa4_window")).float()
+    with torch.no_grad():
+        out = model(x)
+    watch.step(out.float().pow(2).mean())
+    (cov,) = watch.coverage()
+    if named:
+        ((reason, _),) = cov.unobserved_calls.items()
+        assert "window_size" in reason and "one side negative" in reason
+    else:
+        assert cov.unobserved_calls == {} and cov.observed_calls == 1
+        q, k = model.qk(x)
+        left = -1 if window[0] is None or window[0] < 0 else window[0]
+        right = 0 if causal else (-1 if window[1] is None or window[1] < 0 else window[1])
+        probe = Probe(4)
+        cu = torch.tensor([0, 40, 80], dtype=torch.int32)
+        varlen_stats(VarlenCall(q.reshape(80, 4, 16), k.reshape(80, 2, 16), k.reshape(80, 2, 16), cu, cu,
+                                causal, None, (left, right), False), None, probe.counts, probe.values, eps=EPS)
+        assert metrics[0]["rows"].tolist() == [probe.rows.tolist()]
+        assert metrics[0]["multi_max_rows"].tolist() == [probe.multi_max_rows.tolist()]
+    watch.detach()
+
+
+class CrossFA4(nn.Module):
+    """Packed cross-attention through flash_attn_varlen_func: documents of 10 queries over 4 keys, causal, so the
+    first 6 queries of each document see no key (bottom-right alignment)."""
+
+    def __init__(self, cute):
+        super().__init__()
+        self.wq, self.wk, self.wv = (nn.Linear(64, 64, bias=False) for _ in range(3))
+        self.func = cute.flash_attn_varlen_func
+        self.lse = None
+
+    def forward(self, x, y):
+        q, k, v = self.wq(x).view(-1, 4, 16), self.wk(y).view(-1, 4, 16), self.wv(y).view(-1, 4, 16)
+        cu_q = torch.tensor([0, 10, 20], dtype=torch.int32)
+        cu_k = torch.tensor([0, 4, 8], dtype=torch.int32)
+        out, self.lse = self.func(q, k, v, cu_seqlens_q=cu_q, cu_seqlens_k=cu_k, causal=True, return_lse=True)
+        return out.reshape(-1, 64)
+
+
+def test_a_switched_call_gives_fa4_s_lse_for_rows_without_keys(cute):
+    torch.manual_seed(0)
+    model = CrossFA4(cute)
+    g = seeded("fa4_cross")
+    x, y = torch.randn(20, 64, generator=g), torch.randn(8, 64, generator=g)
+    with torch.no_grad():
+        want = model(x, y)
+    want_lse = model.lse
+    layer = AttentionLayer(model, 4, lambda: model.wq.weight.view(4, 16, 64), name="cross")
+    watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, spectral_every=0, log_every=1,
+                                                warmup_steps=100, strict=True), layers=[layer])
+    watch.switch(0, 1)
+    with torch.no_grad():
+        got = model(x, y)
+    assert torch.isneginf(want_lse).sum() == 4 * 12  # 6 rows a document, 4 heads
+    assert torch.equal(torch.isneginf(model.lse), torch.isneginf(want_lse))
+    live = torch.isfinite(want_lse)
+    torch.testing.assert_close(model.lse[live], want_lse[live], rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)
+    watch.step(got.pow(2).mean())
+    (cov,) = watch.coverage()
+    assert cov.kernel_calls == 1 and cov.not_applied == {} and cov.unobserved_calls == {}
+    watch.detach()
+
+
+def test_fa4_returns_an_lse_when_fa4_would(cute):
+    """Switched or not, the lse is there when asked for or when an input requires grad, else None (as FA4)."""
+    torch.manual_seed(0)
+    model = FA4Attention(cute, causal=True)
+    seen = []
+    model.func = _keep_lse_or_none(cute.flash_attn_func, seen)
+    x = torch.randn(2, 24, 64)
+    watch, _ = _watch(model)
+    for switched in (False, True):
+        if switched:
+            watch.switch(0, 1)
+        with torch.no_grad():
+            model(x)
+        model(x)
+    assert seen == [False, True, False, True]
+    watch.detach()
+
+
+def _keep_lse_or_none(func, seen):
+    def call(*args, **kwargs):
+        out, lse = func(*args, **kwargs)
+        seen.append(lse is not None)
+        return out, lse
+    return call
+
+
+def test_hooks_of_nested_forwards_and_of_threads_end_with_fa4_as_it_was(cute):
+    """Two observers in one context (a watched module inside another) and two threads hooking and unhooking out
+    of order: each call goes to the observer of its own context, none after its forward ended, and FA4's classes
+    are as they were once the last forward ends."""
+    import threading
+
+    calls = []
+
+    class Observer:
+        def __init__(self, name):
+            self.name = name
+
+    def record(observer, apply, function, signature, *args, **kwargs):
+        calls.append(observer.name)
+        return apply(*args, **kwargs)
+
+    q = torch.randn(1, 8, 4, 16)
+    original = fa_observe.observed_call
+    fa_observe.observed_call = record
+    try:
+        outer = fa_observe.hook(Observer("outer"))
+        inner = fa_observe.hook(Observer("inner"))
+        cute.flash_attn_func(q, q, q)
+        fa_observe.unhook(inner)
+        cute.flash_attn_func(q, q, q)
+        a_hooked, b_hooked, a_done = threading.Event(), threading.Event(), threading.Event()
+
+        def thread_a():
+            token = fa_observe.hook(Observer("a"))
+            a_hooked.set()
+            b_hooked.wait()
+            fa_observe.unhook(token)  # before b's unhook
+            cute.flash_attn_func(q, q, q)  # after its forward: not observed
+            a_done.set()
+
+        def thread_b():
+            a_hooked.wait()
+            token = fa_observe.hook(Observer("b"))
+            b_hooked.set()
+            a_done.wait()
+            cute.flash_attn_func(q, q, q)
+            fa_observe.unhook(token)
+
+        threads = [threading.Thread(target=f) for f in (thread_a, thread_b)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert "apply" in fa4_cpu.FlashAttnFunc.__dict__  # the outer forward still runs
+        fa_observe.unhook(outer)
+    finally:
+        fa_observe.observed_call = original
+    assert calls == ["inner", "outer", "b"]
+    assert "apply" not in fa4_cpu.FlashAttnFunc.__dict__ and "apply" not in fa4_cpu.FlashAttnVarlenFunc.__dict__

@@ -190,8 +190,23 @@ def _float64_attention(model, x, cu):
 
 
 def test_fa4_is_hooked_only_inside_a_watched_forward():
+    """During a watched forward FA4's classes hold the watch's handler; after it, and between probe steps, they are
+    as they were (the real package's classes)."""
     interface = sys.modules["flash_attn.cute.interface"]
-    assert "apply" not in interface.FlashAttnFunc.__dict__ and "apply" not in interface.FlashAttnVarlenFunc.__dict__
+    model = _model(causal=True)
+    seen = []
+    call = model.func
+    model.func = lambda *a, **k: (seen.append("apply" in interface.FlashAttnFunc.__dict__), call(*a, **k))[1]
+    watch, _ = _watch(model, probe_every=2, shadow_every=2)
+    x, _ = _input(False)
+    for _ in range(3):
+        loss = model(x).float().pow(2).mean()
+        loss.backward()
+        watch.step(loss)
+        assert "apply" not in interface.FlashAttnFunc.__dict__
+        assert "apply" not in interface.FlashAttnVarlenFunc.__dict__
+    assert seen == [True, False, True]
+    watch.detach()
 
 
 def test_hf_llama_on_flash_attention_4_trains_watched():
