@@ -9,8 +9,10 @@
 #   bash benchmarks/fa4_contact.sh stage    device calls 1 and 2, carry [".whl/fa4_1"], then [".whl/fa4_2"]: keeps
 #                                           what came in $FA4_HOME/parts
 #   bash benchmarks/fa4_contact.sh run      device call 3 (the machine still warm), carry [".whl/fa4_3"]: installs
-#                                           into $FA4_HOME/site, runs benchmarks/fa4_contact.py, then the watch's
-#                                           FA4 tests (tests/observe/test_flash_attn_gpu.py); logs in $OUT
+#                                           into $FA4_HOME/site, then the parts in FA4_PARTS (default "tests
+#                                           contact"; also "overhead"): the watch's FA4 tests
+#                                           (tests/observe/test_flash_attn_gpu.py), benchmarks/fa4_contact.py, the
+#                                           watch's cost on packed FA4 models (observer_overhead.py); logs in $OUT
 set -euo pipefail
 cd "$(dirname "$0")/.."
 home=${FA4_HOME:-/root/fa4}
@@ -61,13 +63,24 @@ run)
     out=${OUT:-/tmp/fa4}
     mkdir -p "$out"
     set +e
-    timeout "${FA4_TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -rs tests/observe/test_flash_attn_gpu.py \
-        > "$out/fa4_tests.log" 2>&1
-    echo "fa4_tests rc $?"
-    timeout "${FA4_CONTACT_S:-240}" python3 benchmarks/fa4_contact.py --dims "${FA4_DIMS:-128,64}" \
-        --json "$out/fa4_contact.json" > "$out/fa4_contact.log" 2>&1
-    echo "fa4_contact rc $?"
-    tail -n 20 "$out/fa4_contact.log"; tail -n 25 "$out/fa4_tests.log"
+    for part in ${FA4_PARTS:-tests contact}; do
+        case $part in
+            tests) timeout "${FA4_TESTS_S:-240}" python3 -m pytest -q -p no:cacheprovider -rs \
+                       tests/observe/test_flash_attn_gpu.py > "$out/fa4_tests.log" 2>&1
+                   echo "fa4_tests rc $?" ;;
+            contact) timeout "${FA4_CONTACT_S:-240}" python3 benchmarks/fa4_contact.py --dims "${FA4_DIMS:-128,64}" \
+                         --json "$out/fa4_contact.json" > "$out/fa4_contact.log" 2>&1
+                     echo "fa4_contact rc $?" ;;
+            overhead) timeout "${FA4_OVERHEAD_S:-240}" python3 benchmarks/observer_overhead.py \
+                          --models packed-fa4,packed-hf-fa4 --rounds 4 --kind-rounds 1 --json "$out/fa4_overhead.json" \
+                          > "$out/fa4_overhead.log" 2>&1
+                      echo "fa4_overhead rc $?" ;;
+            *) echo "fa4_contact.sh: FA4_PARTS takes tests, contact and overhead, got '$part'" >&2 ;;
+        esac
+    done
+    for f in fa4_contact fa4_overhead fa4_tests; do
+        [ -f "$out/$f.log" ] && { echo "=== $f"; grep -v "Warning\|exe_args\|^resources" "$out/$f.log" | tail -n 20; }
+    done
     ;;
 *)
     echo "usage: fa4_contact.sh fetch | stage | run (got '${1:-}')" >&2; exit 2 ;;

@@ -30,11 +30,15 @@ Entry points other than plain SDPA calls (issue 43), on packed batches (document
 * ``packed-sdpa`` / ``packed-flex`` -- a Llama (12 layers, 1024 wide, 16 query heads on 4) built with
   ``attn_implementation="sdpa"`` / ``"flex_attention"`` (HF compiles its flex calls); HF builds the document mask;
 * ``packed-varlen`` -- the same shape with attention by ``torch.nn.attention.varlen.varlen_attn`` from the
-  documents' ``cu_seqlens`` (a model written here, Llama-style ``q_proj``/``k_proj``).
+  documents' ``cu_seqlens`` (a model written here, Llama-style ``q_proj``/``k_proj``);
+* ``packed-fa4`` -- that model with attention by flash-attn 4's ``flash_attn_varlen_func`` (``flash_attn.cute``,
+  installed by ``benchmarks/fa4_contact.sh``); ``packed-hf-fa4`` -- the Llama built with
+  ``attn_implementation="flash_attention_4"`` (HF finds the documents from ``position_ids``).
 
 Run:  python benchmarks/observer_overhead.py [--models hf-gpt2,hf-llama-1b] [--rounds 4] [--block 40]
                                              [--json out.json]
       python benchmarks/observer_overhead.py --models packed-sdpa,packed-flex,packed-varlen
+      python benchmarks/observer_overhead.py --models packed-fa4,packed-hf-fa4      (with flash-attn 4)
 """
 from __future__ import annotations
 
@@ -155,9 +159,9 @@ def _packed_hf(impl: str):
 class _VarlenAttention(torch.nn.Module):
     """Llama-style projections, RoPE-free, attention by ``varlen_attn`` over the batch's documents."""
 
-    def __init__(self, dim: int, heads: int, kv_heads: int) -> None:
+    def __init__(self, dim: int, heads: int, kv_heads: int, fa4: bool = False) -> None:
         super().__init__()
-        self.num_heads, self.kv, self.hd = heads, kv_heads, dim // heads
+        self.num_heads, self.kv, self.hd, self.fa4 = heads, kv_heads, dim // heads, fa4
         self.q_proj = torch.nn.Linear(dim, dim, bias=False)
         self.k_proj = torch.nn.Linear(dim, kv_heads * self.hd, bias=False)
         self.v_proj = torch.nn.Linear(dim, kv_heads * self.hd, bias=False)
@@ -170,7 +174,12 @@ class _VarlenAttention(torch.nn.Module):
         q = self.q_proj(x).view(T, self.num_heads, self.hd)
         k = self.k_proj(x).view(T, self.kv, self.hd)
         v = self.v_proj(x).view(T, self.kv, self.hd)
-        if "enable_gqa" in inspect.signature(varlen_attn).parameters:  # torch >= 2.12
+        if self.fa4:  # flash-attn 4 (GQA native; returns (out, lse))
+            from flash_attn.cute import flash_attn_varlen_func
+
+            o = flash_attn_varlen_func(q, k, v, cu_seqlens_q=cu, cu_seqlens_k=cu, max_seqlen_q=max_len,
+                                       max_seqlen_k=max_len, causal=True)[0]
+        elif "enable_gqa" in inspect.signature(varlen_attn).parameters:  # torch >= 2.12
             o = varlen_attn(q, k, v, cu, cu, max_len, max_len, window_size=(-1, 0), enable_gqa=self.kv < self.num_heads)
         else:  # torch 2.11: no GQA, keys and values repeated per query head
             g = self.num_heads // self.kv
@@ -180,10 +189,10 @@ class _VarlenAttention(torch.nn.Module):
 
 
 class _VarlenBlock(torch.nn.Module):
-    def __init__(self, dim: int, hidden: int, heads: int, kv_heads: int) -> None:
+    def __init__(self, dim: int, hidden: int, heads: int, kv_heads: int, fa4: bool) -> None:
         super().__init__()
         self.n1, self.n2 = torch.nn.RMSNorm(dim), torch.nn.RMSNorm(dim)
-        self.attn = _VarlenAttention(dim, heads, kv_heads)
+        self.attn = _VarlenAttention(dim, heads, kv_heads, fa4)
         self.mlp = torch.nn.Sequential(torch.nn.Linear(dim, hidden, bias=False), torch.nn.SiLU(),
                                        torch.nn.Linear(hidden, dim, bias=False))
 
@@ -193,12 +202,13 @@ class _VarlenBlock(torch.nn.Module):
 
 
 class _VarlenLM(torch.nn.Module):
-    def __init__(self, cfg) -> None:
+    def __init__(self, cfg, fa4: bool = False) -> None:
         super().__init__()
         d = cfg.hidden_size
         self.emb = torch.nn.Embedding(cfg.vocab_size, d)
         self.blocks = torch.nn.ModuleList(_VarlenBlock(d, cfg.intermediate_size, cfg.num_attention_heads,
-                                                       cfg.num_key_value_heads) for _ in range(cfg.num_hidden_layers))
+                                                       cfg.num_key_value_heads, fa4)
+                                          for _ in range(cfg.num_hidden_layers))
         self.norm = torch.nn.RMSNorm(d)
         self.head = torch.nn.Linear(d, cfg.vocab_size, bias=False)
 
@@ -210,15 +220,20 @@ class _VarlenLM(torch.nn.Module):
         return _Out(torch.nn.functional.cross_entropy(logits[:-1], labels[0, 1:]))
 
 
-def packed_varlen(tiny: bool):
+def packed_varlen(tiny: bool, fa4: bool = False):
     cfg = _llama_cfg(tiny, "sdpa")
     total, lo, hi = (128, 8, 40) if tiny else (8192, 128, 2048)
-    return _VarlenLM(cfg), cfg.vocab_size, 1, total, _packed_batch(cfg.vocab_size, total, lo, hi, True)
+    return _VarlenLM(cfg, fa4), cfg.vocab_size, 1, total, _packed_batch(cfg.vocab_size, total, lo, hi, True)
+
+
+def packed_fa4(tiny: bool):
+    return packed_varlen(tiny, fa4=True)
 
 
 MODELS: Dict[str, Callable] = {"hf-gpt2": hf_gpt2, "hf-llama-1b": hf_llama_1b, "nanogpt-small": nanogpt_small,
                                "packed-sdpa": _packed_hf("sdpa"), "packed-flex": _packed_hf("flex_attention"),
-                               "packed-varlen": packed_varlen}
+                               "packed-varlen": packed_varlen, "packed-fa4": packed_fa4,
+                               "packed-hf-fa4": _packed_hf("flash_attention_4")}
 
 
 class Copy:
