@@ -444,10 +444,13 @@ class InstabilityWatch:
         for c in cov:
             for r, n in c.unobserved_calls.items():
                 reasons[r] = reasons.get(r, 0) + n
-        if not reasons:
+        if not reasons and not self.observation.compiled_forwards:
             return  # no watched layer ran yet: look again after the next probe step
         self.coverage_checked = True
         listed = "; ".join(f"{r} ({n} calls)" for r, n in reasons.items())
+        if not reasons:  # compiled forwards ran and made no call the watch sees, observed or refused
+            listed = ("the watched layers' forwards ran compiled (torch.compile) and made no call the watch sees "
+                      "there (flash-attn 4's functions are seen in eager forwards only)")
         if set(reasons) <= set(MHA_REASONS) and self._tracks_sigma():
             # nn.MultiheadAttention located, its calls not observable: watch what can be watched, and say so
             log_rank_zero(logging.WARNING, "instability_watch observed no attention call on the first probe step "

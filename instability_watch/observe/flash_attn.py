@@ -19,7 +19,8 @@ a window with one negative side, ...) is counted unobserved with that argument's
 run on our kernels over the same documents (:func:`~instability_watch.flash_attention_varlen`) and return what
 FA4 returns, ``(out, lse)``.
 
-Not observed: FA4 inside a forward compiled by ``torch.compile`` (Dynamo traces the call, not the hook), and
+Not observed: FA4 inside a forward compiled by ``torch.compile`` (Dynamo traces the call, not the hook; the
+watch says so at the first probe step when its compiled forwards made no call it sees), and
 flash-attn 2 and 3 (``flash_attn``, ``flash_attn_interface``), which never ran here.
 """
 from __future__ import annotations

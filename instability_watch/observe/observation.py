@@ -28,7 +28,7 @@ from instability_watch.model.sharding import each_in_its_unit, fsdp1_pieces, who
 from instability_watch.observe.coverage import (KIND_ROW, NOT_APPLIED, SHADOW_SKIPPED, UNOBSERVED, LayerCoverage,
                                                 layer_coverage)
 from instability_watch.observe import flash_attn
-from instability_watch.observe.sdpa import SdpaObserver, entered, param_device
+from instability_watch.observe.sdpa import SdpaObserver, entered, param_device, traced
 from instability_watch.probe.bank import ProbeBank
 from instability_watch.probe.spectral import gram
 from instability_watch.ranks import log_rank_zero
@@ -92,6 +92,7 @@ def _observed_forward(self: nn.Module, *args, **kwargs):
     if torch.compiler.is_compiling():
         # no per-layer constant read here (it would make a graph per layer): reasons met while tracing are the
         # traced graph's, shared by the layers it serves (Observation.note)
+        traced(observer.group, "compiled_forwards")
         with observer:
             return _forward(self, own, args, kwargs)
     before = observer.sdpa_calls
@@ -156,6 +157,7 @@ class Observation:
         # of this watch was compiled inside an eager layer forward (such a layer's calls cannot be counted there)
         self.shared_reasons: Dict[str, List[str]] = {}
         self.compiled_calls = False
+        self.compiled_forwards = False  # a watched layer's forward was compiled (sdpa.traced)
         self.group_key: Optional[int] = None  # this watch's key for the observers' trace-time helpers (sdpa.py)
         self._stats = self._shadow = False
         self._collect = True

@@ -350,7 +350,7 @@ class SdpaObserver(TorchFunctionMode):
         """An attention call other than SDPA's: the call itself untouched, then its statistics and its shadow
         tap; what cannot be done (switching it, a call the statistics cannot read) is counted with its reason."""
         if torch.compiler.is_compiling():  # e.g. Hugging Face compiles its flex calls inside an eager forward
-            _traced_call(self.group)
+            traced(self.group, "compiled_calls")
         else:
             self.sdpa_calls += 1
             if parser is FlexCall and _replayed(args, kwargs):
@@ -556,11 +556,12 @@ _stats_kernels.COMPILED_FAILURE = _compiled_pass_failed
 
 
 @torch._dynamo.assume_constant_result
-def _traced_call(group: int) -> int:
-    """An attention call of the watch ``group`` is being compiled (runs at trace time, once a graph)."""
+def traced(group: int, what: str) -> int:
+    """The watch ``group``'s ``what`` is being compiled (runs at trace time, once a graph): ``"compiled_calls"``
+    (an attention call) or ``"compiled_forwards"`` (a watched layer's forward), set True on its observation."""
     observation = _GROUPS.get(group)
     if observation is not None:
-        observation.compiled_calls = True
+        setattr(observation, what, True)
     return 0
 
 

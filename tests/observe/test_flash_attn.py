@@ -472,3 +472,24 @@ def test_hooks_of_nested_forwards_and_of_threads_end_with_fa4_as_it_was(cute):
         fa_observe.observed_call = original
     assert calls == ["inner", "outer", "b"]
     assert "apply" not in fa4_cpu.FlashAttnFunc.__dict__ and "apply" not in fa4_cpu.FlashAttnVarlenFunc.__dict__
+
+
+def test_fa4_in_a_compiled_forward_is_said_once_not_silently_missed(cute):
+    """A watched layer compiled whole (torch.compile on the model): Dynamo traces FA4's call, not the handler, so
+    it is not observed; the watch says so at the first probe step (strict: raises), instead of waiting forever."""
+    from instability_watch.errors import NothingObservedError
+
+    for strict in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = FA4Attention(cute, causal=True)
+        watch, _ = _watch(model, strict=strict)
+        compiled = torch.compile(model, backend="eager")
+        out = compiled(torch.randn(2, 24, 64))
+        if strict:
+            with pytest.raises(NothingObservedError, match="ran compiled .*flash-attn 4's functions are seen in eager"):
+                watch.step(out.float().pow(2).mean())
+        else:
+            watch.step(out.float().pow(2).mean())
+            assert "statistics" in watch.faults
+        watch.detach()
