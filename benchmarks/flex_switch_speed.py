@@ -4,7 +4,8 @@
 One layer calls ``torch.compile(flex_attention)`` with a causal, sliding-window or packed-document block mask
 (BF16, GQA as given). "flex" is the call unwatched; "switched" is the same layer with a watch attached and one head
 switched, so the call runs as the watch runs it: the mask evaluated from ``mask_mod``, then our kernels (every
-other head standard). Each variant is timed with CUDA events over ``--iters`` calls after a warm-up, forward and
+other head standard). For the causal mask, four references with no watch: our kernels called directly with the
+causal flag and with the mask as a boolean mask, each with and without a stabilized head. Each variant is timed with CUDA events over ``--iters`` calls after a warm-up, forward and
 forward + backward, in ``--rounds`` interleaved rounds (alternating order); the table gives medians and the ratio
 flex / switched (> 1: ours faster).
 
@@ -101,6 +102,19 @@ def main() -> int:
         block = fa.create_block_mask(mask_mods["causal"], None, None, N, N, device=dev)
         watch.step(switched(q, k, v, block).float().mean())
 
+    # References for the causal mask, no watch: our kernels called directly, with the causal flag (what a switched
+    # call whose mask were recognized as causal could run), and with the mask as a boolean mask; each with and
+    # without a stabilized head (a switched layer's call has one).
+    from instability_watch.kernels import flash_attention
+
+    stab0 = torch.zeros(H, dtype=torch.bool, device=dev)
+    stab0[0] = True
+    tril = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
+
+    def direct_causal(stabilize=None, mask=None):
+        ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER = False, None, None
+        return flash_attention(q, k, v, causal=mask is None, attn_mask=mask, stabilize=stabilize)
+
     table, raw, sweeps = {}, {}, {}
     for mask in args.masks.split(","):
         block = fa.create_block_mask(mask_mods[mask], None, None, N, N, device=dev)
@@ -119,6 +133,11 @@ def main() -> int:
                     "switched, dK/dV per query head": run_switched(True),
                     "switched, fused backward": run_switched(False, True),
                     "switched, tiles by work": run_switched(False, None, True)}
+        if mask == "causal":
+            variants["ours direct, causal flag"] = direct_causal
+            variants["ours direct, causal flag, head 0 stabilized"] = lambda: direct_causal(stab0)
+            variants["ours direct, the causal mask as a mask"] = lambda: direct_causal(mask=tril)
+            variants["ours direct, the mask, head 0 stabilized"] = lambda: direct_causal(stab0, tril)
         results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}
         for r in range(args.rounds):
             for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):

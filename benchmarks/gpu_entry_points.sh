@@ -58,7 +58,7 @@ done
 [ -f "$out/varlen_speed.log" ] && { echo "=== varlen_speed"; grep -h "^profile" "$out/varlen_speed.log"
     grep -v "^profile\|^resources" "$out/varlen_speed.log" | tail -n 11; grep -h "^resources" "$out/varlen_speed.log"; }
 [ -f "$out/flex_switch_speed.log" ] && { echo "=== flex_switch_speed"; grep -h "^profile" "$out/flex_switch_speed.log"
-    grep -v "^profile\|^resources" "$out/flex_switch_speed.log" | tail -n 19
+    grep -v "^profile\|^resources" "$out/flex_switch_speed.log" | tail -n 23
     grep -h "^resources" "$out/flex_switch_speed.log" | grep -v "spills=0 " | head -n 20; }
 for f in overhead overhead_flex; do
     [ -f "$out/$f.log" ] && { echo "=== $f"; grep -h "profile, " "$out/$f.log"; grep -v "profile, " "$out/$f.log" |

@@ -15,7 +15,9 @@ change training). The ratio per round is plain time / watch time; the table give
 the median over rounds, and (``est.``, on CUDA) the ratio the watched copy's own
 median step times give at its cadence: plain / (plain + (probe - plain) / probe_every),
 for models whose rounds scatter more than the watch costs (host-bound ones; a read-back
-on a step other than a probe step is not in it). Then the cost of each kind of step, measured on the
+on a step other than a probe step is not in it), and (``paired``, on CUDA) the unwatched copy's median
+step over the watched copy's at its cadence (both from CUDA events around every step of the same
+interleaved blocks: a side-by-side ratio that a round's drift moves less). Then the cost of each kind of step, measured on the
 plain copy with a watch attached for one block (its first steps untimed):
 
 * ``probe``    -- a statistics pass on every step (``probe_every=1``, no shadow);
@@ -33,7 +35,8 @@ Entry points other than plain SDPA calls (issue 43), on packed batches (document
   documents' ``cu_seqlens`` (a model written here, Llama-style ``q_proj``/``k_proj``);
 * ``packed-fa4`` -- that model with attention by flash-attn 4's ``flash_attn_varlen_func`` (``flash_attn.cute``,
   installed by ``benchmarks/fa4_contact.sh``); ``packed-hf-fa4`` -- the Llama built with
-  ``attn_implementation="flash_attention_4"`` (HF finds the documents from ``position_ids``).
+  ``attn_implementation="flash_attention_4"`` (the documents' flash-attention kwargs passed as the collator
+  passes them).
 
 Run:  python benchmarks/observer_overhead.py [--models hf-gpt2,hf-llama-1b] [--rounds 4] [--block 40]
                                              [--json out.json]
@@ -118,17 +121,23 @@ def _documents(g: torch.Generator, total: int, lo: int, hi: int) -> List[int]:
     return lengths
 
 
-def _packed_batch(vocab: int, total: int, lo: int, hi: int, varlen: bool):
+def _packed_batch(vocab: int, total: int, lo: int, hi: int, varlen: bool, flash_kwargs: bool = False):
     """A packed row: ``input_ids``/``labels`` (1, total), ``position_ids`` restarting per document (and, for the
-    varlen model, ``cu_seqlens`` and ``max_len``)."""
+    varlen model, ``cu_seqlens`` and ``max_len``; with ``flash_kwargs``, the documents' ``cu_seq_lens_q/k`` and
+    ``max_length_q/k`` as ``DataCollatorWithFlattening(return_flash_attn_kwargs=True)`` gives them: Hugging Face's
+    flash-attention integrations otherwise find them from ``position_ids``, the lengths as 0-d tensors, which
+    flash-attn 4 4.0.0b36 refuses)."""
     def make(g: torch.Generator) -> dict:
         lengths = _documents(g, total, lo, hi)
         ids = torch.randint(0, vocab, (1, total), generator=g)
         batch = {"input_ids": ids, "labels": ids,
                  "position_ids": torch.cat([torch.arange(n) for n in lengths]).unsqueeze(0)}
+        cu = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
         if varlen:
-            batch["cu_seqlens"] = torch.tensor([0] + lengths, dtype=torch.int32).cumsum(0, dtype=torch.int32)
+            batch["cu_seqlens"] = cu
             batch["max_len"] = max(lengths)
+        if flash_kwargs:
+            batch.update(cu_seq_lens_q=cu, cu_seq_lens_k=cu, max_length_q=max(lengths), max_length_k=max(lengths))
         return batch
     return make
 
@@ -152,7 +161,8 @@ def _packed_hf(impl: str):
 
         cfg = _llama_cfg(tiny, impl)
         total, lo, hi = (128, 8, 40) if tiny else (8192, 128, 2048)
-        return t.LlamaForCausalLM(cfg), cfg.vocab_size, 1, total, _packed_batch(cfg.vocab_size, total, lo, hi, False)
+        return t.LlamaForCausalLM(cfg), cfg.vocab_size, 1, total, _packed_batch(
+            cfg.vocab_size, total, lo, hi, False, flash_kwargs=impl.startswith("flash_attention"))
     return build
 
 
@@ -247,7 +257,7 @@ class Copy:
         self.events: List[tuple] = []  # (step kind, start, end) CUDA events, read after the run
 
     def step(self, batch: dict, device: str) -> None:
-        record = device == "cuda" and self.watch is not None
+        record = device == "cuda"
         if record:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -256,15 +266,18 @@ class Copy:
         loss.backward()
         self.opt.step()
         self.opt.zero_grad(set_to_none=True)
+        kind = "unwatched"
         if self.watch is not None:
             probe = (self.watch.step_count % self.watch.config.probe_every) == 0  # the step now closing
             self.watch.step(loss)
+            kind = "probe" if probe else "plain"
         if record:
             end.record()
-            self.events.append(("probe" if probe else "plain", start, end))
+            self.events.append((kind, start, end))
 
     def step_times(self) -> Dict[str, float]:
-        """Median milliseconds of the watched copy's probe steps and of its other steps (from CUDA events)."""
+        """Median milliseconds of the copy's steps by kind (from CUDA events): the watched copy's probe steps and
+        its other steps ("plain"), the unwatched copy's ("unwatched")."""
         torch.cuda.synchronize()
         by: Dict[str, List[float]] = {}
         for kind, a, b in self.events:
@@ -348,7 +361,7 @@ def bench(name: str, args, device: str) -> dict:
 
     for c in (plain, watched):  # warm-up: allocator, cuDNN plans, compiled graphs, the first probe and read-back
         timed(c, batches(12 if args.compile else 3), device)
-    watched.events.clear()
+        c.events.clear()
     ratios, t_plain, t_watch = [], [], []
     for r in range(args.rounds):
         data = batches(args.block)
@@ -370,7 +383,9 @@ def bench(name: str, args, device: str) -> dict:
         "observed_calls": sum(c["observed_calls"] for c in coverage), "coverage": coverage,
         "alerts": len(watched.watch.alerts), "kinds": {}, "compile": args.compile,
         "watched_step_ms": watched.step_times() if device == "cuda" else {},
+        "unwatched_step_ms": plain.step_times().get("unwatched") if device == "cuda" else None,
     }
+    plain.events.clear()  # (the per-kind costs below time the plain copy by wall clock)
     if args.compile:
         from torch._dynamo.utils import counters
 
@@ -379,9 +394,14 @@ def bench(name: str, args, device: str) -> dict:
     steps = out["watched_step_ms"]
     if "plain" in steps and "probe" in steps:  # the medians at the watch's cadence: a probe step every probe_every
         every = watched.watch.config.probe_every
-        out["estimated_ratio"] = steps["plain"] / (steps["plain"] + (steps["probe"] - steps["plain"]) / every)
+        at_cadence = steps["plain"] + (steps["probe"] - steps["plain"]) / every
+        out["estimated_ratio"] = steps["plain"] / at_cadence
+        if out["unwatched_step_ms"]:  # side by side: the unwatched copy's median step, in the same blocks
+            out["paired_ratio"] = out["unwatched_step_ms"] / at_cadence
     print(f"[{name}] watched copy, median ms per step: {steps}; estimated ratio at the cadence: "
-          f"{out.get('estimated_ratio', float('nan')):.4f}", flush=True)
+          f"{out.get('estimated_ratio', float('nan')):.4f}; unwatched copy's median step "
+          f"{out['unwatched_step_ms'] or float('nan'):.2f} ms, paired ratio (unwatched median / watched at the "
+          f"cadence) {out.get('paired_ratio', float('nan')):.4f}", flush=True)
     if args.profile and device == "cuda":
         profile_steps(name, watched, batches, device, args.profile)
     watched.watch.detach()
@@ -440,7 +460,7 @@ def main() -> int:
     if args.json:
         write_json(args.json, {"device": device_name(device), "torch": torch.__version__,
                                "flex_stats": args.flex_stats, "results": results})
-    print(f"\n{'model':<14} {'plain ms':>9} {'watch ms':>9} {'ratio':>7} {'range':>15} {'est.':>7} {'unobserved':>10}  "
+    print(f"\n{'model':<14} {'plain ms':>9} {'watch ms':>9} {'ratio':>7} {'range':>15} {'est.':>7} {'paired':>7} {'unobserved':>10}  "
           f"{'probe':>7} {'shadow':>7} {'switched':>8} {'clip':>7}")
     for r in results:
         k = r["kinds"]
@@ -452,7 +472,8 @@ def main() -> int:
             continue
         print(f"{r['model']:<14} {statistics.median(r['plain_ms']):9.2f} {statistics.median(r['watch_ms']):9.2f} "
               f"{r['ratio_median']:7.4f} {min(r['ratios']):7.4f}-{max(r['ratios']):.4f} "
-              f"{r.get('estimated_ratio', float('nan')):7.4f} {r['unobserved_calls']:10d}  "
+              f"{r.get('estimated_ratio', float('nan')):7.4f} {r.get('paired_ratio', float('nan')):7.4f} "
+              f"{r['unobserved_calls']:10d}  "
               f"{100 * k['probe']['median']:+6.2f}% {100 * k['shadow']['median']:+6.2f}% "
               f"{100 * k['switched']['median']:+7.2f}% {100 * k['clip']['median']:+6.2f}%"
               + ("" if not k["switched"]["layer0_not_applied"] else

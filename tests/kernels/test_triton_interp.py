@@ -15,6 +15,7 @@ if torch.cuda.is_available():
     pytest.skip("the interpreter tests are for CPU-only machines", allow_module_level=True)
 
 from instability_watch import Probe, flash_attention  # noqa: E402
+from instability_watch.kernels.attention.masks import MaskArgs  # noqa: E402
 from instability_watch.mechanism import exact_attention, measure_bias, near_tie_inputs  # noqa: E402
 
 from helpers import assert_probe_counts_equal, fused_and_split_backward, max_err, run_fwd_bwd, sdpa_math, seeded  # noqa: E402
@@ -338,7 +339,7 @@ def test_whole_tiles_of_a_boolean_mask_are_read_as_no_mask(kind, dropout, monkey
         for name, a, b in zip(["o", "dq", "dk", "dv"], native, whole):
             assert torch.equal(a, b), name
     # the mask does have whole tiles at the interpreter's tiles (16), in both directions
-    margs = ta._MaskArgs(mask, 2, H, N, N)
+    margs = MaskArgs(mask, 2, H, N, N)
     for ranges, _ in (margs.rows(16, 16), margs.cols(16, 16)):
         assert (ranges[..., 3] > ranges[..., 2]).any()
 
@@ -370,8 +371,6 @@ def test_the_mask_pre_pass_gives_each_tile_its_span_and_its_whole_tiles(kind):
     """The pre-pass kernels (two launches) against a brute-force walk over the tiles: for query tiles, the keys their
     rows may see and the first run of key tiles they all see whole; for key tiles, the same over query rows (the
     transpose), at tile sizes that divide the lengths and ones that do not; per batch entry and head of the mask."""
-    import instability_watch.kernels.attention.triton as ta
-
     N, n_kv = 70, 70
     masks = _whole_tile_masks(N)
     g = seeded("pre-pass", kind)
@@ -382,7 +381,7 @@ def test_the_mask_pre_pass_gives_each_tile_its_span_and_its_whole_tiles(kind):
         mask = torch.where(masks["sliding"], 0.0, float("-inf")).expand(2, 1, N, n_kv)
     else:
         mask = masks[kind].expand(2, 1, N, n_kv)
-    margs = ta._MaskArgs(mask, 2, 3, N, n_kv)
+    margs = MaskArgs(mask, 2, 3, N, n_kv)
     whole_ok = mask.dtype == torch.bool
     vis = mask if whole_ok else mask > float("-inf")
     n_whole = 0
@@ -401,14 +400,12 @@ def test_the_mask_pre_pass_gives_each_tile_its_span_and_its_whole_tiles(kind):
 def test_the_mask_pre_pass_reads_rows_of_more_tiles_than_one_chunk():
     """More key tiles than the pre-pass reads in one chunk (256): a span and a run of whole tiles that cross
     chunks, a tile row that sees nothing, against the brute-force walk."""
-    import instability_watch.kernels.attention.triton as ta
-
     N, n_kv = 40, 16 * 270 + 5  # 270 key tiles of 16 and a ragged one
     keep = torch.zeros(1, 1, N, n_kv, dtype=torch.bool)
     keep[..., :32, 3000:4200] = True  # a run of whole tiles across tile 256 (key 4096)
     keep[..., :32, 4300:4310] = True  # then a partial tile; rows 32-39 see nothing
-    rows, _ = ta._MaskArgs(keep, 1, 1, N, n_kv).rows(32, 16)
-    cols, _ = ta._MaskArgs(keep, 1, 1, N, n_kv).cols(16, 32)
+    rows, _ = MaskArgs(keep, 1, 1, N, n_kv).rows(32, 16)
+    cols, _ = MaskArgs(keep, 1, 1, N, n_kv).cols(16, 32)
     assert [tuple(r) for r in rows[0, 0].tolist()] == _brute_ranges(keep[0, 0], 32, 16, n_kv, True)
     assert [tuple(r) for r in cols[0, 0].tolist()] == _brute_ranges(keep[0, 0].T, 16, 32, N, True, cols=True)
     assert rows[0, 0].tolist() == [[2992, 4320, 3008, 4192], [0, 0, 0, 0]]

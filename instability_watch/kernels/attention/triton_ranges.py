@@ -1,5 +1,5 @@
 """The mask pre-pass in Triton: each tile's key range and run of whole tiles, in two launches (host side:
-:class:`.triton._MaskArgs`).
+:class:`.masks.MaskArgs`).
 
 Its PyTorch form took about forty small operations per range (a reduction per tile axis, argmax tricks for the
 first and last tile and for the first run), about 1 ms of host time per call on the H200 machine and 0.2 ms of GPU

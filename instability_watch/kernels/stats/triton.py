@@ -35,7 +35,7 @@ import torch
 import triton
 import triton.language as tl
 
-from instability_watch.kernels.attention.triton import mask_row_ranges
+from instability_watch.kernels.attention.masks import mask_row_ranges
 from instability_watch.kernels.common import dropout_scale, dropout_threshold, mask4
 from instability_watch.kernels.configs import head_dim_tile, launch_config
 from instability_watch.kernels.launch import INTERPRET, Launcher, cdiv, dot_precision

@@ -1,0 +1,109 @@
+"""The host side of the mask pre-pass (kernels: ``triton_ranges.py``): a call's mask as the attention kernels read
+it, and each tile's ranges of keys (of query rows, for a key tile): the kernels skip the key tiles no row of the
+tile sees and read no mask over the tiles every row sees whole.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+
+from instability_watch.kernels.attention.triton_ranges import mask_flag_ranges, mask_tile_flags
+from instability_watch.kernels.common import MASK_FLOOR, mask4
+from instability_watch.kernels.launch import Launcher, cdiv
+from instability_watch.kernels.triton_common import MASK_ADD, MASK_BOOL, MASK_NONE
+
+launch_flags, launch_flag_ranges = Launcher(mask_tile_flags), Launcher(mask_flag_ranges)
+
+
+def expanded_ranges(ranges: torch.Tensor, shape):
+    """Ranges (..., 4) expanded to ``shape`` + (4,) (broadcast dims of stride 0); the strides of ``shape``'s dims."""
+    ranges = ranges.expand(*shape, 4)
+    return ranges, ranges.stride()[:3]
+
+
+class MaskArgs:
+    """The call's mask as the kernels read it: kind, pointer and strides, and each tile's ranges (pre-passes)."""
+
+    def __init__(self, attn_mask: Optional[torch.Tensor], B: int, H: int, N: int, n_kv: int):
+        self.kind = MASK_NONE
+        self.tensor = None
+        self.strides = (0, 0, 0, 0)
+        self._vis = None
+        self._shape = (B, H, N, n_kv)
+        self._ranges = {}
+        if attn_mask is None:
+            return
+        m4 = mask4(attn_mask, B, H, N, n_kv)
+        self.kind = MASK_BOOL if m4.dtype == torch.bool else MASK_ADD
+        self.tensor = m4.view(torch.uint8) if self.kind == MASK_BOOL else m4
+        self.strides = m4.stride()
+        # what the pre-passes read: the mask's own extent (a dim broadcast, or of stride 0, is size 1)
+        m = attn_mask
+        while m.dim() < 4:
+            m = m.unsqueeze(0)
+        for d in range(3):
+            if m.shape[d] > 1 and m.stride(d) == 0:
+                m = m.narrow(d, 0, 1)
+        m = m.expand(*m.shape[:3], n_kv)
+        self._vis = m  # an additive mask's keys at or below MASK_FLOOR are unseen (NaN: seen, it makes the row NaN)
+
+    def _launch_ranges(self, cols: bool, block_m: int, block_n: int) -> torch.Tensor:
+        """The pre-pass kernels (``triton_ranges.py``) over the mask's own extent: (B_m, H_m, tiles, 4) int32."""
+        vis = self._vis
+        bm_, hm_, rows, n_kv = vis.shape
+        tiles = cdiv(n_kv, block_n) if cols else cdiv(rows, block_m)
+        other = cdiv(rows, block_m) if cols else cdiv(n_kv, block_n)
+        flags = torch.empty((bm_, hm_, tiles, other), dtype=torch.uint8, device=vis.device)
+        out = torch.empty((bm_, hm_, tiles, 4), dtype=torch.int32, device=vis.device)
+        m = vis.view(torch.uint8) if vis.dtype == torch.bool else vis  # read in place: no copy of the mask
+        launch_flags((tiles * other, bm_ * hm_), (m, flags),
+                     (*m.stride(), *flags.stride()[:3], hm_, rows, n_kv, other),
+                     dict(COLS=cols, ADDITIVE=self.kind == MASK_ADD, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
+        launch_flag_ranges((tiles, bm_ * hm_), (flags, out), (*flags.stride()[:3], *out.stride()[:3], hm_, other,
+                           rows if cols else n_kv), dict(UNIT=block_m if cols else block_n, CHUNK=256,
+                           WANT_WHOLE=self.kind == MASK_BOOL, num_warps=4, num_stages=1))
+        return out
+
+    def rows(self, block_m: int, block_n: int):
+        """``(ranges, strides)``: per (batch, head, query tile), int32 ``(lo, hi, whole_lo, whole_hi)``: the first
+        and past-the-last key any row may see, and the first run of key tiles every row sees whole (no mask
+        read there; ``(0, 0)`` if none; none for an additive mask, which adds its values everywhere)."""
+        key = ("rows", block_m, block_n)
+        if key not in self._ranges:
+            B, H, N, _ = self._shape
+            # (a mask of one row, every row the same: that row's ranges serve every query tile)
+            ranges = self._launch_ranges(False, block_m, block_n)
+            self._ranges[key] = expanded_ranges(ranges, (B, H, cdiv(N, block_m)))
+        return self._ranges[key]
+
+    def cols(self, block_n: int, block_m: int):
+        """``(ranges, strides)``: per (batch, head, key tile), int32 ``(lo, hi, whole_lo, whole_hi)`` over query
+        rows: the first and past-the-last row that may see a key of the tile, and the first run of query tiles
+        that see all of it."""
+        key = ("cols", block_n, block_m)
+        if key not in self._ranges:
+            B, H, N, n_kv = self._shape
+            if self._vis.shape[2] > 1:
+                ranges = self._launch_ranges(True, block_m, block_n)
+            else:  # every row sees the same keys: all rows or none
+                vis = self._vis[:, :, 0] if self.kind == MASK_BOOL else ~(self._vis[:, :, 0].float() <= MASK_FLOOR)
+                n_tiles = cdiv(n_kv, block_n)
+                if n_tiles * block_n != n_kv:
+                    vis = torch.cat([vis, vis.new_zeros((*vis.shape[:2], n_tiles * block_n - n_kv))], dim=2)
+                tiles = vis.reshape(*vis.shape[:2], n_tiles, block_n)
+                seen = tiles.any(dim=3)
+                whole = tiles.all(dim=3) if self.kind == MASK_BOOL else torch.zeros_like(seen)
+                zero = torch.zeros_like(seen, dtype=torch.int32)
+                ranges = torch.stack([zero, torch.where(seen, N, 0).to(torch.int32), zero,
+                                      torch.where(whole, cdiv(N, block_m) * block_m, 0).to(torch.int32)], dim=-1)
+            self._ranges[key] = expanded_ranges(ranges, (B, H, cdiv(n_kv, block_n)))
+        return self._ranges[key]
+
+
+def mask_row_ranges(attn_mask: torch.Tensor, B: int, H: int, N: int, n_kv: int, block_m: int, block_n: int):
+    """``(ranges, strides)`` of a boolean or additive mask broadcastable to (B, H, N, N_kv): per (batch, head,
+    query tile of ``block_m`` rows), int32 ``(lo, hi, whole_lo, whole_hi)`` in keys, tiles of ``block_n``
+    (:meth:`MaskArgs.rows`; the pre-pass's two launches over the mask's own extent). Keys outside ``[lo, hi)`` are masked
+    for every row of the tile (an additive mask's entries at or below ``MASK_FLOOR``)."""
+    return MaskArgs(attn_mask, B, H, N, n_kv).rows(block_m, block_n)
