@@ -5,9 +5,9 @@ One layer calls ``torch.compile(flex_attention)`` with a causal, sliding-window 
 (BF16, GQA as given). "flex" is the call unwatched; "switched" is the same layer with a watch attached and one head
 switched, so the call runs as the watch runs it: the mask evaluated from ``mask_mod``, then our kernels (every
 other head standard). For the causal mask, four references with no watch: our kernels called directly with the
-causal flag and with the mask as a boolean mask, each with and without a stabilized head. Each variant is timed with CUDA events over ``--iters`` calls after a warm-up, forward and
-forward + backward, in ``--rounds`` interleaved rounds (alternating order); the table gives medians and the ratio
-flex / switched (> 1: ours faster).
+causal flag and with the mask as a boolean mask, each with and without a stabilized head. Each variant is timed
+with CUDA events over ``--iters`` calls after a warm-up, forward and forward + backward, in ``--rounds``
+interleaved rounds (alternating order); the table gives medians and the ratio flex / switched (> 1: ours faster).
 
 Run:  python benchmarks/flex_switch_speed.py [--seq 4096] [--batch 4] [--heads 16] [--kv-heads 4]
                                             [--head-dim 128] [--window 1024] [--rounds 5] [--json out.json]

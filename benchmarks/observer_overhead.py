@@ -17,8 +17,9 @@ median step times give at its cadence: plain / (plain + (probe - plain) / probe_
 for models whose rounds scatter more than the watch costs (host-bound ones; a read-back
 on a step other than a probe step is not in it), and (``paired``, on CUDA) the unwatched copy's median
 step over the watched copy's at its cadence (both from CUDA events around every step of the same
-interleaved blocks: a side-by-side ratio that a round's drift moves less). Then the cost of each kind of step, measured on the
-plain copy with a watch attached for one block (its first steps untimed):
+interleaved blocks: a side-by-side ratio that a round's drift moves less, though the two copies may
+differ by more than the watch costs). Then the cost of each kind of step, measured on the plain copy
+with a watch attached for one block (its first steps untimed):
 
 * ``probe``    -- a statistics pass on every step (``probe_every=1``, no shadow);
 * ``shadow``   -- statistics and shadow on every step;
