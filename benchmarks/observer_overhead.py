@@ -256,9 +256,10 @@ class Copy:
         self.watch = InstabilityWatch(self.model, watch_config) if watch_config is not None else None
         self.forward = torch.compile(self.model) if compile else self.model  # after the watch attached
         self.events: List[tuple] = []  # (step kind, start, end) CUDA events, read after the run
+        self.recording = True  # CUDA events around each step (off after the timed rounds)
 
     def step(self, batch: dict, device: str) -> None:
-        record = device == "cuda"
+        record = device == "cuda" and self.recording
         if record:
             start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
             start.record()
@@ -386,7 +387,7 @@ def bench(name: str, args, device: str) -> dict:
         "watched_step_ms": watched.step_times() if device == "cuda" else {},
         "unwatched_step_ms": plain.step_times().get("unwatched") if device == "cuda" else None,
     }
-    plain.events.clear()  # (the per-kind costs below time the plain copy by wall clock)
+    plain.recording = watched.recording = False  # (the per-kind costs below time the plain copy by wall clock)
     if args.compile:
         from torch._dynamo.utils import counters
 

@@ -35,9 +35,9 @@ from typing import Optional, Tuple
 import torch
 
 from instability_watch.kernels.attention.alloc import empty_like_layout
+from instability_watch.kernels.attention.masks import MaskArgs
 from instability_watch.kernels.attention.triton_bwd import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
 from instability_watch.kernels.attention.triton_fwd import attn_fwd
-from instability_watch.kernels.attention.masks import MaskArgs
 from instability_watch.kernels.common import (
     documents,
     LOG2E,
