@@ -201,6 +201,13 @@ def bench(fn, warmup: float = 25, rep: float = 100) -> float:
 def cuda_ms(fn, iters: int, grad: Optional[torch.Tensor] = None) -> float:
     """Milliseconds per call of ``fn`` on the GPU (CUDA events over ``iters`` calls after 3 warm-up calls); with
     ``grad``, each call's output is back-propagated with it (forward and backward timed together)."""
+    return cuda_and_host_ms(fn, iters, grad)[0]
+
+
+def cuda_and_host_ms(fn, iters: int, grad: Optional[torch.Tensor] = None) -> Tuple[float, float]:
+    """:func:`cuda_ms`, and the host's milliseconds per call over the same calls (from the first call's start until
+    the last call returned, before the final synchronize): a host time near the GPU time says the calls are bound
+    by the host's launches, not by the kernels."""
     def once():
         o = fn()
         if grad is not None:
@@ -209,6 +216,53 @@ def cuda_ms(fn, iters: int, grad: Optional[torch.Tensor] = None) -> float:
     for _ in range(3):
         once()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    t0 = time.perf_counter()
+    start.record()
+    for _ in range(iters):
+        once()
+    end.record()
+    host = (time.perf_counter() - t0) * 1e3 / iters
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / iters, host
+
+
+_CYCLES_PER_MS: Optional[float] = None
+
+
+def _sleep_cycles_per_ms() -> float:
+    """GPU clock cycles of ``torch.cuda._sleep`` per millisecond on this device (measured once)."""
+    global _CYCLES_PER_MS
+    if _CYCLES_PER_MS is None:
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        torch.cuda._sleep(20_000_000)
+        end.record()
+        end.synchronize()
+        _CYCLES_PER_MS = 20_000_000 / start.elapsed_time(end)
+    return _CYCLES_PER_MS
+
+
+def cuda_ahead_ms(fn, iters: int, grad: Optional[torch.Tensor] = None) -> float:
+    """Milliseconds per call of ``fn`` on the GPU with the host ahead: the GPU is held (``torch.cuda._sleep``) while
+    the host launches all ``iters`` calls, so the time is the kernels' own, with no GPU idle waiting for a launch
+    (what a call costs inside a model whose host runs ahead of its GPU). :func:`cuda_ms` times the calls as called:
+    where the host's launches take longer than the kernels, that time is the host's."""
+    def once():
+        o = fn()
+        if grad is not None:
+            o.backward(grad)
+
+    for _ in range(3):
+        once()
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for _ in range(3):
+        once()
+    host_ms = (time.perf_counter() - t0) * 1e3 / 3
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    torch.cuda._sleep(int(_sleep_cycles_per_ms() * (2 * host_ms * iters + 5)))
     start.record()
     for _ in range(iters):
         once()

@@ -5,9 +5,13 @@ One layer calls ``torch.compile(flex_attention)`` with a causal, sliding-window 
 (BF16, GQA as given). "flex" is the call unwatched; "switched" is the same layer with a watch attached and one head
 switched, so the call runs as the watch runs it: the mask evaluated from ``mask_mod``, then our kernels (every
 other head standard). For the causal mask, four references with no watch: our kernels called directly with the
-causal flag and with the mask as a boolean mask, each with and without a stabilized head. Each variant is timed
-with CUDA events over ``--iters`` calls after a warm-up, forward and forward + backward, in ``--rounds``
-interleaved rounds (alternating order); the table gives medians and the ratio flex / variant (> 1: ours faster).
+causal flag and with the mask as a boolean mask, each with and without a stabilized head; and the switched call
+with the mask read on every tile it does not see whole ("no causal tiles": the tiles that equal the causal mask
+read from it too, as before 2026-11-28). Each variant is timed with CUDA events over ``--iters`` calls after a
+warm-up, forward and forward + backward, in ``--rounds`` interleaved rounds (alternating order): as called, and
+with the host ahead (the GPU held while the host launches every call: the kernels' own time, as inside a model
+whose host runs ahead); the host's own time per call beside them. The table gives medians and the ratio flex /
+variant (> 1: ours faster).
 
 Run:  python benchmarks/flex_switch_speed.py [--seq 4096] [--batch 4] [--heads 16] [--kv-heads 4]
                                             [--head-dim 128] [--window 1024] [--rounds 5] [--json out.json]
@@ -24,8 +28,8 @@ import statistics
 
 import torch
 
-from _common import (SMALL_BWD_GRID, cuda_ms, device_name, keep, kernel_resources, print_kernel_resources,
-                     profile_calls, sweep_launch_configs, write_json)
+from _common import (SMALL_BWD_GRID, cuda_ahead_ms, cuda_and_host_ms, cuda_ms, device_name, keep,
+                     kernel_resources, print_kernel_resources, profile_calls, sweep_launch_configs, write_json)
 
 
 def main() -> int:
@@ -43,6 +47,9 @@ def main() -> int:
     ap.add_argument("--profile", metavar="DIR",
                     help="also profile 5 forward + backward calls of each variant (torch.profiler) and write each "
                          "one's kernel table to DIR: where the time goes, ours against FlexAttention's")
+    ap.add_argument("--host-profile", metavar="DIR",
+                    help="also profile the host side of 20 forward + backward calls of each variant (cProfile) and "
+                         "write each one's busiest functions to DIR: where a call's launch time goes")
     ap.add_argument("--sweep", action="append", choices=["fwd", "dkdv", "dq"], default=[],
                     help="also sweep this kernel's launch configs on each mask's switched call (repeatable)")
     ap.add_argument("--sweep-grid", choices=["small", "full"], default="small",
@@ -54,6 +61,7 @@ def main() -> int:
         raise SystemExit("flex_switch_speed.py needs a CUDA GPU (FlexAttention trains on CUDA only)")
     from torch.nn.attention import flex_attention as fa
 
+    import instability_watch.kernels.attention.masks as masks
     import instability_watch.kernels.attention.triton as ta
     from instability_watch import InstabilityWatch, WatchConfig
     from instability_watch.model.layer import AttentionLayer
@@ -113,7 +121,7 @@ def main() -> int:
         tril = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
 
     def direct_causal(stabilize=None, mask=None):
-        ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER = False, None, None
+        ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER, masks.CAUSAL_TILES = False, None, None, True
         return flash_attention(q, k, v, causal=mask is None, attn_mask=mask, stabilize=stabilize)
 
     table, raw, sweeps = {}, {}, {}
@@ -122,33 +130,41 @@ def main() -> int:
         torch._dynamo.reset()
         plain.recompile()
         switched.recompile()
-        def run_switched(expand: bool, fused=None, ordered=None):  # ordered None: TILE_ORDER's default
+        def run_switched(expand: bool, fused=None, ordered=None, causal_tiles=True):  # ordered None: the default
             def call():
                 ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
                 ta.FUSED_BACKWARD = fused
                 ta.TILE_ORDER = ordered
+                masks.CAUSAL_TILES = causal_tiles
                 return switched(q, k, v, block)
             return call
 
         variants = {"flex": lambda: plain(q, k, v, block), "switched": run_switched(False),
                     "switched, dK/dV per query head": run_switched(True),
                     "switched, fused backward": run_switched(False, True),
-                    "switched, tiles by work": run_switched(False, None, True)}
+                    "switched, tiles by work": run_switched(False, None, True),
+                    "switched, no causal tiles (the mask read)": run_switched(False, causal_tiles=False)}
         if mask == "causal":
             variants["ours direct, causal flag"] = direct_causal
             variants["ours direct, causal flag, head 0 stabilized"] = lambda: direct_causal(stab0)
             variants["ours direct, the causal mask as a mask"] = lambda: direct_causal(mask=tril)
             variants["ours direct, the mask, head 0 stabilized"] = lambda: direct_causal(stab0, tril)
-        results = {name: {"fwd": [], "fwd+bwd": []} for name in variants}
+        results = {name: {"fwd": [], "fwd+bwd": [], "host fwd+bwd": [], "ahead fwd+bwd": []} for name in variants}
         for r in range(args.rounds):
             for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
                 with torch.no_grad():
                     results[name]["fwd"].append(cuda_ms(variants[name], args.iters))
-                results[name]["fwd+bwd"].append(cuda_ms(variants[name], args.iters, do))
+                gpu, host = cuda_and_host_ms(variants[name], args.iters, do)
+                results[name]["fwd+bwd"].append(gpu)
+                results[name]["host fwd+bwd"].append(host)
+                results[name]["ahead fwd+bwd"].append(cuda_ahead_ms(variants[name], args.iters, do))
         raw[mask] = results
         if args.profile:
             for name, fn in variants.items():
                 profile_calls(fn, do, args.profile, f"{mask} {name}")
+        if args.host_profile:
+            for name, fn in variants.items():
+                host_profile(fn, do, args.host_profile, f"{mask} {name}")
         table[mask] = {name: {kind: statistics.median(ms) for kind, ms in by.items()} for name, by in results.items()}
         for kernel in args.sweep:
             print(f"sweep: {mask} {kernel}", flush=True)
@@ -175,12 +191,14 @@ def main() -> int:
     print(f"B {B}, N {N}, H {H}/{KV}, D {D}, window {w}, {len(lengths)} documents, {device_name(dev)}")
     if cov.not_applied:
         print(f"NOT APPLIED (the switched rows below are FlexAttention's): {cov.not_applied}")
-    print(f"{'mask':<10} {'variant':<45} {'fwd ms':>8} {'fwd+bwd ms':>11} {'flex/ours fwd':>14} {'flex/ours f+b':>14}")
+    print(f"{'mask':<10} {'variant':<45} {'fwd ms':>8} {'fwd+bwd ms':>11} {'host f+b':>9} {'ahead f+b':>10} "
+          f"{'flex/ours fwd':>14} {'flex/ours f+b':>14} {'ahead':>6}")
     for mask, by in table.items():
         base = by["flex"]
         for name, t in by.items():
-            print(f"{mask:<10} {name:<45} {t['fwd']:8.3f} {t['fwd+bwd']:11.3f} {base['fwd'] / t['fwd']:14.3f} "
-                  f"{base['fwd+bwd'] / t['fwd+bwd']:14.3f}")
+            print(f"{mask:<10} {name:<45} {t['fwd']:8.3f} {t['fwd+bwd']:11.3f} {t['host fwd+bwd']:9.3f} "
+                  f"{t['ahead fwd+bwd']:10.3f} {base['fwd'] / t['fwd']:14.3f} {base['fwd+bwd'] / t['fwd+bwd']:14.3f} "
+                  f"{base['ahead fwd+bwd'] / t['ahead fwd+bwd']:6.3f}")
     for mask, by in sweeps.items():
         for kernel, sw in by.items():
             kind = "fwd" if kernel == "fwd" else "fwd+bwd"
@@ -189,6 +207,35 @@ def main() -> int:
             print(f"sweep {mask} {kernel} ({kind}; flex {ref:.3f} ms): the table's {own}; fastest "
                   + ", ".join(f"{tuple(c[:4])} {ms:.3f} ms ({ref / ms:.2f}x)" for c, ms in sw["best"]))
     return 0
+
+
+def host_profile(fn, grad, folder: str, title: str, calls: int = 20) -> None:
+    """cProfile of ``calls`` forward + backward calls of ``fn`` (after a synchronize; the calls' own launches, no
+    synchronize among them) to ``folder/host_<title>.txt``: the functions by own time and by cumulative time."""
+    import cProfile
+    import io
+    import os
+    import pstats
+    import re
+
+    os.makedirs(folder, exist_ok=True)
+    for _ in range(3):
+        fn().backward(grad)
+    torch.cuda.synchronize()
+    prof = cProfile.Profile()
+    prof.enable()
+    for _ in range(calls):
+        fn().backward(grad)
+    prof.disable()
+    torch.cuda.synchronize()
+    out = io.StringIO()
+    stats = pstats.Stats(prof, stream=out)
+    out.write(f"{title}: {calls} forward + backward calls\n")
+    stats.sort_stats("tottime").print_stats(45)
+    stats.sort_stats("cumulative").print_stats(45)
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", title)
+    with open(os.path.join(folder, f"host_{name}.txt"), "w") as f:
+        f.write(out.getvalue())
 
 
 if __name__ == "__main__":

@@ -344,11 +344,71 @@ def test_whole_tiles_of_a_boolean_mask_are_read_as_no_mask(kind, dropout, monkey
         assert (ranges[..., 3] > ranges[..., 2]).any()
 
 
-def _brute_ranges(vis, block, other, size_other, whole_ok, cols=False):
+@pytest.mark.parametrize("kind, dropout, n_kv", [("causal", 0.0, None), ("sliding", 0.0, None),
+                                                  ("documents", 0.2, None), ("holed", 0.0, None),
+                                                  ("causal per batch and head", 0.0, None), ("one key off", 0.0, None),
+                                                  ("causal", 0.0, 86)])
+def test_causal_tiles_of_a_boolean_mask_are_computed_by_the_causal_compare(kind, dropout, n_kv, monkeypatch):
+    """The tiles of a boolean mask that equal the causal mask, beside its run of whole tiles (the diagonal ones),
+    run the causal loop (no mask read): outputs, gradients and the probe's counts bit for bit those of the kernels
+    reading the mask there; a causal mask's those of ``causal=True``. A mask one entry off the causal one, per
+    batch and head, more keys than rows (the causal mask top-left), and dropout (the fused backward); GQA."""
+    import instability_watch.kernels.attention.masks as masks_mod
+
+    H, h_kv, N = 4, 2, 70
+    n_kv = n_kv or N
+    q, k, v, do = _inputs(("causal tiles", kind, n_kv), 2, H, h_kv, N, 16, dtype=torch.float32, n_kv=n_kv)
+    causal = torch.arange(n_kv)[None, :] <= torch.arange(N)[:, None]
+    if kind == "causal per batch and head":
+        mask = causal.expand(2, H, N, n_kv).clone()
+    elif kind == "one key off":
+        mask = causal.clone()
+        mask[40, 3] = False
+    elif n_kv != N:
+        mask = causal
+    else:
+        mask = _whole_tile_masks(N)[kind]
+    stabilize = torch.tensor([False, True, False, True])
+
+    def run(on, **kw):
+        monkeypatch.setattr(masks_mod, "CAUSAL_TILES", on)
+        probe = Probe(H)
+        probe.shadow = not dropout
+        g = torch.Generator().manual_seed(5)
+        out = run_fwd_bwd(lambda a, b, c: flash_attention(a, b, c, stabilize=stabilize, probe=probe, dropout_p=dropout,
+                                                          generator=g, backend="triton", **kw), q, k, v, do,
+                          torch.float32)
+        return out, probe
+
+    (read, read_probe), (tiles, tiles_probe) = run(False, attn_mask=mask), run(True, attn_mask=mask)
+    for name, a, b in zip(["o", "dq", "dk", "dv"], read, tiles):
+        assert torch.equal(a, b), name
+    for name in ("rows", "masked_rows", "multi_max_rows", "shadow_rows"):
+        assert getattr(read_probe, name).tolist() == getattr(tiles_probe, name).tolist(), name
+    if kind.startswith("causal"):
+        native, native_probe = run(True, causal=True)
+        for name, a, b in zip(["o", "dq", "dk", "dv"], native, tiles):
+            assert torch.equal(a, b), name
+        for name in ("rows", "masked_rows", "multi_max_rows", "shadow_rows"):
+            assert getattr(native_probe, name).tolist() == getattr(tiles_probe, name).tolist(), name
+    if kind == "holed":  # (no diagonal: its causal tiles, if any, are masked ones above it)
+        return
+    # the call does have causal tiles at the interpreter's tiles (16): for query tiles and for key tiles
+    monkeypatch.setattr(masks_mod, "CAUSAL_TILES", True)
+    margs = MaskArgs(mask, 2, H, N, n_kv)
+    rows, cols = margs.rows(16, 16)[0], margs.cols(16, 16)[0]
+    assert (rows[..., 4] > torch.maximum(rows[..., 3], rows[..., 0])).any()
+    assert (cols[..., 4] < torch.minimum(cols[..., 2], cols[..., 1])).any()
+
+
+def _brute_ranges(vis, block, other, size_other, whole_ok, cols=False, causal_ok=None):
     """Per tile of ``block`` rows of ``vis`` (rows, keys): the span of the ``other``-wide key tiles some row sees,
-    and the first run of key tiles every real row sees whole (only where ``whole_ok``), as the kernels use them.
-    ``cols``: ``vis`` is the transpose (rows are keys): a tile with keys past the end is never whole, and a tile of
-    the other axis (query rows) may be partial (rows past the end see everything: their P is 0 in the kernels)."""
+    the first run of key tiles every real row sees whole (only where ``whole_ok``), and the run of key tiles equal
+    to the causal mask beside it (only where ``causal_ok``, by default ``whole_ok``), as the kernels use them.
+    ``cols``: ``vis`` is the transpose (rows are keys): a tile with keys past the end is never whole, a tile of
+    the other axis (query rows) may be partial (rows past the end see everything: their P is 0 in the kernels),
+    the run of whole tiles stands at ``hi`` where there is none, and the causal run ends where it starts."""
+    causal_ok = whole_ok if causal_ok is None else causal_ok
     out = []
     for start in range(0, vis.shape[0], block):
         tile = vis[start:start + block]
@@ -362,7 +422,29 @@ def _brute_ranges(vis, block, other, size_other, whole_ok, cols=False):
             if j != run[-1] + other:
                 break
             run.append(j)
-        out.append((lo, hi, run[0], run[-1] + other) if run else (lo, hi, 0, 0))
+        w0, w1 = (run[0], run[-1] + other) if run else ((hi, hi) if cols else (0, 0))
+
+        def causal_tile(j):  # the tile of (real) rows and keys equals the causal mask
+            part = tile[:, j:j + other]
+            r = torch.arange(start, start + part.shape[0])[:, None]
+            c = torch.arange(j, j + part.shape[1])[None, :]
+            return bool((part == ((c >= r) if cols else (r >= c))).all())
+
+        if cols:
+            c = w0
+            if causal_ok:
+                c = -(-w0 // other) * other
+                while c - other >= lo and causal_tile(c - other):
+                    c -= other
+                c = min(c, w0)
+        else:
+            c = w1
+            if causal_ok:
+                c = w1 if run else lo
+                while c < hi and causal_tile(c):
+                    c += other
+                c = min(c, hi)
+        out.append((lo, hi, w0, w1, c))
     return out
 
 
@@ -383,18 +465,23 @@ def test_the_mask_pre_pass_gives_each_tile_its_span_and_its_whole_tiles(kind):
         mask = masks[kind].expand(2, 1, N, n_kv)
     margs = MaskArgs(mask, 2, 3, N, n_kv)
     whole_ok = mask.dtype == torch.bool
+    causal_ok = whole_ok and kind != "padding"  # (a mask of one row for every row has no causal tiles)
     vis = mask if whole_ok else mask > float("-inf")
-    n_whole = 0
+    n_whole = n_causal = 0
     for bm, bn in ((16, 16), (32, 16), (16, 32), (64, 64)):
         rows, _ = margs.rows(bm, bn)
         cols, _ = margs.cols(bn, bm)
         for b in range(2):
             for h in range(3):
                 v = vis[b, h % vis.shape[1]]
-                assert [tuple(r) for r in rows[b, h].tolist()] == _brute_ranges(v, bm, bn, n_kv, whole_ok)
-                assert [tuple(r) for r in cols[b, h].tolist()] == _brute_ranges(v.T, bn, bm, N, whole_ok, cols=True)
+                assert [tuple(r) for r in rows[b, h].tolist()] == _brute_ranges(v, bm, bn, n_kv, whole_ok,
+                                                                                causal_ok=causal_ok)
+                assert [tuple(r) for r in cols[b, h].tolist()] == _brute_ranges(v.T, bn, bm, N, whole_ok, cols=True,
+                                                                                causal_ok=causal_ok)
+                n_causal += int((rows[b, h, :, 4] > rows[b, h, :, 3].clamp(min=rows[b, h, :, 0])).sum())
                 n_whole += int((rows[b, h, :, 3] > rows[b, h, :, 2]).sum())
     assert (n_whole > 0) == (kind != "additive")
+    assert (n_causal > 0) == (kind in ("causal", "sliding", "documents", "holed"))
 
 
 def test_the_mask_pre_pass_reads_rows_of_more_tiles_than_one_chunk():
@@ -408,7 +495,7 @@ def test_the_mask_pre_pass_reads_rows_of_more_tiles_than_one_chunk():
     cols, _ = MaskArgs(keep, 1, 1, N, n_kv).cols(16, 32)
     assert [tuple(r) for r in rows[0, 0].tolist()] == _brute_ranges(keep[0, 0], 32, 16, n_kv, True)
     assert [tuple(r) for r in cols[0, 0].tolist()] == _brute_ranges(keep[0, 0].T, 16, 32, N, True, cols=True)
-    assert rows[0, 0].tolist() == [[2992, 4320, 3008, 4192], [0, 0, 0, 0]]
+    assert rows[0, 0].tolist() == [[2992, 4320, 3008, 4192, 4192], [0, 0, 0, 0, 0]]
 
 
 @pytest.mark.parametrize("kind", ["causal", "mask", "dropout", "split"])

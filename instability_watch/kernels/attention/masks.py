@@ -1,6 +1,8 @@
 """The host side of the mask pre-pass (kernels: ``triton_ranges.py``): a call's mask as the attention kernels read
 it, and each tile's ranges of keys (of query rows, for a key tile): the kernels skip the key tiles no row of the
-tile sees and read no mask over the tiles every row sees whole.
+tile sees, read no mask over the tiles every row sees whole, and over a boolean mask's tiles that equal the causal
+mask (its diagonal ones, most often) compare positions instead of reading it: a switched FlexAttention call with a
+causal ``mask_mod`` spent a sixth of its time reading its mask (H200, 2026-11-28; RESULTS.md).
 """
 from __future__ import annotations
 
@@ -15,10 +17,14 @@ from instability_watch.kernels.triton_common import MASK_ADD, MASK_BOOL, MASK_NO
 
 launch_flags, launch_flag_ranges = Launcher(mask_tile_flags), Launcher(mask_flag_ranges)
 
+# A boolean mask's tiles that equal the causal mask, beside its run of whole tiles, are computed with the causal
+# compare, not the mask read (the pre-pass finds them: ``triton_ranges.CAUSAL_TILE``). Off: read as any other tile.
+CAUSAL_TILES = True
+
 
 def expanded_ranges(ranges: torch.Tensor, shape):
-    """Ranges (..., 4) expanded to ``shape`` + (4,) (broadcast dims of stride 0); the strides of ``shape``'s dims."""
-    ranges = ranges.expand(*shape, 4)
+    """Ranges (..., R) expanded to ``shape`` + (R,) (broadcast dims of stride 0); the strides of ``shape``'s dims."""
+    ranges = ranges.expand(*shape, ranges.shape[-1])
     return ranges, ranges.stride()[:3]
 
 
@@ -49,26 +55,34 @@ class MaskArgs:
         self._vis = m  # an additive mask's keys at or below MASK_FLOOR are unseen (NaN: seen, it makes the row NaN)
 
     def _launch_ranges(self, cols: bool, block_m: int, block_n: int) -> torch.Tensor:
-        """The pre-pass kernels (``triton_ranges.py``) over the mask's own extent: (B_m, H_m, tiles, 4) int32."""
+        """The pre-pass kernels (``triton_ranges.py``) over the mask's own extent: (B_m, H_m, tiles, 5) int32."""
         vis = self._vis
         bm_, hm_, rows, n_kv = vis.shape
         tiles = cdiv(n_kv, block_n) if cols else cdiv(rows, block_m)
         other = cdiv(rows, block_m) if cols else cdiv(n_kv, block_n)
         flags = torch.empty((bm_, hm_, tiles, other), dtype=torch.uint8, device=vis.device)
-        out = torch.empty((bm_, hm_, tiles, 4), dtype=torch.int32, device=vis.device)
+        out = torch.empty((bm_, hm_, tiles, 5), dtype=torch.int32, device=vis.device)
         m = vis.view(torch.uint8) if vis.dtype == torch.bool else vis  # read in place: no copy of the mask
         launch_flags((tiles * other, bm_ * hm_), (m, flags),
                      (*m.stride(), *flags.stride()[:3], hm_, rows, n_kv, other),
                      dict(COLS=cols, ADDITIVE=self.kind == MASK_ADD, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
         launch_flag_ranges((tiles, bm_ * hm_), (flags, out), (*flags.stride()[:3], *out.stride()[:3], hm_, other,
                            rows if cols else n_kv), dict(UNIT=block_m if cols else block_n, CHUNK=256,
-                           WANT_WHOLE=self.kind == MASK_BOOL, num_warps=4, num_stages=1))
+                           WANT_WHOLE=self.kind == MASK_BOOL, WANT_CAUSAL=self._want_causal(), COLS=cols,
+                           num_warps=4, num_stages=1))
         return out
 
+    def _want_causal(self) -> bool:
+        """Whether the pre-pass looks for causal tiles: a boolean mask given row by row (a row broadcast to every
+        query tile is not causal there)."""
+        return CAUSAL_TILES and self.kind == MASK_BOOL and self._vis.shape[2] == self._shape[2]
+
     def rows(self, block_m: int, block_n: int):
-        """``(ranges, strides)``: per (batch, head, query tile), int32 ``(lo, hi, whole_lo, whole_hi)``: the first
-        and past-the-last key any row may see, and the first run of key tiles every row sees whole (no mask
-        read there; ``(0, 0)`` if none; none for an additive mask, which adds its values everywhere)."""
+        """``(ranges, strides)``: per (batch, head, query tile), int32 ``(lo, hi, whole_lo, whole_hi, causal_hi)``:
+        the first and past-the-last key any row may see, the first run of key tiles every row sees whole (no mask
+        read there; ``(0, 0)`` if none; none for an additive mask, which adds its values everywhere), and from the
+        whole run's end (or ``lo``) to ``causal_hi`` a run of key tiles that equal the causal mask (no mask read
+        there either)."""
         key = ("rows", block_m, block_n)
         if key not in self._ranges:
             B, H, N, _ = self._shape
@@ -78,9 +92,10 @@ class MaskArgs:
         return self._ranges[key]
 
     def cols(self, block_n: int, block_m: int):
-        """``(ranges, strides)``: per (batch, head, key tile), int32 ``(lo, hi, whole_lo, whole_hi)`` over query
-        rows: the first and past-the-last row that may see a key of the tile, and the first run of query tiles
-        that see all of it."""
+        """``(ranges, strides)``: per (batch, head, key tile), int32 ``(lo, hi, whole_lo, whole_hi, causal_lo)``
+        over query rows: the first and past-the-last row that may see a key of the tile, the first run of query
+        tiles that see all of it, and from ``causal_lo`` to the whole run's start (or ``hi``) a run of tiles that
+        equal the causal mask (``triton_ranges.mask_flag_ranges``)."""
         key = ("cols", block_n, block_m)
         if key not in self._ranges:
             B, H, N, n_kv = self._shape
@@ -95,15 +110,17 @@ class MaskArgs:
                 seen = tiles.any(dim=3)
                 whole = tiles.all(dim=3) if self.kind == MASK_BOOL else torch.zeros_like(seen)
                 zero = torch.zeros_like(seen, dtype=torch.int32)
-                ranges = torch.stack([zero, torch.where(seen, N, 0).to(torch.int32), zero,
-                                      torch.where(whole, cdiv(N, block_m) * block_m, 0).to(torch.int32)], dim=-1)
+                hi = torch.where(seen, N, 0).to(torch.int32)
+                w0 = torch.where(whole, zero, hi)  # (as the pre-pass: without a run of whole tiles, at hi)
+                ranges = torch.stack([zero, hi, w0, torch.where(whole, cdiv(N, block_m) * block_m, hi).to(torch.int32),
+                                      w0], dim=-1)
             self._ranges[key] = expanded_ranges(ranges, (B, H, cdiv(n_kv, block_n)))
         return self._ranges[key]
 
 
 def mask_row_ranges(attn_mask: torch.Tensor, B: int, H: int, N: int, n_kv: int, block_m: int, block_n: int):
     """``(ranges, strides)`` of a boolean or additive mask broadcastable to (B, H, N, N_kv): per (batch, head,
-    query tile of ``block_m`` rows), int32 ``(lo, hi, whole_lo, whole_hi)`` in keys, tiles of ``block_n``
+    query tile of ``block_m`` rows), int32 ``(lo, hi, whole_lo, whole_hi, causal_hi)`` in keys, tiles of ``block_n``
     (:meth:`MaskArgs.rows`; the pre-pass's two launches over the mask's own extent). Keys outside ``[lo, hi)`` are masked
     for every row of the tile (an additive mask's entries at or below ``MASK_FLOOR``)."""
     return MaskArgs(attn_mask, B, H, N, n_kv).rows(block_m, block_n)

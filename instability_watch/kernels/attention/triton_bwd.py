@@ -167,12 +167,22 @@ def attn_bwd_dkdv(
         if WHOLE_TILES:  # the mask's query blocks before those that see all of this block, then those (no mask)
             w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
             w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
+            c0 = w0
+            if MASK_KIND == 1:  # the last of the mask's blocks before them equal the causal mask (the diagonal)
+                c0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), lo), w0)
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
                 stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
                 offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
-                drop_scale, lo, w0, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
+                drop_scale, lo, c0, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
+            if MASK_KIND == 1:  # those by the causal compare, no mask read
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
+                    stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
+                    offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
+                    drop_scale, c0, w0, CAUSAL=True, MASK_KIND=0, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
+                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
                 stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
@@ -327,7 +337,17 @@ def attn_bwd_dq(
             offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
             w0, w1, CAUSAL=False, MASK_KIND=0, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
             MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
-        lo = w1  # then the mask's blocks after them
+        lo = w1
+        if MASK_KIND == 1:  # then the blocks that equal the causal mask (the causal compare, no mask read)
+            c1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), w1), hi)
+            dq, delta_hp = _dq_inner(
+                dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
+                stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
+                offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
+                w1, c1, CAUSAL=True, MASK_KIND=0, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
+                MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+            lo = c1
+        # then the mask's blocks after them
     dq, delta_hp = _dq_inner(
         dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
         stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,

@@ -195,6 +195,8 @@ def attn_fwd(
         if WHOLE_TILES:
             w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
             w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
+            if MASK_KIND == 1:  # then the tiles that equal the causal mask
+                c1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), w1), hi)
     elif CAUSAL:
         hi = tl.minimum((start_m + 1) * BLOCK_M, N_KV)
         n_full = tl.minimum(start_m * BLOCK_M, N_KV) // BLOCK_N * BLOCK_N
@@ -238,7 +240,18 @@ def attn_fwd(
             HAS_STAB=HAS_STAB, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
             ASM=ASM,
         )
-        lo = w1  # ... and the mask's blocks after them, below
+        lo = w1
+        if MASK_KIND == 1:  # ... the tiles that equal the causal mask, by the causal compare ...
+            acc, l_i, r_i, m_i, c_i = _fwd_inner(
+                acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
+                offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
+                k0, k1, thr, off_bh,
+                w1, c1, N_Q, stride_mh, stride_mn,
+                MASK_CAUSAL=True, MASK_KV=not EVEN_N, MASK_KIND=0, DROPOUT=DROPOUT, TRACK_TIES=TRACK_TIES,
+                HAS_STAB=HAS_STAB, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+                ASM=ASM,
+            )
+            lo = c1  # ... and the mask's blocks after them, below
     acc, l_i, r_i, m_i, c_i = _fwd_inner(
         acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
         offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,

@@ -18,6 +18,7 @@ from instability_watch.kernels.triton_common import FLOOR
 
 SEEN = tl.constexpr(1)  # some real row keeps some key of the tile
 WHOLE = tl.constexpr(2)  # every real row keeps every key of the tile, and every key is a real one
+CAUSAL_TILE = tl.constexpr(4)  # every real row keeps exactly the real keys at or before its own position
 
 
 @triton.jit
@@ -28,8 +29,8 @@ def mask_tile_flags(
     H_M, N, N_KV, N_OTHER,
     COLS: tl.constexpr, ADDITIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
 ):
-    """``Flags[b, h, t, j]`` (uint8): :data:`SEEN` | :data:`WHOLE` of the mask tile at tile ``t`` and tile ``j`` of
-    the other axis (grid: ``t * N_OTHER + j``, batch x heads of the mask). ``Mask`` (B_m, H_m, N, N_KV): uint8,
+    """``Flags[b, h, t, j]`` (uint8): :data:`SEEN` | :data:`WHOLE` | :data:`CAUSAL_TILE` of the mask tile at tile
+    ``t`` and tile ``j`` of the other axis (grid: ``t * N_OTHER + j``, batch x heads of the mask). ``Mask`` (B_m, H_m, N, N_KV): uint8,
     nonzero = kept, or with ``ADDITIVE`` a float mask, kept where not at or below ``FLOOR`` in float32 (as the
     attention and statistics kernels read it; NaN kept). Without ``COLS``, ``t`` is a query tile (``BLOCK_M`` rows) and ``j`` a
     key tile (``BLOCK_N`` keys); with it, the other way round. Rows past ``N`` count as seeing everything, keys past
@@ -57,7 +58,8 @@ def mask_tile_flags(
     seen = tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0
     whole = tl.min(tl.min((keep | ~row_ok[:, None]).to(tl.int32), 1), 0) > 0
     whole = whole & (tl.min(key_ok.to(tl.int32), 0) > 0)
-    flag = tl.where(seen, SEEN, 0) | tl.where(whole, WHOLE, 0)
+    causal = tl.min(tl.min((~inside | (keep == (rows[:, None] >= keys[None, :]))).to(tl.int32), 1), 0) > 0
+    flag = tl.where(seen, SEEN, 0) | tl.where(whole, WHOLE, 0) | tl.where(causal, CAUSAL_TILE, 0)
     tl.store(Flags + off_b * stride_fb + off_h * stride_fh + t * stride_ft + j, flag.to(tl.uint8))
 
 
@@ -67,12 +69,18 @@ def mask_flag_ranges(
     stride_fb, stride_fh, stride_ft,
     stride_ob, stride_oh, stride_ot,
     H_M, N_OTHER, END,
-    UNIT: tl.constexpr, WANT_WHOLE: tl.constexpr, CHUNK: tl.constexpr,
+    UNIT: tl.constexpr, WANT_WHOLE: tl.constexpr, WANT_CAUSAL: tl.constexpr, COLS: tl.constexpr,
+    CHUNK: tl.constexpr,
 ):
     """One tile's ranges from its row of flags (``N_OTHER`` tiles of ``UNIT`` along the other axis, which ends at
-    ``END``): ``Out[b, h, t] = (lo, hi, whole_lo, whole_hi)``, int32: ``lo``/``hi`` the first and past-the-last
-    index of the tiles seen (``hi`` at most ``END``; ``(0, 0)`` if none), ``[whole_lo, whole_hi)`` the first run of
-    whole tiles (``(0, 0)`` if none, or without ``WANT_WHOLE``)."""
+    ``END``): ``Out[b, h, t] = (lo, hi, whole_lo, whole_hi, causal_end)``, int32: ``lo``/``hi`` the first and
+    past-the-last index of the tiles seen (``hi`` at most ``END``; ``(0, 0)`` if none), ``[whole_lo, whole_hi)`` the
+    first run of whole tiles (without ``WANT_WHOLE``, or where there is none: ``(0, 0)``, and with ``COLS``
+    ``(hi, hi)``), and a run of causal tiles beside it (:data:`CAUSAL_TILE`; ``WANT_CAUSAL``): without ``COLS``
+    ``[whole_hi, causal_end)``, the run that starts where the whole run ends (or at ``lo`` if there is none), with
+    ``COLS`` ``[causal_end, whole_lo)``, the run that ends where the whole run starts (or at ``hi``); without
+    ``WANT_CAUSAL`` an empty run. (The diagonal tiles: a query tile's keys end with them, a key tile's rows start
+    with them.)"""
     t = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H_M
@@ -100,13 +108,41 @@ def mask_flag_ranges(
     else:
         w0 = N_OTHER
     seen_any = hi > 0
-    lo = tl.where(seen_any, lo * UNIT, 0)
-    hi = tl.where(seen_any, tl.minimum(hi * UNIT, END), 0)
     has_whole = w0 < N_OTHER
-    w1 = tl.where(has_whole, w1 * UNIT, 0)
-    w0 = tl.where(has_whole, w0 * UNIT, 0)
+    lo = tl.where(seen_any, lo, 0)
+    hi = tl.where(seen_any, hi, 0)
+    hi_u = tl.minimum(hi * UNIT, END)
+    if COLS:  # without a run of whole tiles, it stands at hi (the causal run before it ends there)
+        w0_u = tl.where(has_whole, w0 * UNIT, hi_u)
+        w1_u = tl.where(has_whole, w1 * UNIT, hi_u)
+        w0 = tl.where(has_whole, w0, hi)
+        c_u = w0_u
+    else:
+        w0_u = tl.where(has_whole, w0 * UNIT, 0)
+        w1_u = tl.where(has_whole, w1 * UNIT, 0)
+        c_u = w1_u
+    if WANT_CAUSAL:
+        if COLS:  # back from the whole run (or hi) while the tiles are causal, not below lo
+            last_not = lo - 1
+            for c in range(0, N_OTHER, CHUNK):
+                idx = c + tl.arange(0, CHUNK)
+                f = tl.load(row + idx, mask=idx < N_OTHER, other=0).to(tl.int32)
+                bad = (idx < w0) & ((f & CAUSAL_TILE) == 0)
+                last_not = tl.maximum(last_not, tl.max(tl.where(bad, idx, -1), 0))
+            c_u = tl.minimum((last_not + 1) * UNIT, w0_u)
+        else:  # on from the whole run's end (or lo) while the tiles are causal, not past hi
+            start = tl.where(has_whole, w1, lo)
+            first_not = N_OTHER
+            for c in range(0, N_OTHER, CHUNK):
+                idx = c + tl.arange(0, CHUNK)
+                ok = idx < N_OTHER
+                f = tl.load(row + idx, mask=ok, other=0).to(tl.int32)
+                bad = ok & (idx >= start) & ((f & CAUSAL_TILE) == 0)
+                first_not = tl.minimum(first_not, tl.min(tl.where(bad, idx, N_OTHER), 0))
+            c_u = tl.maximum(tl.minimum(first_not * UNIT, hi_u), start * UNIT)
     out = Out + off_b * stride_ob + off_h * stride_oh + t * stride_ot
-    tl.store(out, lo)
-    tl.store(out + 1, hi)
-    tl.store(out + 2, w0)
-    tl.store(out + 3, w1)
+    tl.store(out, lo * UNIT)
+    tl.store(out + 1, hi_u)
+    tl.store(out + 2, w0_u)
+    tl.store(out + 3, w1_u)
+    tl.store(out + 4, c_u)
