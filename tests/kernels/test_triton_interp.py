@@ -401,6 +401,33 @@ def test_causal_tiles_of_a_boolean_mask_are_computed_by_the_causal_compare(kind,
     assert (cols[..., 4] < torch.minimum(cols[..., 2], cols[..., 1])).any()
 
 
+def test_a_ragged_key_tile_is_no_causal_tile(monkeypatch):
+    """More rows than keys, a ragged last key tile and every score far below zero: the fused backward's dQ stays
+    finite and equal to the mask read's (a key past the end in a tile read as causal had P = exp2(-lse) there, which
+    overflows: found in review); the pre-pass flags no tile with keys past the end as causal."""
+    import instability_watch.kernels.attention.masks as masks_mod
+    import instability_watch.kernels.attention.triton as ta
+
+    N, n_kv, D = 70, 40, 16
+    g = seeded("ragged causal tile")
+    u = torch.ones(D)
+    k = (u + 0.01 * torch.randn(n_kv, D, generator=g)).view(1, 1, n_kv, D)
+    q = (-60.0 * u + 0.1 * torch.randn(N, D, generator=g)).view(1, 1, N, D)  # every score about -240 nats
+    v, do = torch.randn(1, 1, n_kv, D, generator=g), torch.randn(1, 1, N, D, generator=g)
+    mask = torch.arange(n_kv)[None, :] <= torch.arange(N)[:, None]
+    monkeypatch.setattr(ta, "FUSED_BACKWARD", True)
+    outs = {}
+    for on in (False, True):
+        monkeypatch.setattr(masks_mod, "CAUSAL_TILES", on)
+        outs[on] = run_fwd_bwd(lambda a, b, c: flash_attention(a, b, c, attn_mask=mask, backend="triton"), q, k, v,
+                               do, torch.float32)
+    for name, a, b in zip(["o", "dq", "dk", "dv"], outs[False], outs[True]):
+        assert torch.isfinite(b).all(), name
+        assert torch.equal(a, b), name
+    cols, _ = MaskArgs(mask, 1, 1, N, n_kv).cols(16, 16)
+    assert cols[0, 0, -1, 4].item() == cols[0, 0, -1, 2].item()  # the ragged key tile: an empty causal run
+
+
 def _brute_ranges(vis, block, other, size_other, whole_ok, cols=False, causal_ok=None):
     """Per tile of ``block`` rows of ``vis`` (rows, keys): the span of the ``other``-wide key tiles some row sees,
     the first run of key tiles every real row sees whole (only where ``whole_ok``), and the run of key tiles equal
@@ -424,8 +451,10 @@ def _brute_ranges(vis, block, other, size_other, whole_ok, cols=False, causal_ok
             run.append(j)
         w0, w1 = (run[0], run[-1] + other) if run else ((hi, hi) if cols else (0, 0))
 
-        def causal_tile(j):  # the tile of (real) rows and keys equals the causal mask
+        def causal_tile(j):  # the tile of (real) rows and keys equals the causal mask, and has no key past the end
             part = tile[:, j:j + other]
+            if (cols and tile.shape[0] < block) or (not cols and part.shape[1] < other):
+                return False
             r = torch.arange(start, start + part.shape[0])[:, None]
             c = torch.arange(j, j + part.shape[1])[None, :]
             return bool((part == ((c >= r) if cols else (r >= c))).all())

@@ -1,5 +1,5 @@
-"""The mask pre-pass in Triton: each tile's key range and run of whole tiles, in two launches (host side:
-:class:`.masks.MaskArgs`).
+"""The mask pre-pass in Triton: each tile's key range, run of whole tiles and run of causal tiles, in two launches
+(host side: :class:`.masks.MaskArgs`).
 
 Its PyTorch form took about forty small operations per range (a reduction per tile axis, argmax tricks for the
 first and last tile and for the first run), about 1 ms of host time per call on the H200 machine and 0.2 ms of GPU
@@ -18,7 +18,7 @@ from instability_watch.kernels.triton_common import FLOOR
 
 SEEN = tl.constexpr(1)  # some real row keeps some key of the tile
 WHOLE = tl.constexpr(2)  # every real row keeps every key of the tile, and every key is a real one
-CAUSAL_TILE = tl.constexpr(4)  # every real row keeps exactly the real keys at or before its own position
+CAUSAL_TILE = tl.constexpr(4)  # every real row keeps exactly the keys at or before its own position; every key is real
 
 
 @triton.jit
@@ -59,6 +59,7 @@ def mask_tile_flags(
     whole = tl.min(tl.min((keep | ~row_ok[:, None]).to(tl.int32), 1), 0) > 0
     whole = whole & (tl.min(key_ok.to(tl.int32), 0) > 0)
     causal = tl.min(tl.min((~inside | (keep == (rows[:, None] >= keys[None, :]))).to(tl.int32), 1), 0) > 0
+    causal = causal & (tl.min(key_ok.to(tl.int32), 0) > 0)  # (the causal loops leave keys past N_KV to the caller)
     flag = tl.where(seen, SEEN, 0) | tl.where(whole, WHOLE, 0) | tl.where(causal, CAUSAL_TILE, 0)
     tl.store(Flags + off_b * stride_fb + off_h * stride_fh + t * stride_ft + j, flag.to(tl.uint8))
 
@@ -79,7 +80,7 @@ def mask_flag_ranges(
     ``(hi, hi)``), and a run of causal tiles beside it (:data:`CAUSAL_TILE`; ``WANT_CAUSAL``): without ``COLS``
     ``[whole_hi, causal_end)``, the run that starts where the whole run ends (or at ``lo`` if there is none), with
     ``COLS`` ``[causal_end, whole_lo)``, the run that ends where the whole run starts (or at ``hi``); without
-    ``WANT_CAUSAL`` an empty run. (The diagonal tiles: a query tile's keys end with them, a key tile's rows start
+    ``WANT_CAUSAL`` ``whole_hi`` (``whole_lo`` with ``COLS``): an empty run once the kernels clamp it. (The diagonal tiles: a query tile's keys end with them, a key tile's rows start
     with them.)"""
     t = tl.program_id(0)
     off_bh = tl.program_id(1)
