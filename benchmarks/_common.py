@@ -198,6 +198,16 @@ def bench(fn, warmup: float = 25, rep: float = 100) -> float:
     return triton.testing.do_bench(fn, warmup=warmup, rep=rep, return_mode="median")
 
 
+def _one_call(fn, grad: Optional[torch.Tensor]):
+    """A call of ``fn``, its output back-propagated with ``grad`` where given."""
+    def once():
+        o = fn()
+        if grad is not None:
+            o.backward(grad)
+
+    return once
+
+
 def cuda_ms(fn, iters: int, grad: Optional[torch.Tensor] = None) -> float:
     """Milliseconds per call of ``fn`` on the GPU (CUDA events over ``iters`` calls after 3 warm-up calls); with
     ``grad``, each call's output is back-propagated with it (forward and backward timed together)."""
@@ -208,11 +218,7 @@ def cuda_and_host_ms(fn, iters: int, grad: Optional[torch.Tensor] = None) -> Tup
     """:func:`cuda_ms`, and the host's milliseconds per call over the same calls (from the first call's start until
     the last call returned, before the final synchronize): a host time near the GPU time says the calls are bound
     by the host's launches, not by the kernels."""
-    def once():
-        o = fn()
-        if grad is not None:
-            o.backward(grad)
-
+    once = _one_call(fn, grad)
     for _ in range(3):
         once()
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -248,11 +254,7 @@ def cuda_ahead_ms(fn, iters: int, grad: Optional[torch.Tensor] = None) -> float:
     the host launches all ``iters`` calls, so the time is the kernels' own, with no GPU idle waiting for a launch
     (what a call costs inside a model whose host runs ahead of its GPU). :func:`cuda_ms` times the calls as called:
     where the host's launches take longer than the kernels, that time is the host's."""
-    def once():
-        o = fn()
-        if grad is not None:
-            o.backward(grad)
-
+    once = _one_call(fn, grad)
     for _ in range(3):
         once()
     torch.cuda.synchronize()
