@@ -398,3 +398,25 @@ def test_packed_calls_take_their_own_dkdv_tiles(monkeypatch):
     assert tiles == [(docs.block_m, docs.block_n), (plain.block_m, plain.block_n)]
     for a, b in zip(small, table):
         torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("shape, expand", [((2, 3, 37), None), ((1, 1, 5), (4, 8)), ((70,), None), ((1, 2, 300), None)])
+def test_tiles_by_work_is_argsort_of_the_widest_span_on_the_device(shape, expand):
+    """The launch order of ``TILE_ORDER`` found in one launch (``masks.tiles_by_work``): exactly
+    ``torch.argsort(span.amax over batch and heads, descending=True, stable=True)`` (ties in tile order), for
+    ranges per batch entry and head, broadcast over them (stride 0), of one plane (a packed call's), and more
+    tiles than one block of the program."""
+    from instability_watch.kernels.attention.masks import tiles_by_work
+
+    g = seeded("tiles by work", shape)
+    lo = torch.randint(0, 4, shape, generator=g) * 16
+    hi = lo + torch.randint(0, 4, shape, generator=g) * 16  # few distinct spans: many ties
+    ranges = torch.stack([lo, hi, lo, lo, hi], dim=-1).to(torch.int32)
+    if expand is not None:
+        ranges = ranges.expand(*expand, *ranges.shape[2:])
+    span = ranges[..., 1] - ranges[..., 0]
+    while span.dim() > 1:
+        span = span.amax(dim=0)
+    want = torch.argsort(span, descending=True, stable=True).to(torch.int32)
+    got = tiles_by_work(ranges)
+    assert got.dtype == torch.int32 and torch.equal(got, want)

@@ -10,12 +10,13 @@ from typing import Optional
 
 import torch
 
-from instability_watch.kernels.attention.triton_ranges import mask_flag_ranges, mask_tile_flags
+from instability_watch.kernels.attention.triton_ranges import mask_flag_ranges, mask_tile_flags, tile_order
 from instability_watch.kernels.common import MASK_FLOOR, mask4
 from instability_watch.kernels.launch import Launcher, cdiv
 from instability_watch.kernels.triton_common import MASK_ADD, MASK_BOOL, MASK_NONE
 
 launch_flags, launch_flag_ranges = Launcher(mask_tile_flags), Launcher(mask_flag_ranges)
+launch_tile_order = Launcher(tile_order)
 
 # A boolean mask's tiles that equal the causal mask, beside its run of whole tiles, are computed with the causal
 # compare, not the mask read (the pre-pass finds them: ``triton_ranges.CAUSAL_TILE``). Off: read as any other tile.
@@ -124,3 +125,18 @@ def mask_row_ranges(attn_mask: torch.Tensor, B: int, H: int, N: int, n_kv: int, 
     (:meth:`MaskArgs.rows`; the pre-pass's two launches over the mask's own extent). Keys outside ``[lo, hi)`` are masked
     for every row of the tile (an additive mask's entries at or below ``MASK_FLOOR``)."""
     return MaskArgs(attn_mask, B, H, N, n_kv).rows(block_m, block_n)
+
+
+def tiles_by_work(ranges: torch.Tensor) -> torch.Tensor:
+    """The tiles of ``ranges`` ([B, [H,]] T, R) int32 (broadcast dims of stride 0 allowed) by their widest span
+    ``hi - lo`` over the batch entries and heads, widest first, ties in tile order: int32 (T,), a permutation
+    (``torch.argsort(span, descending=True, stable=True)`` of the spans' maximum), on the device in one launch,
+    no host sync."""
+    while ranges.dim() < 4:
+        ranges = ranges.unsqueeze(0)
+    B, H, T = ranges.shape[:3]
+    order = torch.empty(T, dtype=torch.int32, device=ranges.device)
+    block_t = max(16, 1 << (T - 1).bit_length())
+    launch_tile_order((T,), (ranges, order), (*ranges.stride()[:3], H, B * H, T),
+                      dict(BLOCK_T=block_t, num_warps=4 if block_t <= 1024 else 8, num_stages=1))
+    return order

@@ -35,7 +35,7 @@ from typing import Optional, Tuple
 import torch
 
 from instability_watch.kernels.attention.alloc import empty_like_layout
-from instability_watch.kernels.attention.masks import MaskArgs
+from instability_watch.kernels.attention.masks import MaskArgs, tiles_by_work
 from instability_watch.kernels.attention.triton_bwd import attn_bwd_delta, attn_bwd_dkdv, attn_bwd_dq
 from instability_watch.kernels.attention.triton_fwd import attn_fwd
 from instability_watch.kernels.common import (
@@ -81,10 +81,7 @@ def _launch_grid(tiles: int, heads: int, mask, key, ranges):
         return (tiles, heads), None, False
     orders = mask.__dict__.setdefault("_orders", {})
     if key not in orders:
-        span = ranges[..., 1] - ranges[..., 0]
-        while span.dim() > 1:
-            span = span.amax(dim=0)
-        orders[key] = torch.argsort(span, descending=True, stable=True).to(torch.int32)
+        orders[key] = tiles_by_work(ranges)
     return (heads, tiles), orders[key], True
 
 

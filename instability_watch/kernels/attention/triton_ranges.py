@@ -147,3 +147,29 @@ def mask_flag_ranges(
     tl.store(out + 2, w0_u)
     tl.store(out + 3, w1_u)
     tl.store(out + 4, c_u)
+
+
+@triton.jit
+def tile_order(
+    Ranges, Order,
+    stride_rb, stride_rh, stride_rt,
+    H_R, PLANES, T,
+    BLOCK_T: tl.constexpr,
+):
+    """``Order[rank] = t`` for tile ``t`` (one program each): the tiles by their widest span ``hi - lo`` over the
+    ``PLANES`` (batch x heads, ``H_R`` heads) planes of ``Ranges`` (..., T, R) int32, widest first, ties in tile
+    order (``torch.argsort(span, descending=True, stable=True)``, found on the device in one launch)."""
+    t = tl.program_id(0)
+    idx = tl.arange(0, BLOCK_T)
+    ok = idx < T
+    span = tl.full([BLOCK_T], -1, dtype=tl.int32)
+    for p in range(0, PLANES):
+        base = Ranges + (p // H_R) * stride_rb + (p % H_R) * stride_rh + idx * stride_rt
+        lo = tl.load(base, mask=ok, other=0)
+        hi = tl.load(base + 1, mask=ok, other=0)
+        span = tl.maximum(span, hi - lo)
+    span = tl.where(ok, span, -2)  # (past the tiles: below any span)
+    mine = tl.sum(tl.where(idx == t, span, 0), 0)
+    before = (span > mine) | ((span == mine) & (idx < t))
+    rank = tl.sum(before.to(tl.int32), 0)
+    tl.store(Order + rank, t)
