@@ -18,8 +18,8 @@ Run:  python benchmarks/flex_switch_speed.py [--seq 4096] [--batch 4] [--heads 1
                                             [--sweep dkdv --sweep dq ...]
 
 ``--sweep KERNEL`` (fwd, dkdv or dq; repeatable) then tries the launch-config grid of ``_common`` for that
-kernel on each mask's switched call (fwd: the forward alone; dkdv, dq: forward + backward), the table's own entry
-first, and prints the fastest five of each.
+kernel on each mask's switched call (fwd: the forward alone; dkdv, dq: forward + backward with the host ahead, the
+kernels' own time), the table's own entry first, and prints the fastest five of each.
 """
 from __future__ import annotations
 
@@ -114,6 +114,7 @@ def main() -> int:
     # call whose mask were recognized as causal could run), and with the mask as a boolean mask; each with and
     # without a stabilized head (a switched layer's call has one).
     from instability_watch.kernels import flash_attention
+    from instability_watch.kernels.configs import LAUNCH_TABLE, TENSOR_CORES, LaunchConfig, has_launch_config
 
     if "causal" in args.masks.split(","):
         stab0 = torch.zeros(H, dtype=torch.bool, device=dev)
@@ -125,25 +126,34 @@ def main() -> int:
         return flash_attention(q, k, v, causal=mask is None, attn_mask=mask, stabilize=stabilize)
 
     table, raw, sweeps = {}, {}, {}
+    # a boolean mask's dK/dV launch-table entry (a variant runs the dense calls' config in its place)
+    tile = ta.head_dim_tile(D)
+    mask_dkdv = LAUNCH_TABLE.get(("dkdv_mask", TENSOR_CORES))
+    mask_dkdv = mask_dkdv if mask_dkdv is not None and tile in mask_dkdv else None
+    mask_dkdv_default = mask_dkdv[tile] if mask_dkdv is not None else None
     for mask in args.masks.split(","):
         block = fa.create_block_mask(mask_mods[mask], None, None, N, N, device=dev)
         torch._dynamo.reset()
         plain.recompile()
         switched.recompile()
-        def run_switched(expand: bool, fused=None, ordered=None, causal_tiles=True):  # ordered None: the default
-            def call():
+        def run_switched(expand: bool, fused=None, ordered=None, causal_tiles=True, dkdv=None):
+            def call():  # (ordered None, dkdv None: the defaults; dkdv "as is": the table untouched, for the sweep)
                 ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
                 ta.FUSED_BACKWARD = fused
                 ta.TILE_ORDER = ordered
                 masks.CAUSAL_TILES = causal_tiles
+                if mask_dkdv is not None and dkdv != "as is":
+                    mask_dkdv[tile] = mask_dkdv_default if dkdv is None else LaunchConfig.of(dkdv)
                 return switched(q, k, v, block)
             return call
 
         variants = {"flex": lambda: plain(q, k, v, block), "switched": run_switched(False),
                     "switched, dK/dV per query head": run_switched(True),
                     "switched, fused backward": run_switched(False, True),
-                    "switched, tiles by work": run_switched(False, None, True),
+                    "switched, tiles in grid order": run_switched(False, None, False),
                     "switched, no causal tiles (the mask read)": run_switched(False, causal_tiles=False)}
+        if mask_dkdv is not None:
+            variants["switched, dK/dV (64, 128, 8, 3)"] = run_switched(False, dkdv=(64, 128, 8, 3))
         if mask == "causal":
             variants["ours direct, causal flag"] = direct_causal
             variants["ours direct, causal flag, head 0 stabilized"] = lambda: direct_causal(stab0)
@@ -172,14 +182,17 @@ def main() -> int:
                 def timed(fn=run_switched(False)):
                     with torch.no_grad():
                         return cuda_ms(fn, args.iters)
-            else:
-                def timed(fn=run_switched(False)):
-                    return cuda_ms(fn, args.iters, do)
+            else:  # the kernels' own time (the host ahead): as called, a switched call times its host
+                def timed(fn=run_switched(False, dkdv="as is")):
+                    return cuda_ahead_ms(fn, args.iters, do)
             grid = None if kernel == "fwd" or args.sweep_grid == "full" else [
                 c for c in SMALL_BWD_GRID if keep(c, ta.head_dim_tile(D))]
             if args.sweep_configs:
                 grid = [tuple(int(x) for x in c.split(",")) for c in args.sweep_configs.split(";") if c.strip()]
-            sweeps.setdefault(mask, {})[kernel] = sweep_launch_configs(kernel, D, timed, grid=grid, log=print)
+            # a boolean mask's dK/dV takes its own entry where the table has one
+            key = "dkdv_mask" if kernel == "dkdv" and has_launch_config("dkdv_mask", ta.head_dim_tile(D),
+                                                                          torch.bfloat16) else kernel
+            sweeps.setdefault(mask, {})[kernel] = sweep_launch_configs(key, D, timed, grid=grid, log=print)
     resources = kernel_resources(ta.attn_fwd, ta.attn_bwd_dq, ta.attn_bwd_dkdv)
     print_kernel_resources(resources)
     (cov,) = watch.coverage()
@@ -201,7 +214,7 @@ def main() -> int:
                   f"{base['ahead fwd+bwd'] / t['ahead fwd+bwd']:6.3f}")
     for mask, by in sweeps.items():
         for kernel, sw in by.items():
-            kind = "fwd" if kernel == "fwd" else "fwd+bwd"
+            kind = "fwd" if kernel == "fwd" else "ahead fwd+bwd"
             ref = table[mask]["flex"][kind]
             own = f"{sw['table'][1]:.3f} ms" if sw["table"] else "failed"
             print(f"sweep {mask} {kernel} ({kind}; flex {ref:.3f} ms): the table's {own}; fastest "

@@ -17,7 +17,7 @@ from instability_watch.kernels.launch import INTERPRET
 
 # The kernels pad the head dim D to one of these tiles (a power of two of at least 16).
 HEAD_DIM_TILES = (16, 32, 64, 128, 256)
-KERNELS = ("fwd", "dkdv", "dkdv_docs", "dk", "dv", "dq", "fused", "stats", "shadow")
+KERNELS = ("fwd", "dkdv", "dkdv_docs", "dkdv_mask", "dk", "dv", "dq", "fused", "stats", "shadow")
 
 
 @dataclass(frozen=True)
@@ -80,6 +80,10 @@ LAUNCH_TABLE: Dict[Tuple[str, str], Dict[int, LaunchConfig]] = {
     # --sweep dkdv` on an H200 (2026-11-28, 10 documents in 16,384 tokens, H 16/4, causal): (32, 128, 8, 3) the
     # fastest in two sweeps, 2.310 ms a forward + backward against 2.452 for the dense calls' (64, 128, 8, 3).
     ("dkdv_docs", TENSOR_CORES): {128: _C(32, 128, 8, 3)},
+    # dK/dV of a call with a boolean mask (switched flex calls): `benchmarks/flex_switch_speed.py --sweep dkdv` on an
+    # H200 (2026-11-28, the kernels' own time): (64, 128, 8, 2) 1.807 ms sliding, 1.708 documents a forward +
+    # backward against 1.890, 1.759 for the dense calls' (64, 128, 8, 3).
+    ("dkdv_mask", TENSOR_CORES): {128: _C(64, 128, 8, 2)},
     # The dK/dV kernel in two passes (dK, then dV; by default the backward splits wherever both have
     # an entry): at D = 256 its two (BLOCK_N, 256) float32 accumulators fill the registers, so the
     # fused pass is stuck at 64 keys per program; alone, each pass fits 128 (the same lab run,
@@ -147,7 +151,7 @@ def launch_config(
 
     Args:
         kernel: one of :data:`KERNELS`: ``"fwd"``, ``"dkdv"`` (or its passes ``"dk"``, ``"dv"``; over a packed
-            call's documents ``"dkdv_docs"`` where the table has it), ``"dq"``,
+            call's documents ``"dkdv_docs"``, with a boolean mask ``"dkdv_mask"``, where the table has them), ``"dq"``,
             ``"fused"`` (attention),
             ``"stats"``, ``"shadow"`` (the observer's passes).
         head_dim: the head-dim tile (:func:`head_dim_tile`), one of :data:`HEAD_DIM_TILES`.

@@ -420,3 +420,39 @@ def test_tiles_by_work_is_argsort_of_the_widest_span_on_the_device(shape, expand
     want = torch.argsort(span, descending=True, stable=True).to(torch.int32)
     got = tiles_by_work(ranges)
     assert got.dtype == torch.int32 and torch.equal(got, want)
+
+
+def test_calls_with_a_boolean_mask_take_their_own_dkdv_stages(monkeypatch):
+    """The launch table's "dkdv_mask" entry (measured on switched flex calls, D = 128: two stages where dense calls
+    take three) serves the dK/dV of calls with a boolean mask; an additive mask and a plain causal call keep
+    "dkdv"'s. The gradients are the interpreter's small tiles' up to float32 sums in another order."""
+    from instability_watch.kernels import configs
+    from instability_watch.kernels.attention import triton as ta
+
+    d, n = 128, CU[-1]
+    g = seeded("varlen_kernels", "mask stages")
+    q = torch.randn(1, H, n, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, H_KV, n, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    do = torch.randn(1, H, n, d, generator=g).to(torch.bfloat16)
+    keep = (torch.rand(n, n, generator=g) < 0.8) & torch.ones(n, n).tril().bool()
+    keep |= torch.eye(n, dtype=torch.bool)
+    calls = {"bool": dict(attn_mask=keep), "additive": dict(attn_mask=torch.zeros(n, n).masked_fill(~keep, -1e9)),
+             "causal": dict(causal=True)}
+
+    def run(how):
+        return _fwd_bwd(lambda a, b, c: flash_attention(a, b, c, backend="triton", **calls[how]), q, k, v, do)
+
+    small = {how: run(how) for how in calls}  # the interpreter's 16 x 16 tiles
+    seen = []
+    launch = ta.launch_dkdv
+    monkeypatch.setattr(ta, "launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or seen.append(
+        (meta["BLOCK_M"], meta["BLOCK_N"], meta["num_warps"], meta["num_stages"])))
+    monkeypatch.setattr(configs, "INTERPRET", False)  # launch_config reads the table, as on the GPU
+    table = {how: run(how) for how in calls}
+    own, plain = (configs.launch_config(kind, d, torch.bfloat16) for kind in ("dkdv_mask", "dkdv"))
+    as_meta = (lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages))
+    assert as_meta(own) != as_meta(plain)
+    assert seen == [as_meta(own), as_meta(plain), as_meta(plain)]
+    for how in calls:
+        for a, b in zip(small[how], table[how]):
+            torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)

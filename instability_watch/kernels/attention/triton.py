@@ -67,8 +67,9 @@ FUSED_BACKWARD: Optional[bool] = None
 # Launch each kernel's tiles widest range first, the heads of one tile together (grid (batch x heads, tiles)), so
 # that the longest programs do not start last (a packed call's tiles differ in work by their place in their
 # document). None (the default): packed calls (H200, 2026-11-28: 2.45 ms a forward + backward, 3.22 in grid order;
-# the order kept with the documents), not calls with a mask (found again each call; the switched flex calls measured
-# slower with it; RESULTS.md); True: those too; False: never.
+# the order kept with the documents) and calls with a boolean mask (the order found on the device in one launch:
+# switched flex calls 3.11 ms against 3.47 causal, 1.89 against 1.90 sliding, 1.77 against 2.04 documents; RESULTS.md),
+# not additive masks (not measured); True: those too; False: never.
 TILE_ORDER: Optional[bool] = None
 
 
@@ -76,7 +77,8 @@ def _launch_grid(tiles: int, heads: int, mask, key, ranges):
     """``(grid, order, ordered)`` of a launch over ``tiles`` tiles of ``heads`` (batch x heads) programs each: with
     :data:`TILE_ORDER` and ranges, the tiles sorted by the widest span any (batch, head) of them has (a permutation,
     int32 on the device, cached with the mask's ranges), else the plain grid."""
-    ordered = isinstance(mask, Documents) if TILE_ORDER is None else TILE_ORDER
+    ordered = (isinstance(mask, Documents) or getattr(mask, "kind", None) == MASK_BOOL) if TILE_ORDER is None \
+        else TILE_ORDER
     if not ordered or ranges is None:
         return (tiles, heads), None, False
     orders = mask.__dict__.setdefault("_orders", {})
@@ -494,8 +496,9 @@ def attention_backward_lse2(
                 kernel, override = "dkdv", config_dkdv  # split=True where the table has no pass of its own
             dkdv(launch_config(kernel, head_dim, q.dtype, override=override), None, part=part)
     else:
-        packed = mask.kind == MASK_DOCS and has_launch_config("dkdv_docs", head_dim, q.dtype)
-        dkdv(launch_config("dkdv_docs" if packed else "dkdv", head_dim, q.dtype, override=config_dkdv), None)
+        own = {MASK_DOCS: "dkdv_docs", MASK_BOOL: "dkdv_mask"}.get(mask.kind)
+        kernel = own if own and has_launch_config(own, head_dim, q.dtype) else "dkdv"
+        dkdv(launch_config(kernel, head_dim, q.dtype, override=config_dkdv), None)
     if dmask is not None:
         dmask = reduce_to(dmask, attn_mask.shape).to(attn_mask.dtype)
     return dq, dk, dv, dmask
