@@ -134,6 +134,9 @@ def tiles_by_work(ranges: torch.Tensor) -> torch.Tensor:
     no host sync."""
     while ranges.dim() < 4:
         ranges = ranges.unsqueeze(0)
+    for d in (0, 1):  # a broadcast dim (stride 0) holds one plane's spans again: read it once
+        if ranges.shape[d] > 1 and ranges.stride(d) == 0:
+            ranges = ranges.narrow(d, 0, 1)
     B, H, T = ranges.shape[:3]
     order = torch.empty(T, dtype=torch.int32, device=ranges.device)
     block_t = max(16, 1 << (T - 1).bit_length())
