@@ -539,7 +539,8 @@ def test_gqa_expand_spreads_dkdv_over_query_heads_with_the_same_gradients(kind, 
     mask = _whole_tile_masks(N)["sliding"] if kind == "mask" else None
     outs, grids = {}, []
     launch = ta.launch_dkdv
-    monkeypatch.setattr(ta, "launch_dkdv", lambda grid, *args: grids.append(grid) or launch(grid, *args))
+    monkeypatch.setattr(ta, "launch_dkdv", lambda grid, *args: grids.append(  # (heads, tiles) in work order
+        grid[::-1] if args[-1]["ORDERED"] else grid) or launch(grid, *args))
     for expand in (False, True):
         monkeypatch.setattr(ta, "GQA_EXPAND", expand)
         if kind == "split":
