@@ -57,6 +57,12 @@ SMALL_BWD_GRID = [
     for bm, bn in [(32, 128), (64, 64), (64, 128), (128, 64), (128, 128)]
     for w, st in [(4, 2), (8, 2), (8, 3)]
 ]
+# and the forward's, likewise (no register cap: the cap only mattered at D <= 64)
+SMALL_FWD_GRID = [
+    (bm, bn, w, st, None)
+    for bm, bn in [(64, 64), (64, 128), (128, 32), (128, 64), (128, 128)]
+    for w, st in [(4, 3), (8, 2), (8, 3)]
+]
 # D = 256: the tiles above mostly exceed registers or shared memory; narrower ones, fewer stages
 WIDE_GRID = [
     (bm, bn, w, st)

@@ -28,7 +28,7 @@ import statistics
 
 import torch
 
-from _common import (SMALL_BWD_GRID, cuda_ahead_ms, cuda_and_host_ms, cuda_ms, device_name, keep,
+from _common import (SMALL_BWD_GRID, SMALL_FWD_GRID, cuda_ahead_ms, cuda_and_host_ms, cuda_ms, device_name, keep,
                      kernel_resources, print_kernel_resources, profile_calls, sweep_launch_configs, write_json)
 
 
@@ -53,7 +53,7 @@ def main() -> int:
     ap.add_argument("--sweep", action="append", choices=["fwd", "dkdv", "dq"], default=[],
                     help="also sweep this kernel's launch configs on each mask's switched call (repeatable)")
     ap.add_argument("--sweep-grid", choices=["small", "full"], default="small",
-                    help="the backward's grid: small (15 configs, one device call) or full (_common.BWD_GRID)")
+                    help="the grid: small (15 configs, one device call) or full (_common.FWD_GRID, BWD_GRID)")
     ap.add_argument("--sweep-configs", metavar="BM,BN,W,ST;...",
                     help="sweep these launch configs only (block_m, block_n, warps, stages; ';' between them)")
     args = ap.parse_args()
@@ -178,15 +178,12 @@ def main() -> int:
         table[mask] = {name: {kind: statistics.median(ms) for kind, ms in by.items()} for name, by in results.items()}
         for kernel in args.sweep:
             print(f"sweep: {mask} {kernel}", flush=True)
-            if kernel == "fwd":
-                def timed(fn=run_switched(False)):
-                    with torch.no_grad():
-                        return cuda_ms(fn, args.iters)
-            else:  # the kernels' own time (the host ahead): as called, a switched call times its host
-                def timed(fn=run_switched(False, dkdv="as is")):
-                    return cuda_ahead_ms(fn, args.iters, do)
-            grid = None if kernel == "fwd" or args.sweep_grid == "full" else [
-                c for c in SMALL_BWD_GRID if keep(c, ta.head_dim_tile(D))]
+            # the kernels' own time (the host ahead): as called, a switched call times its host. The forward
+            # alone, as in training (grad on: the call saves what its backward reads), or forward + backward.
+            def timed(fn=run_switched(False, dkdv="as is"), grad=None if kernel == "fwd" else do):
+                return cuda_ahead_ms(fn, args.iters, grad)
+            grid = None if args.sweep_grid == "full" else [
+                c for c in (SMALL_FWD_GRID if kernel == "fwd" else SMALL_BWD_GRID) if keep(c, ta.head_dim_tile(D))]
             if args.sweep_configs:
                 grid = [tuple(int(x) for x in c.split(",")) for c in args.sweep_configs.split(";") if c.strip()]
             # a boolean mask's dK/dV takes its own entry where the table has one
@@ -217,7 +214,8 @@ def main() -> int:
             kind = "fwd" if kernel == "fwd" else "ahead fwd+bwd"
             ref = table[mask]["flex"][kind]
             own = f"{sw['table'][1]:.3f} ms" if sw["table"] else "failed"
-            print(f"sweep {mask} {kernel} ({kind}; flex {ref:.3f} ms): the table's {own}; fastest "
+            label = "fwd, host ahead; flex's fwd as called" if kernel == "fwd" else kind
+            print(f"sweep {mask} {kernel} ({label}; flex {ref:.3f} ms): the table's {own}; fastest "
                   + ", ".join(f"{tuple(c[:4])} {ms:.3f} ms ({ref / ms:.2f}x)" for c, ms in sw["best"]))
     return 0
 
