@@ -26,7 +26,7 @@ if str(EXAMPLES) not in sys.path:
     sys.path.insert(1, str(EXAMPLES))
 
 __all__ = [
-    "BWD_GRID", "SMALL_BWD_GRID", "DIVERGENCE_JUMP", "ExplosionDetector", "FWD_GRID", "StepTimes", "WIDE_GRID", "bench", "block_cost",
+    "BWD_GRID", "SMALL_BWD_GRID", "SMALL_FWD_GRID", "DIVERGENCE_JUMP", "ExplosionDetector", "FWD_GRID", "StepTimes", "WIDE_GRID", "bench", "block_cost",
     "command", "device_name", "explosion_step", "header", "init_distributed", "keep", "kernel_resources",
     "print_kernel_resources", "profile_calls", "step_cost", "sweep_launch_configs", "sync", "warm_gpu", "write_json",
 ]

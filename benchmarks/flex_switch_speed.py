@@ -131,19 +131,25 @@ def main() -> int:
     mask_dkdv = LAUNCH_TABLE.get(("dkdv_mask", TENSOR_CORES))
     mask_dkdv = mask_dkdv if mask_dkdv is not None and tile in mask_dkdv else None
     mask_dkdv_default = mask_dkdv[tile] if mask_dkdv is not None else None
+    # and its dQ's (a variant runs the dense calls' dQ config in its place)
+    mask_dq = LAUNCH_TABLE.get(("dq_mask", TENSOR_CORES))
+    mask_dq = mask_dq if mask_dq is not None and tile in mask_dq else None
+    mask_dq_default = mask_dq[tile] if mask_dq is not None else None
     for mask in args.masks.split(","):
         block = fa.create_block_mask(mask_mods[mask], None, None, N, N, device=dev)
         torch._dynamo.reset()
         plain.recompile()
         switched.recompile()
-        def run_switched(expand: bool, fused=None, ordered=None, causal_tiles=True, dkdv=None):
-            def call():  # (ordered None, dkdv None: the defaults; dkdv "as is": the table untouched, for the sweep)
+        def run_switched(expand: bool, fused=None, ordered=None, causal_tiles=True, dkdv=None, dq=None):
+            def call():  # (ordered, dkdv, dq None: the defaults; dkdv "as is": the table untouched, for the sweep)
                 ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
                 ta.FUSED_BACKWARD = fused
                 ta.TILE_ORDER = ordered
                 masks.CAUSAL_TILES = causal_tiles
                 if mask_dkdv is not None and dkdv != "as is":
                     mask_dkdv[tile] = mask_dkdv_default if dkdv is None else LaunchConfig.of(dkdv)
+                if mask_dq is not None and dkdv != "as is":
+                    mask_dq[tile] = mask_dq_default if dq is None else LaunchConfig.of(dq)
                 return switched(q, k, v, block)
             return call
 
@@ -154,6 +160,8 @@ def main() -> int:
                     "switched, no causal tiles (the mask read)": run_switched(False, causal_tiles=False)}
         if mask_dkdv is not None:
             variants["switched, dK/dV (64, 128, 8, 3)"] = run_switched(False, dkdv=(64, 128, 8, 3))
+        if mask_dq is not None:
+            variants["switched, dQ (128, 64, 8, 3)"] = run_switched(False, dq=(128, 64, 8, 3))
         if mask == "causal":
             variants["ours direct, causal flag"] = direct_causal
             variants["ours direct, causal flag, head 0 stabilized"] = lambda: direct_causal(stab0)
@@ -186,9 +194,9 @@ def main() -> int:
                 c for c in (SMALL_FWD_GRID if kernel == "fwd" else SMALL_BWD_GRID) if keep(c, ta.head_dim_tile(D))]
             if args.sweep_configs:
                 grid = [tuple(int(x) for x in c.split(",")) for c in args.sweep_configs.split(";") if c.strip()]
-            # a boolean mask's dK/dV takes its own entry where the table has one
-            key = "dkdv_mask" if kernel == "dkdv" and has_launch_config("dkdv_mask", ta.head_dim_tile(D),
-                                                                          torch.bfloat16) else kernel
+            # a boolean mask's dK/dV and dQ take their own entries where the table has them
+            key = f"{kernel}_mask" if kernel != "fwd" and has_launch_config(f"{kernel}_mask", ta.head_dim_tile(D),
+                                                                              torch.bfloat16) else kernel
             sweeps.setdefault(mask, {})[kernel] = sweep_launch_configs(key, D, timed, grid=grid, log=print)
     resources = kernel_resources(ta.attn_fwd, ta.attn_bwd_dq, ta.attn_bwd_dkdv)
     print_kernel_resources(resources)

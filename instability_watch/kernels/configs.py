@@ -17,7 +17,7 @@ from instability_watch.kernels.launch import INTERPRET
 
 # The kernels pad the head dim D to one of these tiles (a power of two of at least 16).
 HEAD_DIM_TILES = (16, 32, 64, 128, 256)
-KERNELS = ("fwd", "dkdv", "dkdv_docs", "dkdv_mask", "dk", "dv", "dq", "fused", "stats", "shadow")
+KERNELS = ("fwd", "dkdv", "dkdv_docs", "dkdv_mask", "dk", "dv", "dq", "dq_mask", "fused", "stats", "shadow")
 
 
 @dataclass(frozen=True)
@@ -90,6 +90,10 @@ LAUNCH_TABLE: Dict[Tuple[str, str], Dict[int, LaunchConfig]] = {
     # benchmarks/RESULTS.md).
     ("dk", TENSOR_CORES): {256: _C(32, 128, 8, 2)},
     ("dv", TENSOR_CORES): {256: _C(64, 128, 8, 2)},
+    # dQ of a call with a boolean mask: `benchmarks/flex_switch_speed.py --sweep dq` on an H200 (2026-11-29, the
+    # kernels' own time): (64, 64, 4, 2) the fastest on causal, sliding and document masks (1.809 ms sliding, 1.686
+    # documents a forward + backward against 1.865, 1.742 for the dense calls' (128, 64, 8, 3)).
+    ("dq_mask", TENSOR_CORES): {128: _C(64, 64, 4, 2)},
     ("dq", TENSOR_CORES): {16: _C(64, 64, 4, 3), 32: _C(64, 64, 4, 3), 64: _C(64, 64, 4, 3), 128: _C(128, 64, 8, 3),
                            256: _C(64, 64, 4, 2)},
     # The fused backward (one kernel, dQ by atomics; by default only for calls with dropout at
@@ -151,7 +155,8 @@ def launch_config(
 
     Args:
         kernel: one of :data:`KERNELS`: ``"fwd"``, ``"dkdv"`` (or its passes ``"dk"``, ``"dv"``; over a packed
-            call's documents ``"dkdv_docs"``, with a boolean mask ``"dkdv_mask"``, where the table has them), ``"dq"``,
+            call's documents ``"dkdv_docs"``, with a boolean mask ``"dkdv_mask"``, where the table has them),
+            ``"dq"`` (with a boolean mask ``"dq_mask"``, where the table has it),
             ``"fused"`` (attention),
             ``"stats"``, ``"shadow"`` (the observer's passes).
         head_dim: the head-dim tile (:func:`head_dim_tile`), one of :data:`HEAD_DIM_TILES`.

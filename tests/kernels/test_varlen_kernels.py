@@ -422,10 +422,10 @@ def test_tiles_by_work_is_argsort_of_the_widest_span_on_the_device(shape, expand
     assert got.dtype == torch.int32 and torch.equal(got, want)
 
 
-def test_calls_with_a_boolean_mask_take_their_own_dkdv_stages(monkeypatch):
-    """The launch table's "dkdv_mask" entry (measured on switched flex calls, D = 128: two stages where dense calls
-    take three) serves the dK/dV of calls with a boolean mask; an additive mask and a plain causal call keep
-    "dkdv"'s. The gradients are the interpreter's small tiles' up to float32 sums in another order."""
+def test_calls_with_a_boolean_mask_take_their_own_backward_entries(monkeypatch):
+    """The launch table's "dkdv_mask" and "dq_mask" entries (measured on switched flex calls, D = 128) serve the
+    backward of calls with a boolean mask; an additive mask and a plain causal call keep "dkdv"'s and "dq"'s. The
+    gradients are the interpreter's small tiles' up to float32 sums in another order."""
     from instability_watch.kernels import configs
     from instability_watch.kernels.attention import triton as ta
 
@@ -443,16 +443,19 @@ def test_calls_with_a_boolean_mask_take_their_own_dkdv_stages(monkeypatch):
         return _fwd_bwd(lambda a, b, c: flash_attention(a, b, c, backend="triton", **calls[how]), q, k, v, do)
 
     small = {how: run(how) for how in calls}  # the interpreter's 16 x 16 tiles
-    seen = []
-    launch = ta.launch_dkdv
-    monkeypatch.setattr(ta, "launch_dkdv", lambda grid, t, s, meta: launch(grid, t, s, meta) or seen.append(
-        (meta["BLOCK_M"], meta["BLOCK_N"], meta["num_warps"], meta["num_stages"])))
+    seen = {"dkdv": [], "dq": []}
+    for kernel in seen:
+        launch = getattr(ta, f"launch_{kernel}")
+        monkeypatch.setattr(ta, f"launch_{kernel}", lambda grid, t, s, meta, launch=launch, kernel=kernel: launch(
+            grid, t, s, meta) or seen[kernel].append(
+            (meta["BLOCK_M"], meta["BLOCK_N"], meta["num_warps"], meta["num_stages"])))
     monkeypatch.setattr(configs, "INTERPRET", False)  # launch_config reads the table, as on the GPU
     table = {how: run(how) for how in calls}
-    own, plain = (configs.launch_config(kind, d, torch.bfloat16) for kind in ("dkdv_mask", "dkdv"))
     as_meta = (lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages))
-    assert as_meta(own) != as_meta(plain)
-    assert seen == [as_meta(own), as_meta(plain), as_meta(plain)]
+    for kernel in seen:
+        own, plain = (as_meta(configs.launch_config(kind, d, torch.bfloat16)) for kind in (f"{kernel}_mask", kernel))
+        assert own != plain
+        assert seen[kernel] == [own, plain, plain], kernel
     for how in calls:
         for a, b in zip(small[how], table[how]):
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)

@@ -176,6 +176,17 @@ def _whole_tiles(kind: int, causal: bool) -> bool:
     return kind in (MASK_BOOL, MASK_DOCS) and not causal
 
 
+# launch-table entries of their own, measured on calls with documents or a boolean mask (where the table has one)
+_OWN_ENTRIES = {("dkdv", MASK_DOCS): "dkdv_docs", ("dkdv", MASK_BOOL): "dkdv_mask", ("dq", MASK_BOOL): "dq_mask"}
+
+
+def _entry(kernel: str, kind: int, head_dim: int, dtype: torch.dtype) -> str:
+    """The launch-table entry for ``kernel`` in a call with this mask kind: its own where measured, else the dense
+    calls'."""
+    own = _OWN_ENTRIES.get((kernel, kind))
+    return own if own is not None and has_launch_config(own, head_dim, dtype) else kernel
+
+
 def _dropout_args(dropout_p: float, seed: Optional[torch.Tensor]):
     if not dropout_p:
         return None, 0, 1.0
@@ -382,7 +393,7 @@ def attention_backward_lse2(
     dmask = torch.zeros((B, H, N, n_kv), dtype=torch.float32, device=q.device) if mask_grad else None
     seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)
     if delta_hp:  # the control's delta, before anything reads it (same stream)
-        cfg = launch_config("dq", head_dim, q.dtype)
+        cfg = launch_config(_entry("dq", mask.kind, head_dim, q.dtype), head_dim, q.dtype)
         ranges, r_strides = mask.rows(cfg.block_m, cfg.block_n) if mask.kind else (None, (0, 0, 0))
         grid, order, ordered = _launch_grid(cdiv(N, cfg.block_m), B * H, mask, ("rows", cfg.block_m, cfg.block_n),
                                             ranges)
@@ -464,7 +475,7 @@ def attention_backward_lse2(
                                        delta_from_o=delta_from_o),
                 q, k, v, do, masked=mask.kind != MASK_NONE, dropout=seed is not None, block=128)
     if why_dq is not None:  # the Triton kernel (also the shadow statistics, a mask's gradient)
-        cfg = launch_config("dq", head_dim, q.dtype, override=config_dq)
+        cfg = launch_config(_entry("dq", mask.kind, head_dim, q.dtype), head_dim, q.dtype, override=config_dq)
         block_m, block_n = cfg.block_m, cfg.block_n
         ranges, r_strides = mask.rows(block_m, block_n) if mask.kind else (None, (0, 0, 0))
         grid, order, ordered = _launch_grid(cdiv(N, block_m), B * H, mask, ("rows", block_m, block_n), ranges)
@@ -496,9 +507,8 @@ def attention_backward_lse2(
                 kernel, override = "dkdv", config_dkdv  # split=True where the table has no pass of its own
             dkdv(launch_config(kernel, head_dim, q.dtype, override=override), None, part=part)
     else:
-        own = {MASK_DOCS: "dkdv_docs", MASK_BOOL: "dkdv_mask"}.get(mask.kind)
-        kernel = own if own and has_launch_config(own, head_dim, q.dtype) else "dkdv"
-        dkdv(launch_config(kernel, head_dim, q.dtype, override=config_dkdv), None)
+        dkdv(launch_config(_entry("dkdv", mask.kind, head_dim, q.dtype), head_dim, q.dtype, override=config_dkdv),
+             None)
     if dmask is not None:
         dmask = reduce_to(dmask, attn_mask.shape).to(attn_mask.dtype)
     return dq, dk, dv, dmask
