@@ -158,22 +158,28 @@ class Observation:
         self.shared_reasons: Dict[str, List[str]] = {}
         self.compiled_calls = False
         self.compiled_forwards = False  # a watched layer's forward was compiled (sdpa.traced)
-        self.group_key: Optional[int] = None  # this watch's key for the observers' trace-time helpers (sdpa.py)
+        # this watch's key for the observers' trace-time helpers (sdpa.py): one its model's last watch gave back, or
+        # None (the first observer takes a new one)
+        self.group_key: Optional[int] = take_group(self)
         self._stats = self._shadow = False
         self._collect = True
         self._routing = True
         device = param_device(model)
         self.bank = ProbeBank([layer.num_heads for layer in layers], device)
         self.sites: List[Site] = []
-        for i, layer in enumerate(layers):
-            if layer.module in _WATCHED or any(layer.module is s.layer.module for s in self.sites):
-                raise ValueError(f"layer {layer.name!r} is already watched; detach that watch first")
-            site = Site(i, layer, torch.zeros(layer.num_heads, dtype=torch.bool, device=device))
-            site.observer = SdpaObserver(site, self)
-            site._own = layer.module.__dict__.get("forward")  # an instance-level forward the user set, if any
-            site._bound = types.MethodType(_observed_forward, layer.module)  # one object: no recompiles
-            self.sites.append(site)
-        self._check_implementations()
+        try:
+            for i, layer in enumerate(layers):
+                if layer.module in _WATCHED or any(layer.module is s.layer.module for s in self.sites):
+                    raise ValueError(f"layer {layer.name!r} is already watched; detach that watch first")
+                site = Site(i, layer, torch.zeros(layer.num_heads, dtype=torch.bool, device=device))
+                site.observer = SdpaObserver(site, self)
+                site._own = layer.module.__dict__.get("forward")  # an instance-level forward the user set, if any
+                site._bound = types.MethodType(_observed_forward, layer.module)  # one object: no recompiles
+                self.sites.append(site)
+            self._check_implementations()
+        except BaseException:
+            give_back_group(self)  # not attached: its key goes to the model's next watch
+            raise
         for site in self.sites:
             _WATCHED[site.layer.module] = self
         self.attached = True
@@ -261,6 +267,7 @@ class Observation:
             if _WATCHED.get(site.layer.module) is self:
                 del _WATCHED[site.layer.module]
         self.attached = False
+        give_back_group(self)  # the model's next watch takes this one's key, and the graphs compiled for it
 
     def relocate(self, device: torch.device) -> None:
         """Move probes and masks to the device the layers run on (once, e.g. after ``model.to``)."""
@@ -414,6 +421,38 @@ class Observation:
             return merged
 
         return [layer_coverage(site.name, reasons(site), c) for site, c in zip(self.sites, calls)]
+
+
+# Group keys given back by detached watches, per model: key -> what tracing recorded for that watch. A watch's key is
+# a constant of every graph traced for it (Dynamo guards on it: sdpa.traced, follow_device, the statistics ops'
+# ``group``), so a new watch of the same model takes the lowest key given back and the graphs compiled for it serve
+# the new watch too: a new watch per round or per fit (the overhead benchmark's kind rounds) would otherwise compile
+# Hugging Face's FlexAttention again each time, and past Dynamo's recompile limit (8) FlexAttention runs its
+# unfused eager path. Those graphs' trace-time bookkeeping (sdpa.traced, _note) does not run again: the new watch
+# takes it over. Per model: another model's facts (e.g. "its calls were compiled") would be wrong for this one.
+_GIVEN_BACK: "weakref.WeakKeyDictionary[nn.Module, Dict[int, tuple]]" = weakref.WeakKeyDictionary()
+
+
+def take_group(observation: "Observation") -> Optional[int]:
+    """A new watch's group key: the lowest one a detached watch of the same model gave back (with what its graphs'
+    tracing recorded: compiled calls and forwards, the shared reasons), else None (its first observer takes a new
+    key)."""
+    given = _GIVEN_BACK.get(observation.model)
+    if not given:
+        return None
+    key = min(given)
+    observation.compiled_calls, observation.compiled_forwards, reasons = given.pop(key)
+    observation.shared_reasons.update(reasons)
+    return key
+
+
+def give_back_group(observation: "Observation") -> None:
+    """``observation`` detached: its key, and what tracing recorded for it, go to the model's next watch."""
+    if observation.group_key is None:  # no observer: no key taken
+        return
+    _GIVEN_BACK.setdefault(observation.model, {})[observation.group_key] = (
+        observation.compiled_calls, observation.compiled_forwards,
+        {kind: list(rs) for kind, rs in observation.shared_reasons.items()})
 
 
 # Each layer routed onto our kernels adds, under torch.compile, up to four variants of the compiled forward (a

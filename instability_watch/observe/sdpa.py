@@ -200,10 +200,10 @@ class VarlenShadowTap(torch.autograd.Function):
 
 _OBSERVERS: "weakref.WeakValueDictionary[int, SdpaObserver]" = weakref.WeakValueDictionary()
 _observer_keys = itertools.count()
-# one key per Observation (every layer of one watch): what the trace-time helpers take, so the code an attention
-# call traces reads nothing of its layer's own and one compiled graph serves every layer (a compiled attention
-# function called from eager layer forwards, as Hugging Face compiles FlexAttention, would otherwise be compiled
-# once per layer and run eagerly past Dynamo's recompile limit)
+# one key per Observation (every layer of one watch; a model's next watch takes back its last one's: observation.
+# take_group): what the trace-time helpers take, so the code an attention call traces reads nothing of its layer's
+# own and one compiled graph serves every layer (a compiled attention function called from eager layer forwards, as
+# HF compiles FlexAttention, would otherwise be compiled per layer, and per watch, and run eagerly past the limit)
 _GROUPS: "weakref.WeakValueDictionary[int, object]" = weakref.WeakValueDictionary()
 _group_keys = itertools.count(1)  # from 1: group 0 is "no watch" to the statistics ops
 # the observer whose layer's forward is running (set by the layer's wrapper, eagerly or at trace time)
@@ -225,8 +225,8 @@ class SdpaObserver(TorchFunctionMode):
         super().__init__()
         self.key = next(_observer_keys)
         _OBSERVERS[self.key] = self
-        if observation.group_key is None:
-            observation.group_key = next(_group_keys)
+        if _GROUPS.get(observation.group_key) is not observation:  # None: a new key; else one taken back
+            observation.group_key = next(_group_keys) if observation.group_key is None else observation.group_key
             _GROUPS[observation.group_key] = observation
         self.group = observation.group_key
         self.site = site  # bookkeeping at trace time / eager only

@@ -313,6 +313,35 @@ def test_hf_compiled_flex_is_compiled_once_for_every_layer():
     watch.detach()
 
 
+def test_hf_compiled_flex_is_not_compiled_again_for_each_new_watch():
+    """A new watch attached to a model after the last one detached (the benchmark's kind rounds, a fit per trial
+    in one process) takes the key the last one gave back, so Hugging Face's compiled FlexAttention reuses the graphs
+    compiled for it: 9 watches one after another (past Dynamo's recompile limit of 8, which would send
+    FlexAttention to its unfused eager path) compile nothing after the first, and each observes every call."""
+    from torch._dynamo.utils import counters
+
+    from instability_watch import InstabilityWatch, WatchConfig
+
+    torch._dynamo.reset()  # this test counts flex_attention's graphs from none
+    model = _llama("flex_attention")
+    ids = torch.randint(1, 64, (1, 96), generator=seeded("hf_flex_new_watches"))
+    model.train()
+    compiled = []
+    for _ in range(9):
+        before = counters["stats"]["unique_graphs"]
+        watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, spectral_every=0, log_every=1,
+                                                    warmup_steps=100, strict=True))
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(2):
+                watch.step(model(input_ids=ids).logits.float().pow(2).mean())
+        watch.flush()
+        assert [(c.observed_calls, c.unobserved_calls) for c in watch.coverage()] == [(2, {})] * 2
+        watch.detach()
+        compiled.append(counters["stats"]["unique_graphs"] - before)
+    assert compiled[0] >= 1 and compiled[1:] == [0] * 8, compiled
+
+
 @pytest.mark.parametrize("packed", [False, True])
 def test_flex_statistics_through_sdpas_passes_with_the_mask_equal_the_default(packed, monkeypatch):
     """flex.VIA_MASK (SDPA's passes over the call's inputs and its mask from mask_mod, for calls whose score_mod
