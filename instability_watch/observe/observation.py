@@ -87,8 +87,10 @@ def _observed_forward(self: nn.Module, *args, **kwargs):
     if observer is None:  # a copy of an observed module
         return type(self).forward(self, *args, **kwargs)
     own = observer.site._own
-    if not self.training and not observer.route:
-        return _forward(self, own, args, kwargs)  # evaluation: not a training step, nothing to observe
+    if not self.training:  # evaluation: not a training step, nothing to observe
+        if not observer.route:
+            return _forward(self, own, args, kwargs)
+        observer = observer.evaluation  # a routed layer's: on our kernels still, through its route-only twin
     if torch.compiler.is_compiling():
         # no per-layer constant read here (it would make a graph per layer): reasons met while tracing are the
         # traced graph's, shared by the layers it serves (Observation.note)
@@ -173,6 +175,7 @@ class Observation:
                     raise ValueError(f"layer {layer.name!r} is already watched; detach that watch first")
                 site = Site(i, layer, torch.zeros(layer.num_heads, dtype=torch.bool, device=device))
                 site.observer = SdpaObserver(site, self)
+                site.observer.evaluation = SdpaObserver(site, self)
                 site._own = layer.module.__dict__.get("forward")  # an instance-level forward the user set, if any
                 site._bound = types.MethodType(_observed_forward, layer.module)  # one object: no recompiles
                 self.sites.append(site)
@@ -215,6 +218,10 @@ class Observation:
             ob.beta, ob.eps = self.beta, self.eps
             ob.high_precision_delta = site.high_precision_delta
             ob.on_error = self.on_error
+            ev = ob.evaluation  # evaluation forwards: the same routing, nothing observed
+            ev.counts, ev.values, ev.stabilize, ev.route = ob.counts, ob.values, ob.stabilize, ob.route
+            ev.beta, ev.eps, ev.on_error = ob.beta, ob.eps, ob.on_error
+            ev.high_precision_delta = ob.high_precision_delta
 
     def arm(self, *, stats: bool, shadow: bool) -> None:
         """Set what the next calls do: statistics, shadow; install or remove the layers' observers.

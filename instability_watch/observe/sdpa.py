@@ -244,6 +244,8 @@ class SdpaObserver(TorchFunctionMode):
         self.sdpa_calls = 0  # eager only: attention calls seen (SDPA, FlexAttention), to find a forward without any
         self._in_other = False  # inside a FlexAttention or varlen call's statistics (their own calls pass through)
         self.mha_forward: Optional[Callable] = None  # nn.MultiheadAttention's function for this layer (observe.mha)
+        # a routed layer's evaluation forwards go through this twin: the same routing, nothing observed (Observation)
+        self.evaluation: Optional["SdpaObserver"] = None
 
     # an observer belongs to the one module it watches: a copy of that module (copy.deepcopy, a pickle) gets None
     # in its place, and runs unwatched (observation.OBSERVER_ATTR)

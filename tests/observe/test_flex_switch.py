@@ -8,6 +8,7 @@ the op itself, which is where the watch meets every flex call."""
 import math
 import warnings
 
+import numpy as np
 import pytest
 import torch
 
@@ -291,3 +292,56 @@ def test_a_switched_call_keeps_to_a_block_masks_own_blocks():
     err_theirs = (theirs.double() - exact).abs().max().item()
     assert err_ours <= 2 * err_theirs + 1e-6, (err_ours, err_theirs)
     watch.detach()
+
+
+@pytest.mark.parametrize("impl", ["sdpa", "flex_attention"])
+def test_a_switched_layers_evaluation_forwards_are_not_observed(impl, monkeypatch):
+    """A switched layer's evaluation forwards (``model.eval()`` between training steps, the watch not told) still
+    run on our kernels, but add nothing to the probe: on probe steps with two evaluation forwards beside each
+    training forward, each layer counts only the training forwards' calls, and the probe's numbers are those of the
+    training forwards alone (before, a routed layer's evaluation calls were observed too)."""
+    t = pytest.importorskip("transformers")
+    from instability_watch.observe import sdpa
+
+    routed = []  # the calls our kernels served
+    kernels = sdpa.flash_attention
+    monkeypatch.setattr(sdpa, "flash_attention", lambda *a, **kw: routed.append(1) or kernels(*a, **kw))
+    cfg = t.LlamaConfig(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, hidden_size=64,
+                        intermediate_size=128, vocab_size=64, max_position_embeddings=256, bos_token_id=0,
+                        eos_token_id=0, attn_implementation=impl)
+    ids = torch.randint(1, 64, (1, 96), generator=torch.Generator().manual_seed(7))
+    other = torch.randint(1, 64, (1, 96), generator=torch.Generator().manual_seed(8))
+
+    def run(evaluations):
+        torch.manual_seed(0)
+        model = t.LlamaForCausalLM(cfg)
+        metrics = []
+        watch = InstabilityWatch(model, WatchConfig(probe_every=1, shadow_every=0, spectral_every=0, log_every=1,
+                                                    warmup_steps=100, strict=True),
+                                 listeners=[lambda r: metrics.extend(r.metrics)])
+        watch.switch(0, 0)
+        with torch.no_grad(), warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            for _ in range(3):
+                model.train()
+                loss = model(input_ids=ids).logits.float().pow(2).mean()
+                model.eval()
+                for _ in range(evaluations):
+                    model(input_ids=other)
+                model.train()
+                watch.step(loss)
+        watch.flush()
+        cov = watch.coverage()
+        watch.detach()
+        return cov, metrics
+
+    cov, metrics = run(2)
+    assert [c.observed_calls for c in cov] == [3, 3]
+    assert len(routed) == 9  # layer 0's 3 training and 6 evaluation calls, on our kernels
+    plain_cov, plain_metrics = run(0)
+    assert [c.observed_calls for c in plain_cov] == [3, 3]
+    assert len(metrics) == len(plain_metrics) == 3
+    for m, p in zip(metrics, plain_metrics):
+        assert m.values.keys() == p.values.keys()
+        for name in m.values:
+            np.testing.assert_array_equal(m[name], p[name], err_msg=name)
