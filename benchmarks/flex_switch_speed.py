@@ -125,6 +125,21 @@ def main() -> int:
         ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER, masks.CAUSAL_TILES = False, None, None, True
         return flash_attention(q, k, v, causal=mask is None, attn_mask=mask, stabilize=stabilize)
 
+    from instability_watch.kernels.attention.ops import FlashAttention
+    from instability_watch.kernels.common import DEFAULT_BETA, DEFAULT_EPS
+
+    stab_first = torch.zeros(H, dtype=torch.bool, device=dev)
+    stab_first[0] = True
+    bounds = {"causal": torch.tensor([0, N], device=dev), "sliding": torch.tensor([0, N], device=dev),
+              "document": torch.tensor([0] + lengths, device=dev).cumsum(0)}
+    left = {"causal": -1, "sliding": w - 1, "document": -1}
+
+    def direct_documents(mask):
+        ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER, masks.CAUSAL_TILES = False, None, None, True
+        cu = bounds[mask]
+        return FlashAttention.apply(q, k, v, None, None, stab_first, None, None, False, False, D ** -0.5,
+                                    DEFAULT_BETA, DEFAULT_EPS, 0.0, "triton", False, cu, cu, left[mask], 0, False)[0]
+
     table, raw, sweeps = {}, {}, {}
     # a boolean mask's dK/dV launch-table entry (a variant runs the dense calls' config in its place)
     tile = ta.head_dim_tile(D)
@@ -162,6 +177,9 @@ def main() -> int:
             variants["switched, dK/dV (64, 128, 8, 3)"] = run_switched(False, dkdv=(64, 128, 8, 3))
         if mask_dq is not None:
             variants["switched, dQ (128, 64, 8, 3)"] = run_switched(False, dq=(128, 64, 8, 3))
+        # what a switched call whose mask were recognized could run: our kernels over documents (every batch row the
+        # same), their window compared by position, no mask read and no pre-pass; head 0 stabilized as when switched
+        variants["ours direct, as documents, head 0 stabilized"] = lambda m=mask: direct_documents(m)
         if mask == "causal":
             variants["ours direct, causal flag"] = direct_causal
             variants["ours direct, causal flag, head 0 stabilized"] = lambda: direct_causal(stab0)

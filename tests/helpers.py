@@ -169,3 +169,11 @@ def count_document_searches(monkeypatch) -> list:
 
     monkeypatch.setattr(ops._triton(), "Documents", Counted)
     return made
+
+
+def compiled_kernels(fn) -> int:
+    """How many compiled variants a Triton kernel ``fn`` holds (``triton.heuristics`` wrappers unwrapped): a test
+    that counts them before and after a change knows whether the change compiled anything."""
+    while not hasattr(fn, "device_caches"):  # unwrap triton.heuristics
+        fn = fn.fn
+    return sum(len(entry[0]) for entry in fn.device_caches.values())

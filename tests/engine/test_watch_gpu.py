@@ -90,7 +90,7 @@ def test_gpu_statistics_equal_the_reference_on_the_same_call():
 
 
 def test_switching_a_head_does_not_recompile_and_changes_only_that_head():
-    from test_triton_gpu import _compiled_kernels
+    from helpers import compiled_kernels
 
     from instability_watch.kernels.attention import triton as ta
 
@@ -100,10 +100,10 @@ def test_switching_a_head_does_not_recompile_and_changes_only_that_head():
     with torch.no_grad(), torch.autocast("cuda", dtype=torch.bfloat16):
         watch.observation.route(0)  # layer 0 on our standard kernel
         base = model(x)[0]
-        before = _compiled_kernels(ta.attn_fwd)
+        before = compiled_kernels(ta.attn_fwd)
         watch.switch(0, 2)
         out = model(x)[0]
-    assert _compiled_kernels(ta.attn_fwd) == before
+    assert compiled_kernels(ta.attn_fwd) == before
     assert watch.observation.stabilized() == [[False, False, True, False], [False] * 4]
     # exact in exact arithmetic: the logits move by rounding only
     assert (out.float() - base.float()).abs().max().item() < 0.25

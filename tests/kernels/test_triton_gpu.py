@@ -10,7 +10,7 @@ from torch.nn.attention import SDPBackend, sdpa_kernel
 from instability_watch import Probe, flash_attention
 from instability_watch.mechanism import exact_attention, measure_bias, near_tie_inputs
 
-from helpers import assert_probe_counts_equal, fused_and_split_backward, max_err, run_fwd_bwd, seeded
+from helpers import assert_probe_counts_equal, compiled_kernels, fused_and_split_backward, max_err, run_fwd_bwd, seeded
 
 pytestmark = pytest.mark.gpu
 DEV = "cuda"
@@ -107,12 +107,6 @@ def test_extreme_scores_stay_finite():
             assert max_err(o, ref) <= tol, (sign, stabilize, max_err(o, ref), tol)
 
 
-def _compiled_kernels(fn) -> int:
-    while not hasattr(fn, "device_caches"):  # unwrap triton.heuristics
-        fn = fn.fn
-    return sum(len(entry[0]) for entry in fn.device_caches.values())
-
-
 def test_flipping_a_head_does_not_recompile():
     from instability_watch.kernels.attention import triton as ta
 
@@ -120,13 +114,13 @@ def test_flipping_a_head_does_not_recompile():
     mask = torch.zeros(4, dtype=torch.bool, device=DEV)
     probe = Probe(4, DEV)
     flash_attention(q, k, v, causal=True, stabilize=mask, probe=probe)
-    before = _compiled_kernels(ta.attn_fwd)
+    before = compiled_kernels(ta.attn_fwd)
     assert before >= 1
     outs = []
     for h in range(4):
         mask[h] = True
         outs.append(flash_attention(q, k, v, causal=True, stabilize=mask, probe=probe))
-    assert _compiled_kernels(ta.attn_fwd) == before
+    assert compiled_kernels(ta.attn_fwd) == before
     assert torch.equal(outs[-1], flash_attention(q, k, v, causal=True, stabilize=True))
 
 
