@@ -18,7 +18,8 @@ for models whose rounds scatter more than the watch costs (host-bound ones; a re
 on a step other than a probe step is not in it), and (``paired``, on CUDA) the unwatched copy's median
 step over the watched copy's at its cadence (both from CUDA events around every step of the same
 interleaved blocks: a side-by-side ratio that a round's drift moves less, though the two copies may
-differ by more than the watch costs). Then the cost of each kind of step, measured on the plain copy
+differ by more than the watch costs; ``--toggle-rounds`` adds rounds on one copy, a watch attached for one block
+and none for the next, which have no such difference). Then the cost of each kind of step, measured on the plain copy
 with a watch attached for one block (its first steps untimed):
 
 * ``probe``    -- a statistics pass on every step (``probe_every=1``, no shadow);
@@ -337,6 +338,37 @@ def timed(c: Copy, batches: List[dict], device: str, skip: int = 0) -> float:
     return (time.perf_counter() - t0) / max(1, len(batches) - skip)
 
 
+def toggled(name: str, c: Copy, batches: Callable[[int], List[dict]], device: str, args) -> dict:
+    """The watch's cost on one copy of the model: blocks of ``args.block`` steps with a watch (the default config)
+    attached and with none, alternating (``args.toggle_rounds`` rounds, the order flipped each round; each block's
+    first two steps untimed: the attach and the first probe step out of it, the cadence kept in the rest). The two
+    copies of the side-by-side rounds can differ by more than the watch costs (their steps did by up to 5%); here
+    both blocks run the same modules, memory and compiled graphs. A round's ratio: the unwatched block's seconds
+    per step over the watched block's."""
+    c.recording = False
+    ratios, on_ms, off_ms = [], [], []
+    for r in range(args.toggle_rounds):
+        times = {}
+        for watched in ((True, False) if r % 2 == 0 else (False, True)):
+            data = batches(args.block + 2)
+            if watched:
+                c.watch = InstabilityWatch(c.model, WatchConfig())
+            times[watched] = timed(c, data, device, skip=2)
+            if watched:
+                c.watch.flush()
+                c.watch.detach()
+                c.watch = None
+        on_ms.append(1e3 * times[True])
+        off_ms.append(1e3 * times[False])
+        ratios.append(times[False] / times[True])
+        print(f"[{name}] toggled round {r}: unwatched {off_ms[-1]:.2f} ms/step, watched {on_ms[-1]:.2f} ms/step, "
+              f"ratio {ratios[-1]:.4f}", flush=True)
+    c.recording = True
+    return {"rounds": args.toggle_rounds, "block": args.block, "ratios": ratios, "watched_ms": on_ms,
+            "unwatched_ms": off_ms, "median": statistics.median(ratios),
+            "ratio_of_medians": statistics.median(off_ms) / statistics.median(on_ms)}
+
+
 KINDS = {
     "probe": dict(probe_every=1, shadow_every=0, spectral_every=0),
     "shadow": dict(probe_every=1, shadow_every=1, spectral_every=0),
@@ -407,6 +439,8 @@ def bench(name: str, args, device: str) -> dict:
     if args.profile and device == "cuda":
         profile_steps(name, watched, batches, device, args.profile)
     watched.watch.detach()
+    if args.toggle_rounds:
+        out["toggled"] = toggled(name, plain, batches, device, args)
     # -- the cost of each kind of step, on the plain copy
     for kind, cfg in (() if args.compile else KINDS.items()):
         costs = []
@@ -442,6 +476,9 @@ def main() -> int:
     ap.add_argument("--block", type=int, default=50, help="steps per timed block (the defaults probe every 10)")
     ap.add_argument("--kind-rounds", type=int, default=2)
     ap.add_argument("--kind-block", type=int, default=10)
+    ap.add_argument("--toggle-rounds", type=int, default=0,
+                    help="also this many rounds of the watch attached and detached on one copy (blocks of --block "
+                         "steps, alternating): the side-by-side cost without two copies' differences")
     ap.add_argument("--tiny", action="store_true", help="tiny models (a CPU check of this script)")
     ap.add_argument("--compile", action="store_true", help="torch.compile both copies (after the watch attached); "
                                                            "no per-kind costs")
@@ -464,6 +501,12 @@ def main() -> int:
                                "flex_stats": args.flex_stats, "results": results})
     print(f"\n{'model':<14} {'plain ms':>9} {'watch ms':>9} {'ratio':>7} {'range':>15} {'est.':>7} {'paired':>7} {'unobserved':>10}  "
           f"{'probe':>7} {'shadow':>7} {'switched':>8} {'clip':>7}")
+    for r in results:
+        if "toggled" in r:
+            tg = r["toggled"]
+            print(f"{r['model']}: toggled on one copy, {tg['rounds']} rounds: ratio median {tg['median']:.4f} "
+                  f"(range {min(tg['ratios']):.4f}-{max(tg['ratios']):.4f}), ratio of the medians "
+                  f"{tg['ratio_of_medians']:.4f}")
     for r in results:
         k = r["kinds"]
         if not k:
