@@ -343,17 +343,28 @@ def toggled(name: str, c: Copy, batches: Callable[[int], List[dict]], device: st
     attached and with none, alternating (``args.toggle_rounds`` rounds, the order flipped each round; each block's
     first two steps untimed: the attach and the first probe step out of it, the cadence kept in the rest). The two
     copies of the side-by-side rounds can differ by more than the watch costs (their steps did by up to 5%); here
-    both blocks run the same modules, memory and compiled graphs. A round's ratio: the unwatched block's seconds
-    per step over the watched block's."""
-    c.recording = False
-    ratios, on_ms, off_ms = [], [], []
+    both blocks run the same modules, memory and compiled graphs. A round's ratio (``ratios``): the unwatched
+    block's seconds per step over the watched block's (wall clock). On CUDA also ``median_ratios``, from CUDA
+    events around each step: the unwatched block's median step over the watched block's medians at its cadence
+    (plain + (probe - plain) / probe_every), which a block's few slow steps move less."""
+    ratios, median_ratios, on_ms, off_ms = [], [], [], []
+    c.recording = True
     for r in range(args.toggle_rounds):
-        times = {}
+        times, medians = {}, {}
         for watched in ((True, False) if r % 2 == 0 else (False, True)):
             data = batches(args.block + 2)
             if watched:
                 c.watch = InstabilityWatch(c.model, WatchConfig())
+            c.events.clear()
             times[watched] = timed(c, data, device, skip=2)
+            if device == "cuda":
+                c.events = c.events[2:]
+                steps = c.step_times()
+                if watched:
+                    every = c.watch.config.probe_every
+                    medians[watched] = steps["plain"] + (steps.get("probe", steps["plain"]) - steps["plain"]) / every
+                else:
+                    medians[watched] = steps["unwatched"]
             if watched:
                 c.watch.flush()
                 c.watch.detach()
@@ -361,12 +372,20 @@ def toggled(name: str, c: Copy, batches: Callable[[int], List[dict]], device: st
         on_ms.append(1e3 * times[True])
         off_ms.append(1e3 * times[False])
         ratios.append(times[False] / times[True])
+        if medians:
+            median_ratios.append(medians[False] / medians[True])
         print(f"[{name}] toggled round {r}: unwatched {off_ms[-1]:.2f} ms/step, watched {on_ms[-1]:.2f} ms/step, "
-              f"ratio {ratios[-1]:.4f}", flush=True)
-    c.recording = True
-    return {"rounds": args.toggle_rounds, "block": args.block, "ratios": ratios, "watched_ms": on_ms,
-            "unwatched_ms": off_ms, "median": statistics.median(ratios),
-            "ratio_of_medians": statistics.median(off_ms) / statistics.median(on_ms)}
+              f"ratio {ratios[-1]:.4f}" + (f"; medians {medians[False]:.2f} / {medians[True]:.2f} ms, ratio "
+                                           f"{median_ratios[-1]:.4f}" if medians else ""), flush=True)
+    c.events.clear()
+    c.recording = False
+    out = {"rounds": args.toggle_rounds, "block": args.block, "ratios": ratios, "watched_ms": on_ms,
+           "unwatched_ms": off_ms, "median": statistics.median(ratios),
+           "ratio_of_medians": statistics.median(off_ms) / statistics.median(on_ms)}
+    if median_ratios:
+        out["median_ratios"] = median_ratios
+        out["median_of_median_ratios"] = statistics.median(median_ratios)
+    return out
 
 
 KINDS = {
@@ -506,7 +525,9 @@ def main() -> int:
             tg = r["toggled"]
             print(f"{r['model']}: toggled on one copy, {tg['rounds']} rounds: ratio median {tg['median']:.4f} "
                   f"(range {min(tg['ratios']):.4f}-{max(tg['ratios']):.4f}), ratio of the medians "
-                  f"{tg['ratio_of_medians']:.4f}")
+                  f"{tg['ratio_of_medians']:.4f}" + ("" if "median_ratios" not in tg else
+                  f"; from CUDA events' medians: {tg['median_of_median_ratios']:.4f} (range "
+                  f"{min(tg['median_ratios']):.4f}-{max(tg['median_ratios']):.4f})"))
     for r in results:
         k = r["kinds"]
         if not k:
