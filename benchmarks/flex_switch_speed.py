@@ -7,8 +7,11 @@ switched, so the call runs as the watch runs it: the mask evaluated from ``mask_
 other head standard). For the causal mask, four references with no watch: our kernels called directly with the
 causal flag and with the mask as a boolean mask, each with and without a stabilized head; and the switched call
 with the mask read on every tile it does not see whole ("no causal tiles": the tiles that equal the causal mask
-read from it too, as before 2026-11-28). Each variant is timed with CUDA events over ``--iters`` calls after a
-warm-up, forward and forward + backward, in ``--rounds`` interleaved rounds (alternating order): as called, and
+read from it too, as before 2026-11-28). For every mask, one more reference with no watch: "ours direct, as
+documents", our packed kernels over the mask's documents (every batch row the same; the sliding window as their
+window; no mask and no pre-pass), what a switched call whose ``mask_mod`` were recognized could run instead (0.42×
+FlexAttention on the sliding mask, 2026-11-29: not a route). Each variant is timed with CUDA events over
+``--iters`` calls after a warm-up, forward and forward + backward, in ``--rounds`` interleaved rounds (alternating order): as called, and
 with the host ahead (the GPU held while the host launches every call: the kernels' own time, as inside a model
 whose host runs ahead); the host's own time per call beside them. The table gives medians and the ratio flex /
 variant (> 1: ours faster).
