@@ -11,10 +11,10 @@ read from it too, as before 2026-11-28). For every mask, one more reference with
 documents", our packed kernels over the mask's documents (every batch row the same; the sliding window as their
 window; no mask and no pre-pass), what a switched call whose ``mask_mod`` were recognized could run instead (0.42×
 FlexAttention on the sliding mask, 2026-11-29: not a route). Each variant is timed with CUDA events over
-``--iters`` calls after a warm-up, forward and forward + backward, in ``--rounds`` interleaved rounds (alternating order): as called, and
-with the host ahead (the GPU held while the host launches every call: the kernels' own time, as inside a model
-whose host runs ahead); the host's own time per call beside them. The table gives medians and the ratio flex /
-variant (> 1: ours faster).
+``--iters`` calls after a warm-up, forward and forward + backward, in ``--rounds`` interleaved rounds (alternating
+order): as called, and with the host ahead (the GPU held while the host launches every call: the kernels' own time,
+as inside a model whose host runs ahead); the host's own time per call beside them. The table gives medians and the
+ratio flex / variant (> 1: ours faster).
 
 Run:  python benchmarks/flex_switch_speed.py [--seq 4096] [--batch 4] [--heads 16] [--kv-heads 4]
                                             [--head-dim 128] [--window 1024] [--rounds 5] [--json out.json]
