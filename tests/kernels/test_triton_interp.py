@@ -313,12 +313,12 @@ def test_whole_tiles_of_a_boolean_mask_are_read_as_no_mask(kind, dropout, edge_l
     """The tiles every row of a tile sees whole run the unmasked loop (no mask read); outputs, gradients and the
     probe's counts are those of the kernels reading the mask everywhere, and a causal mask's those of
     ``causal=True``, bit for bit where the tiles are taken in the same order: always with four loops (the edge loop
-    off); with the edge loop (the whole run first, then the other tiles), where no masked key tile comes before the
-    whole run (else equal to float32's rounding). Dropout calls take the fused backward (its dK/dV kernel loops
+    off); with the edge loop in every kernel (the whole run first, then the other tiles), where no masked key tile
+    comes before the whole run (else equal to float32's rounding). Dropout calls take the fused backward (its dK/dV kernel loops
     over query tiles)."""
     import instability_watch.kernels.attention.triton as ta
 
-    monkeypatch.setattr(ta, "EDGE_LOOP", edge_loop)
+    monkeypatch.setattr(ta, "EDGE_LOOP", ("fwd", "dq", "dkdv") if edge_loop else ())
     H, h_kv, N = 2, 1, 70
     q, k, v, do = _inputs(("whole tiles", kind), 2, H, h_kv, N, 16, dtype=torch.float32)
     mask = _whole_tile_masks(N)[kind]
