@@ -255,6 +255,28 @@ def masked_scores(qk, M_blk, start_n, cols, row_ok, N_KV, stride_mk, sm_scale,
 
 
 @triton.jit
+def edge_kept(M_blk, start_n, rows, cols, ok, stride_mk, c_lo, c_hi):
+    """Which entries of a boolean mask's tile are kept, the tile starting at key ``start_n`` (or, transposed, at
+    row ``start_n``: ``M_blk`` then walks the rows): compared by position (row >= key) where ``start_n`` lies in
+    ``[c_lo, c_hi)`` (tiles the pre-pass found equal to the causal mask), else read from the mask where ``ok``
+    (False elsewhere). ``rows`` and ``cols`` broadcast to the tile's shape."""
+    causal = (start_n >= c_lo) & (start_n < c_hi)
+    keep = tl.load(M_blk + start_n * stride_mk, mask=tl.where(causal, False, ok), other=0)
+    return (keep != 0) | ((rows >= cols) & causal)
+
+
+@triton.jit
+def edge_scores(qk, M_blk, start_n, offs_m, cols, row_ok, N_KV, stride_mk, c_lo, c_hi, MASK_KV: tl.constexpr):
+    """:func:`masked_scores` of a boolean mask's tile outside its whole run (``-inf`` where not kept), the tiles
+    that equal the causal mask by the causal compare (:func:`edge_kept`)."""
+    ok = row_ok[:, None]
+    if MASK_KV:
+        ok = ok & (cols[None, :] < N_KV)
+    keep = edge_kept(M_blk, start_n, offs_m[:, None], cols[None, :], ok, stride_mk, c_lo, c_hi)
+    return tl.where(keep, qk, float("-inf"))
+
+
+@triton.jit
 def philox(k0, k1, c0, c1, c2, c3):
     """Philox4x32 (reference.philox) on uint32 counters (tensors) and key (scalars)."""
     for r in tl.static_range(P_ROUNDS):

@@ -71,6 +71,11 @@ FUSED_BACKWARD: Optional[bool] = None
 # switched flex calls 3.11 ms against 3.47 causal, 1.89 against 1.90 sliding, 1.77 against 2.04 documents; RESULTS.md),
 # not additive masks (not measured); True: those too; False: never.
 TILE_ORDER: Optional[bool] = None
+# The kernels that walk a boolean mask's tiles outside its run of whole tiles in one loop (the tiles equal to the
+# causal mask compared by position within it), then the whole run: two loops where there were four. H200,
+# 2026-11-29 (switched flex calls; RESULTS.md): the forward and dK/dV faster with it, dQ slower (its registers
+# spill); "dq" may be added, () is the four loops everywhere (flex_switch_speed.py's variants).
+EDGE_LOOP: Tuple[str, ...] = ("fwd", "dkdv")
 
 
 def _launch_grid(tiles: int, heads: int, mask, key, ranges):
@@ -176,6 +181,12 @@ def _whole_tiles(kind: int, causal: bool) -> bool:
     return kind in (MASK_BOOL, MASK_DOCS) and not causal
 
 
+def _edge_loop(kernel: str, kind: int, causal: bool) -> bool:
+    """Whether ``kernel`` ("fwd", "dq" or "dkdv") walks a boolean mask's tiles outside its whole run in one loop
+    (:data:`EDGE_LOOP`)."""
+    return kernel in EDGE_LOOP and kind == MASK_BOOL and _whole_tiles(kind, causal)
+
+
 # launch-table entries of their own, measured on calls with documents or a boolean mask (where the table has one)
 _OWN_ENTRIES = {("dkdv", MASK_DOCS): "dkdv_docs", ("dkdv", MASK_BOOL): "dkdv_mask", ("dq", MASK_BOOL): "dq_mask"}
 
@@ -256,7 +267,8 @@ def attention_forward_lse2(
          drop_thr, drop_scale),
         dict(
             CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe,
-            MASK_KIND=mask.kind, WHOLE_TILES=_whole_tiles(mask.kind, causal), DROPOUT=seed is not None,
+            MASK_KIND=mask.kind, WHOLE_TILES=_whole_tiles(mask.kind, causal),
+            EDGE_LOOP=_edge_loop("fwd", mask.kind, causal), DROPOUT=seed is not None,
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
             # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
             EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
@@ -404,7 +416,8 @@ def attention_backward_lse2(
              *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale_of(mask.kind, scale), scale,
              drop_thr, drop_scale),
             dict(CAUSAL=causal, SHADOW=False, DELTA_FROM_O=False, MASK_KIND=mask.kind,
-                 WHOLE_TILES=_whole_tiles(mask.kind, causal), DROPOUT=seed is not None,
+                 WHOLE_TILES=_whole_tiles(mask.kind, causal),
+                 EDGE_LOOP=_edge_loop("dq", mask.kind, causal), DROPOUT=seed is not None,
                  MASK_GRAD=False, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  DOT_PRECISION=precision, DELTA_HP_ONLY=True, ORDERED=ordered, **cfg.options()),
         )
@@ -442,6 +455,7 @@ def attention_backward_lse2(
              *out_v.stride()[:3], *mask.strides, *r_strides, H, heads, kv_div,
              N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
             dict(CAUSAL=causal, MASK_KIND=mask.kind, WHOLE_TILES=_whole_tiles(mask.kind, causal),
+                 EDGE_LOOP=_edge_loop("dkdv", mask.kind, causal),
                  DROPOUT=seed is not None, FUSED_DQ=dq_acc is not None,
                  HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
                  PART=part, ORDERED=ordered, **cfg.options()),
@@ -485,7 +499,8 @@ def attention_backward_lse2(
             (*q.stride()[:3], *k.stride()[:3], *v.stride()[:3], *o.stride()[:3], *do.stride()[:3], *dq.stride()[:3],
              *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
             dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, MASK_KIND=mask.kind,
-                 WHOLE_TILES=_whole_tiles(mask.kind, causal), DROPOUT=seed is not None,
+                 WHOLE_TILES=_whole_tiles(mask.kind, causal),
+                 EDGE_LOOP=_edge_loop("dq", mask.kind, causal), DROPOUT=seed is not None,
                  MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
                  BLOCK_N=block_n, DOT_PRECISION=precision, HAS_DLSE=dlse is not None, ORDERED=ordered,
                  **cfg.options()),

@@ -14,6 +14,8 @@ from instability_watch.kernels.triton_common import (
     dropout_keep,
     document_scores,
     dropout_key,
+    edge_kept,
+    edge_scores,
     masked_scores,
 )
 
@@ -51,11 +53,18 @@ def _dkdv_inner(
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     FUSED_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PART: tl.constexpr,
+    skip_lo=0, skip_hi=0, c_lo=0, c_hi=0, EDGES: tl.constexpr = False,
 ):
     """dK/dV's loop over the query blocks ``[lo, hi)`` of one query head: ``(dk, dv)`` accumulated (and with
     ``FUSED_DQ`` their dQ shares added). (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents'
-    window bounds.)"""
-    for start_m in range(lo, hi, BLOCK_M):
+    window bounds.) With ``EDGES`` (a boolean mask), the blocks outside ``[skip_lo, skip_hi)``, those in
+    ``[c_lo, c_hi)`` by the causal compare."""
+    end = hi
+    if EDGES:
+        end = hi - (skip_hi - skip_lo)
+    for start_m in range(lo, end, BLOCK_M):
+        if EDGES:
+            start_m = start_m + tl.where(start_m >= skip_lo, skip_hi - skip_lo, 0)
         offs_m = start_m + offs_m0
         m_ok = offs_m < N_Q
         q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
@@ -71,7 +80,11 @@ def _dkdv_inner(
             s_t = document_scores(s_t, Docs, offs_n, offs_m, N_Q, N_KV, stride_mh, stride_mn, True)
         elif MASK_KIND != 0:  # the mask read transposed: rows of the tile are keys
             ok = (offs_n[:, None] < N_KV) & m_ok[None, :]
-            if MASK_KIND == 1:
+            if EDGES:
+                keep_t = edge_kept(m_base + offs_m0[None, :] * stride_mn, start_m, offs_m[None, :], offs_n[:, None],
+                                   ok, stride_mn, c_lo, c_hi)
+                s_t = tl.where(keep_t, s_t, float("-inf"))
+            elif MASK_KIND == 1:
                 keep_t = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=0)
                 s_t = tl.where(keep_t != 0, s_t, float("-inf"))
             else:
@@ -119,7 +132,7 @@ def attn_bwd_dkdv(
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr,
     FUSED_DQ: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr, PART: tl.constexpr, ORDERED: tl.constexpr = False,
+    DOT_PRECISION: tl.constexpr, PART: tl.constexpr, ORDERED: tl.constexpr = False, EDGE_LOOP: tl.constexpr = False,
 ):
     """One KV block of one KV head: dK, dV summed over the query heads that read it (GQA).
 
@@ -164,7 +177,25 @@ def attn_bwd_dkdv(
             m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_n[:, None] * stride_mk
         else:
             m_base = Mask  # not read
-        if WHOLE_TILES:  # the mask's query blocks before those that see all of this block, then those (no mask)
+        if WHOLE_TILES and EDGE_LOOP:  # a boolean mask's blocks outside the whole run in one loop (in row order where
+            # the mask is causal: as causal=True), then the whole run
+            w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
+            w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
+            c0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), lo), w0)
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
+                stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
+                offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
+                drop_scale, lo, hi, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART,
+                skip_lo=w0, skip_hi=w1, c_lo=c0, c_hi=w0, EDGES=True)
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
+                stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
+                offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
+                drop_scale, w0, w1, CAUSAL=False, MASK_KIND=0, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
+        elif WHOLE_TILES:  # the mask's query blocks before those that see all of this block, then those (no mask)
             w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
             w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
             c0 = w0
@@ -190,12 +221,13 @@ def attn_bwd_dkdv(
                 drop_scale, w0, w1, CAUSAL=False, MASK_KIND=0, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
             lo = w1  # then the mask's query blocks after them
-        dk, dv = _dkdv_inner(
-            dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
-            stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
-            offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
-            drop_scale, lo, hi, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
+        if not (WHOLE_TILES and EDGE_LOOP):
+            dk, dv = _dkdv_inner(
+                dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
+                stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
+                offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
+                drop_scale, lo, hi, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
 
     if PART != 2:
         dk = dk * scale
@@ -215,11 +247,18 @@ def _dq_inner(
     lo, hi,
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, SHADOW: tl.constexpr, DELTA_HP_ONLY: tl.constexpr,
     DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    DOT_PRECISION: tl.constexpr,
+    DOT_PRECISION: tl.constexpr, skip_lo=0, skip_hi=0, c_lo=0, c_hi=0, EDGES: tl.constexpr = False,
 ):
     """dQ's loop over the KV blocks ``[lo, hi)`` of one query block: ``(dq, delta_hp)`` accumulated.
-    (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents' window bounds.)"""
-    for start_n in range(lo, hi, BLOCK_N):
+    (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents' window bounds.) With ``EDGES`` (a
+    boolean mask), the blocks outside ``[skip_lo, skip_hi)``, those in ``[c_lo, c_hi)`` by the causal compare
+    (as the forward's loop)."""
+    end = hi
+    if EDGES:
+        end = hi - (skip_hi - skip_lo)
+    for start_n in range(lo, end, BLOCK_N):
+        if EDGES:
+            start_n = start_n + tl.where(start_n >= skip_lo, skip_hi - skip_lo, 0)
         offs_n = start_n + offs_n0
         kv_mask = (offs_n[:, None] < N_KV) & d_ok
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
@@ -227,6 +266,9 @@ def _dq_inner(
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASK_KIND == 3:  # a packed call's documents: the mask strides carry (n_docs, win_l, win_r, 0)
             s = document_scores(s, Docs, offs_m, offs_n, N_Q, N_KV, stride_mh, stride_mn, False)
+        elif EDGES:
+            s = edge_scores(s, m_base + offs_n0[None, :] * stride_mk, start_n, offs_m, offs_n, m_ok, N_KV, stride_mk,
+                            c_lo, c_hi, True)
         elif MASK_KIND != 0:  # as the forward: qk_scale is log2(e) for an additive mask
             s = masked_scores(s, m_base + offs_n0[None, :] * stride_mk, start_n, offs_n, m_ok, N_KV, stride_mk,
                               scale, MASK_KIND, True)
@@ -264,7 +306,7 @@ def attn_bwd_dq(
     CAUSAL: tl.constexpr, SHADOW: tl.constexpr, DELTA_FROM_O: tl.constexpr,
     MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DELTA_HP_ONLY: tl.constexpr = False,
-    HAS_DLSE: tl.constexpr = False, ORDERED: tl.constexpr = False,
+    HAS_DLSE: tl.constexpr = False, ORDERED: tl.constexpr = False, EDGE_LOOP: tl.constexpr = False,
 ):
     """One query block: delta = rowsum(dO * O) (stored for the dK/dV kernel, launched after this
     one), dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta.
@@ -322,7 +364,24 @@ def attn_bwd_dq(
         hi = tl.minimum(start_m + BLOCK_M, N_KV)
     else:
         hi = N_KV
-    if WHOLE_TILES:  # the mask's blocks before those every row sees whole, then those (read as no mask)
+    if WHOLE_TILES and EDGE_LOOP:  # a boolean mask's whole run, then its other blocks in one loop (as the forward)
+        w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
+        w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
+        c1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), w1), hi)
+        dq, delta_hp = _dq_inner(
+            dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
+            stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
+            offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
+            w0, w1, CAUSAL=False, MASK_KIND=0, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
+            MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+        dq, delta_hp = _dq_inner(
+            dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
+            stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
+            offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
+            lo, hi, CAUSAL=False, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
+            MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+            skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True)
+    elif WHOLE_TILES:  # the mask's blocks before those every row sees whole, then those (read as no mask)
         w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
         w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
         dq, delta_hp = _dq_inner(
@@ -348,12 +407,13 @@ def attn_bwd_dq(
                 MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
             lo = c1
         # then the mask's blocks after them
-    dq, delta_hp = _dq_inner(
-        dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
-        stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
-        offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
-        lo, hi, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
-        MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+    if not (WHOLE_TILES and EDGE_LOOP):
+        dq, delta_hp = _dq_inner(
+            dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
+            stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
+            offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
+            lo, hi, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
+            MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
 
     if DELTA_HP_ONLY:
         tl.store(Delta + off_bh * N_Q + offs_m, delta_hp, mask=m_ok)

@@ -17,6 +17,7 @@ from instability_watch.kernels.triton_common import (
     dropout_keep,
     dropout_key,
     document_scores,
+    edge_scores,
     masked_scores,
     max_rows,
     stabilized_shift2,
@@ -34,7 +35,7 @@ def _fwd_inner(
     MASK_CAUSAL: tl.constexpr, MASK_KV: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     TRACK_TIES: tl.constexpr, HAS_STAB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ASM: tl.constexpr,
+    ASM: tl.constexpr, skip_lo=0, skip_hi=0, c_lo=0, c_hi=0, EDGES: tl.constexpr = False,
 ):
     # State per row: r the running maximum of the raw scores q.k (exact comparisons at any
     # magnitude), m the softmax shift in log2 units, c the near-maximum count. A standard
@@ -45,7 +46,15 @@ def _fwd_inner(
     # P = exp2(q.k * qk_scale - m) is one FMA and one exp2 per score (FA2's form; the product
     # inside the FMA is exact, so scores near the maximum keep their exact distance to it up to
     # the rounding of m, common to the row).
-    for start_n in range(lo, hi, BLOCK_N):
+    # With EDGES (a boolean mask): the tiles of [lo, hi) outside [skip_lo, skip_hi) (the whole run, a loop of its
+    # own), those in [c_lo, c_hi) by the causal compare, the others read from the mask: one loop where there were
+    # three (each loop costs the kernel, even where it runs no tile).
+    end = hi
+    if EDGES:
+        end = hi - (skip_hi - skip_lo)
+    for start_n in range(lo, end, BLOCK_N):
+        if EDGES:
+            start_n = start_n + tl.where(start_n >= skip_lo, skip_hi - skip_lo, 0)
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         # -- load the KV block (keys past N_KV and padded head dims read as 0)
@@ -63,6 +72,8 @@ def _fwd_inner(
             qk = tl.where(offs_m[:, None] >= cols[None, :], qk, float("-inf"))
         if MASK_KIND == 3:  # a packed call's documents (M_ptrs: the document vector)
             qk = document_scores(qk, M_ptrs, offs_m, cols, N_Q, N_KV, win_l, win_r, False)
+        elif EDGES:
+            qk = edge_scores(qk, M_ptrs, start_n, offs_m, cols, row_ok, N_KV, stride_mk, c_lo, c_hi, MASK_KV)
         elif MASK_KIND != 0:  # the call's mask (an additive one turns qk into scaled scores, in nats)
             qk = masked_scores(qk, M_ptrs, start_n, cols, row_ok, N_KV, stride_mk, sm_scale, MASK_KIND, MASK_KV)
         if MASK_KV:
@@ -127,9 +138,10 @@ def attn_fwd(
     MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
-    ASM: tl.constexpr, WARP_STATS: tl.constexpr, ORDERED: tl.constexpr = False,
+    ASM: tl.constexpr, WARP_STATS: tl.constexpr, ORDERED: tl.constexpr = False, EDGE_LOOP: tl.constexpr = False,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
+    tl.static_assert(not EDGE_LOOP or (MASK_KIND == 1 and WHOLE_TILES), "EDGE_LOOP: a boolean mask's tiles")
     if ORDERED:  # the grid is (batch x heads, tiles) and Order the query tiles, the most work first
         start_m = tl.load(Order + tl.program_id(1))
         off_bh = tl.program_id(0)
@@ -219,6 +231,27 @@ def attn_fwd(
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
         )
         lo = n_full
+    elif WHOLE_TILES and EDGE_LOOP:  # (a boolean mask) its whole run first, as a call without a mask, ...
+        acc, l_i, r_i, m_i, c_i = _fwd_inner(
+            acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
+            offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
+            k0, k1, thr, off_bh,
+            w0, w1, N_Q, stride_mh, stride_mn,
+            MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=0, DROPOUT=DROPOUT, TRACK_TIES=TRACK_TIES,
+            HAS_STAB=HAS_STAB, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+            ASM=ASM,
+        )
+        # ... then its other tiles in one loop (in key order where the mask is causal: as causal=True)
+        acc, l_i, r_i, m_i, c_i = _fwd_inner(
+            acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
+            offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
+            k0, k1, thr, off_bh,
+            lo, hi, N_Q, stride_mh, stride_mn,
+            MASK_CAUSAL=False, MASK_KV=not EVEN_N, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+            TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
+            skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True,
+        )
     elif WHOLE_TILES:
         # the mask's blocks before the whole ones ...
         acc, l_i, r_i, m_i, c_i = _fwd_inner(
@@ -252,15 +285,16 @@ def attn_fwd(
                 ASM=ASM,
             )
             lo = c1  # ... and the mask's blocks after them, below
-    acc, l_i, r_i, m_i, c_i = _fwd_inner(
-        acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
-        offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
-        k0, k1, thr, off_bh,
-        lo, hi, N_Q, stride_mh, stride_mn,
-        MASK_CAUSAL=CAUSAL, MASK_KV=(MASK_KIND == 0) or not EVEN_N, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
-        TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
-        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
-    )
+    if not (WHOLE_TILES and EDGE_LOOP):  # the last loop: a mask's tiles after its whole run
+        acc, l_i, r_i, m_i, c_i = _fwd_inner(
+            acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
+            offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
+            k0, k1, thr, off_bh,
+            lo, hi, N_Q, stride_mh, stride_mn,
+            MASK_CAUSAL=CAUSAL, MASK_KV=(MASK_KIND == 0) or not EVEN_N, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+            TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
+        )
 
     # -- epilogue: O rounded once, LSE in log2 units. With a mask a row may see no key at
     #    all: O = 0 and LSE = +inf (its backward is 0), as SDPA.
