@@ -163,13 +163,17 @@ def main() -> int:
     mask_dq = LAUNCH_TABLE.get(("dq_mask", TENSOR_CORES))
     mask_dq = mask_dq if mask_dq is not None and tile in mask_dq else None
     mask_dq_default = mask_dq[tile] if mask_dq is not None else None
+    # and its forward's (a variant runs the watched dense calls' forward config in its place)
+    mask_fwd = LAUNCH_TABLE.get(("fwd_mask", TENSOR_CORES))
+    mask_fwd = mask_fwd if mask_fwd is not None and tile in mask_fwd else None
+    mask_fwd_default = mask_fwd[tile] if mask_fwd is not None else None
     for mask in args.masks.split(","):
         block = fa.create_block_mask(mask_mods[mask], None, None, N, N, device=dev)
         torch._dynamo.reset()
         plain.recompile()
         switched.recompile()
         def run_switched(expand: bool, fused=None, ordered=None, causal_tiles=True, dkdv=None, dq=None,
-                         edge_loop=("fwd", "dkdv")):
+                         edge_loop=("fwd", "dkdv"), fwd=None):
             def call():  # (ordered, dkdv, dq None: the defaults; dkdv "as is": the table untouched, for the sweep)
                 ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
                 ta.FUSED_BACKWARD = fused
@@ -180,6 +184,8 @@ def main() -> int:
                     mask_dkdv[tile] = mask_dkdv_default if dkdv is None else LaunchConfig.of(dkdv)
                 if mask_dq is not None and dkdv != "as is":
                     mask_dq[tile] = mask_dq_default if dq is None else LaunchConfig.of(dq)
+                if mask_fwd is not None and dkdv != "as is":
+                    mask_fwd[tile] = mask_fwd_default if fwd is None else LaunchConfig.of(fwd)
                 return switched(q, k, v, block)
             return call
 
@@ -194,6 +200,8 @@ def main() -> int:
             variants["switched, dK/dV (64, 128, 8, 3)"] = run_switched(False, dkdv=(64, 128, 8, 3))
         if mask_dq is not None:
             variants["switched, dQ (128, 64, 8, 3)"] = run_switched(False, dq=(128, 64, 8, 3))
+        if mask_fwd is not None:
+            variants["switched, forward (128, 128, 8, 2)"] = run_switched(False, fwd=(128, 128, 8, 2))
         # what a switched call whose mask were recognized could run: our kernels over documents (every batch row the
         # same), their window compared by position, no mask read and no pre-pass; head 0 stabilized as when switched
         variants["ours direct, as documents, head 0 stabilized"] = lambda m=mask: direct_documents(m)
@@ -235,9 +243,9 @@ def main() -> int:
                 c for c in (SMALL_FWD_GRID if kernel == "fwd" else SMALL_BWD_GRID) if keep(c, ta.head_dim_tile(D))]
             if args.sweep_configs:
                 grid = [tuple(int(x) for x in c.split(",")) for c in args.sweep_configs.split(";") if c.strip()]
-            # a boolean mask's dK/dV and dQ take their own entries where the table has them
-            key = f"{kernel}_mask" if kernel != "fwd" and has_launch_config(f"{kernel}_mask", ta.head_dim_tile(D),
-                                                                              torch.bfloat16) else kernel
+            # a boolean mask's forward, dK/dV and dQ take their own entries where the table has them
+            key = f"{kernel}_mask" if has_launch_config(f"{kernel}_mask", ta.head_dim_tile(D), torch.bfloat16) \
+                else kernel
             sweeps.setdefault(mask, {})[kernel] = sweep_launch_configs(key, D, timed, grid=grid, log=print)
     resources = kernel_resources(ta.attn_fwd, ta.attn_bwd_dq, ta.attn_bwd_dkdv)
     print_kernel_resources(resources)
