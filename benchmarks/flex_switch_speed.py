@@ -7,10 +7,11 @@ switched, so the call runs as the watch runs it: the mask evaluated from ``mask_
 other head standard). For the causal mask, four references with no watch: our kernels called directly with the
 causal flag and with the mask as a boolean mask, each with and without a stabilized head; and the switched call
 with the mask read on every tile it does not see whole ("no causal tiles": the tiles that equal the causal mask
-read from it too, as before 2026-11-28). For every mask, one more reference with no watch: "ours direct, as
-documents", our packed kernels over the mask's documents (every batch row the same; the sliding window as their
-window; no mask and no pre-pass), what a switched call whose ``mask_mod`` were recognized could run instead (0.42×
-FlexAttention on the sliding mask, 2026-11-29: not a route). Each variant is timed with CUDA events over
+read from it too, as before 2026-11-28), and with the pre-pass reading the mask byte by byte ("the pre-pass
+byte by byte", as before 2026-11-29; now four keys a word). For every mask, one more reference with no watch: "ours
+direct, as documents", our packed kernels over the mask's documents (every batch row the same; the sliding window
+as their window; no mask and no pre-pass), what a switched call whose ``mask_mod`` were recognized could run
+instead (0.42× FlexAttention on the sliding mask, 2026-11-29: not a route). Each variant is timed with CUDA events over
 ``--iters`` calls after a warm-up, forward and forward + backward, in ``--rounds`` interleaved rounds (alternating
 order): as called, and with the host ahead (the GPU held while the host launches every call: the kernels' own time,
 as inside a model whose host runs ahead); the host's own time per call beside them. The table gives medians and the
@@ -125,7 +126,8 @@ def main() -> int:
         tril = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
 
     def direct_causal(stabilize=None, mask=None):
-        ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER, masks.CAUSAL_TILES = False, None, None, True
+        ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER, masks.CAUSAL_TILES, masks.FLAG_WORDS = (False, None, None,
+                                                                                              True, True)
         return flash_attention(q, k, v, causal=mask is None, attn_mask=mask, stabilize=stabilize)
 
     from instability_watch.kernels.attention.ops import FlashAttention
@@ -158,12 +160,14 @@ def main() -> int:
         torch._dynamo.reset()
         plain.recompile()
         switched.recompile()
-        def run_switched(expand: bool, fused=None, ordered=None, causal_tiles=True, dkdv=None, dq=None):
+        def run_switched(expand: bool, fused=None, ordered=None, causal_tiles=True, dkdv=None, dq=None,
+                         words=True):
             def call():  # (ordered, dkdv, dq None: the defaults; dkdv "as is": the table untouched, for the sweep)
                 ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
                 ta.FUSED_BACKWARD = fused
                 ta.TILE_ORDER = ordered
                 masks.CAUSAL_TILES = causal_tiles
+                masks.FLAG_WORDS = words
                 if mask_dkdv is not None and dkdv != "as is":
                     mask_dkdv[tile] = mask_dkdv_default if dkdv is None else LaunchConfig.of(dkdv)
                 if mask_dq is not None and dkdv != "as is":
@@ -175,7 +179,8 @@ def main() -> int:
                     "switched, dK/dV per query head": run_switched(True),
                     "switched, fused backward": run_switched(False, True),
                     "switched, tiles in grid order": run_switched(False, None, False),
-                    "switched, no causal tiles (the mask read)": run_switched(False, causal_tiles=False)}
+                    "switched, no causal tiles (the mask read)": run_switched(False, causal_tiles=False),
+                    "switched, the pre-pass byte by byte": run_switched(False, words=False)}
         if mask_dkdv is not None:
             variants["switched, dK/dV (64, 128, 8, 3)"] = run_switched(False, dkdv=(64, 128, 8, 3))
         if mask_dq is not None:
