@@ -125,9 +125,12 @@ def main() -> int:
         stab0[0] = True
         tril = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
 
-    def direct_causal(stabilize=None, mask=None):
+    def defaults():  # the kernels' module settings as the library has them (the variants change them)
         ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER, masks.CAUSAL_TILES, masks.FLAG_WORDS = (False, None, None,
                                                                                               True, True)
+
+    def direct_causal(stabilize=None, mask=None):
+        defaults()
         return flash_attention(q, k, v, causal=mask is None, attn_mask=mask, stabilize=stabilize)
 
     from instability_watch.kernels.attention.ops import FlashAttention
@@ -140,7 +143,7 @@ def main() -> int:
     left = {"causal": -1, "sliding": w - 1, "document": -1}
 
     def direct_documents(mask):
-        ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER, masks.CAUSAL_TILES = False, None, None, True
+        defaults()
         cu = bounds[mask]
         return FlashAttention.apply(q, k, v, None, None, stab_first, None, None, False, False, D ** -0.5,
                                     DEFAULT_BETA, DEFAULT_EPS, 0.0, "triton", False, cu, cu, left[mask], 0, False)[0]

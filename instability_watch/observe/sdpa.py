@@ -225,9 +225,9 @@ class SdpaObserver(TorchFunctionMode):
         super().__init__()
         self.key = next(_observer_keys)
         _OBSERVERS[self.key] = self
-        if _GROUPS.get(observation.group_key) is not observation:  # None: a new key; else one taken back
-            observation.group_key = next(_group_keys) if observation.group_key is None else observation.group_key
-            _GROUPS[observation.group_key] = observation
+        if observation.group_key is None:  # else a key taken back (observation.take_group), or its first observer's
+            observation.group_key = next(_group_keys)
+        _GROUPS[observation.group_key] = observation
         self.group = observation.group_key
         self.site = site  # bookkeeping at trace time / eager only
         self.observation = observation
