@@ -19,6 +19,7 @@ ratio flex / variant (> 1: ours faster).
 
 Run:  python benchmarks/flex_switch_speed.py [--seq 4096] [--batch 4] [--heads 16] [--kv-heads 4]
                                             [--head-dim 128] [--window 1024] [--rounds 5] [--json out.json]
+                                            [--only "VARIANT;VARIANT"]
                                             [--sweep dkdv --sweep dq ...]
 
 ``--sweep KERNEL`` (fwd, dkdv or dq; repeatable) then tries the launch-config grid of ``_common`` for that
@@ -47,6 +48,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--masks", default="causal,sliding,document")
+    ap.add_argument("--only", metavar="NAME;NAME",
+                    help="time only these variants (';' between names, as the table prints them), beside 'flex' "
+                         "and 'switched', which always run")
     ap.add_argument("--json")
     ap.add_argument("--profile", metavar="DIR",
                     help="also profile 5 forward + backward calls of each variant (torch.profiler) and write each "
@@ -196,6 +200,12 @@ def main() -> int:
             variants["ours direct, causal flag, head 0 stabilized"] = lambda: direct_causal(stab0)
             variants["ours direct, the causal mask as a mask"] = lambda: direct_causal(mask=tril)
             variants["ours direct, the mask, head 0 stabilized"] = lambda: direct_causal(stab0, tril)
+        if args.only:
+            wanted = {"flex", "switched", *(n.strip() for n in args.only.split(";"))}
+            unknown = sorted(wanted - set(variants))
+            if unknown and mask == args.masks.split(",")[0]:
+                print(f"--only: no variant {unknown} on the {mask} mask; its variants: {sorted(variants)}")
+            variants = {name: fn for name, fn in variants.items() if name in wanted}
         results = {name: {"fwd": [], "fwd+bwd": [], "host fwd+bwd": [], "ahead fwd+bwd": []} for name in variants}
         for r in range(args.rounds):
             for name in (list(variants) if r % 2 == 0 else list(reversed(variants))):
