@@ -7,16 +7,17 @@ so the call runs as the watch runs it: the mask evaluated from ``mask_mod``, the
 standard). For the causal mask, four references with no watch: our kernels called directly with the causal flag and
 with the mask as a boolean mask, each with and without a stabilized head; and the switched call with the mask read on
 every tile it does not see whole ("no causal tiles": the tiles that equal the causal mask read from it too, as before
-2026-11-28). "switched, four loops": each kernel walks a boolean mask's tiles in four loops (the mask's tiles before
-the whole run, the whole run, the causal tiles, the mask's tiles after), as before 2026-11-29, where the forward and
-dK/dV now walk two (the whole run, then the other tiles); "the edge loop in dQ too": dQ walks two as well. For every
-mask, one more reference with no watch: "ours direct, as documents", our packed kernels over the mask's documents
-(every batch row the same; the sliding window as their window; no mask and no pre-pass), what a switched call whose
-``mask_mod`` were recognized could run instead (0.42× FlexAttention on the sliding mask, 2026-11-29: not a route).
-Each variant is timed with CUDA events over ``--iters`` calls after a warm-up, forward and forward + backward, in
-``--rounds`` interleaved rounds (alternating order): as called, and with the host ahead (the GPU held while the host
-launches every call: the kernels' own time, as inside a model whose host runs ahead); the host's own time per call
-beside them. The table gives medians and the ratio flex / variant (> 1: ours faster).
+2026-11-28), and with the pre-pass reading the mask byte by byte ("the pre-pass byte by byte", as before 2026-11-29;
+now four keys a word). "switched, four loops": each kernel walks a boolean mask's tiles in four loops (the mask's
+tiles before the whole run, the whole run, the causal tiles, the mask's tiles after), as before 2026-11-29, where the
+forward and dK/dV now walk two (the whole run, then the other tiles); "the edge loop in dQ too": dQ walks two as well.
+For every mask, one more reference with no watch: "ours direct, as documents", our packed kernels over the mask's
+documents (every batch row the same; the sliding window as their window; no mask and no pre-pass), what a switched
+call whose ``mask_mod`` were recognized could run instead (0.42× FlexAttention on the sliding mask, 2026-11-29: not a
+route). Each variant is timed with CUDA events over ``--iters`` calls after a warm-up, forward and forward + backward,
+in ``--rounds`` interleaved rounds (alternating order): as called, and with the host ahead (the GPU held while the
+host launches every call: the kernels' own time, as inside a model whose host runs ahead); the host's own time per
+call beside them. The table gives medians and the ratio flex / variant (> 1: ours faster).
 
 Run:  python benchmarks/flex_switch_speed.py [--seq 4096] [--batch 4] [--heads 16] [--kv-heads 4]
                                             [--head-dim 128] [--window 1024] [--rounds 5] [--json out.json]
@@ -132,7 +133,7 @@ def main() -> int:
 
     def defaults():  # the kernels' module settings as the library has them (the variants change them)
         ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER = False, None, None
-        masks.CAUSAL_TILES, ta.EDGE_LOOP = True, ("fwd", "dkdv")
+        masks.CAUSAL_TILES, masks.FLAG_WORDS, ta.EDGE_LOOP = True, True, ("fwd", "dkdv")
 
     def direct_causal(stabilize=None, mask=None):
         defaults()
@@ -163,23 +164,30 @@ def main() -> int:
     mask_dq = LAUNCH_TABLE.get(("dq_mask", TENSOR_CORES))
     mask_dq = mask_dq if mask_dq is not None and tile in mask_dq else None
     mask_dq_default = mask_dq[tile] if mask_dq is not None else None
+    # and its forward's (a variant runs the watched dense calls' forward config in its place)
+    mask_fwd = LAUNCH_TABLE.get(("fwd_mask", TENSOR_CORES))
+    mask_fwd = mask_fwd if mask_fwd is not None and tile in mask_fwd else None
+    mask_fwd_default = mask_fwd[tile] if mask_fwd is not None else None
     for mask in args.masks.split(","):
         block = fa.create_block_mask(mask_mods[mask], None, None, N, N, device=dev)
         torch._dynamo.reset()
         plain.recompile()
         switched.recompile()
         def run_switched(expand: bool, fused=None, ordered=None, causal_tiles=True, dkdv=None, dq=None,
-                         edge_loop=("fwd", "dkdv")):
+                         edge_loop=("fwd", "dkdv"), fwd=None, words=True):
             def call():  # (ordered, dkdv, dq None: the defaults; dkdv "as is": the table untouched, for the sweep)
                 ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
                 ta.FUSED_BACKWARD = fused
                 ta.TILE_ORDER = ordered
                 masks.CAUSAL_TILES = causal_tiles
                 ta.EDGE_LOOP = edge_loop
+                masks.FLAG_WORDS = words
                 if mask_dkdv is not None and dkdv != "as is":
                     mask_dkdv[tile] = mask_dkdv_default if dkdv is None else LaunchConfig.of(dkdv)
                 if mask_dq is not None and dkdv != "as is":
                     mask_dq[tile] = mask_dq_default if dq is None else LaunchConfig.of(dq)
+                if mask_fwd is not None and dkdv != "as is":
+                    mask_fwd[tile] = mask_fwd_default if fwd is None else LaunchConfig.of(fwd)
                 return switched(q, k, v, block)
             return call
 
@@ -189,11 +197,14 @@ def main() -> int:
                     "switched, tiles in grid order": run_switched(False, None, False),
                     "switched, no causal tiles (the mask read)": run_switched(False, causal_tiles=False),
                     "switched, four loops": run_switched(False, edge_loop=()),
-                    "switched, the edge loop in dQ too": run_switched(False, edge_loop=("fwd", "dq", "dkdv"))}
+                    "switched, the edge loop in dQ too": run_switched(False, edge_loop=("fwd", "dq", "dkdv")),
+                    "switched, the pre-pass byte by byte": run_switched(False, words=False)}
         if mask_dkdv is not None:
             variants["switched, dK/dV (64, 128, 8, 3)"] = run_switched(False, dkdv=(64, 128, 8, 3))
         if mask_dq is not None:
             variants["switched, dQ (128, 64, 8, 3)"] = run_switched(False, dq=(128, 64, 8, 3))
+        if mask_fwd is not None:
+            variants["switched, forward (128, 128, 8, 2)"] = run_switched(False, fwd=(128, 128, 8, 2))
         # what a switched call whose mask were recognized could run: our kernels over documents (every batch row the
         # same), their window compared by position, no mask read and no pre-pass; head 0 stabilized as when switched
         variants["ours direct, as documents, head 0 stabilized"] = lambda m=mask: direct_documents(m)
@@ -235,9 +246,9 @@ def main() -> int:
                 c for c in (SMALL_FWD_GRID if kernel == "fwd" else SMALL_BWD_GRID) if keep(c, ta.head_dim_tile(D))]
             if args.sweep_configs:
                 grid = [tuple(int(x) for x in c.split(",")) for c in args.sweep_configs.split(";") if c.strip()]
-            # a boolean mask's dK/dV and dQ take their own entries where the table has them
-            key = f"{kernel}_mask" if kernel != "fwd" and has_launch_config(f"{kernel}_mask", ta.head_dim_tile(D),
-                                                                              torch.bfloat16) else kernel
+            # a boolean mask's forward, dK/dV and dQ take their own entries where the table has them
+            key = f"{kernel}_mask" if has_launch_config(f"{kernel}_mask", ta.head_dim_tile(D), torch.bfloat16) \
+                else kernel
             sweeps.setdefault(mask, {})[kernel] = sweep_launch_configs(key, D, timed, grid=grid, log=print)
     resources = kernel_resources(ta.attn_fwd, ta.attn_bwd_dq, ta.attn_bwd_dkdv)
     print_kernel_resources(resources)

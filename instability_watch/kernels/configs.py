@@ -17,7 +17,7 @@ from instability_watch.kernels.launch import INTERPRET
 
 # The kernels pad the head dim D to one of these tiles (a power of two of at least 16).
 HEAD_DIM_TILES = (16, 32, 64, 128, 256)
-KERNELS = ("fwd", "dkdv", "dkdv_docs", "dkdv_mask", "dk", "dv", "dq", "dq_mask", "fused", "stats", "shadow")
+KERNELS = ("fwd", "fwd_mask", "dkdv", "dkdv_docs", "dkdv_mask", "dk", "dv", "dq", "dq_mask", "fused", "stats", "shadow")
 
 
 @dataclass(frozen=True)
@@ -72,6 +72,11 @@ _FWD = {16: _C(64, 64, 4, 3, maxnreg=128), 32: _C(64, 64, 4, 3, maxnreg=128), 64
 LAUNCH_TABLE: Dict[Tuple[str, str], Dict[int, LaunchConfig]] = {
     ("fwd", TENSOR_CORES): _FWD,
     ("fwd_watched", TENSOR_CORES): {**_FWD, 128: _C(128, 128, 8, 2)},
+    # The forward of a call with a boolean mask, watched or not (switched flex calls): `benchmarks/flex_switch_speed.py
+    # --sweep fwd` on an H200 (2026-11-29, the kernels' two loops; the forward alone, host ahead): (128, 64, 8, 3)
+    # the fastest on causal, sliding and document masks, 0.696, 0.419, 0.391 ms against 0.753, 0.446, 0.442 for the
+    # watched forward's (128, 128, 8, 2).
+    ("fwd_mask", TENSOR_CORES): {128: _C(128, 64, 8, 3)},
     # D = 256 backward: `benchmarks/attention.py --shapes d256 --sweep dkdv --sweep dq` (H100, 2026-11-24):
     # dK/dV (64, 64, 8, 2) and dQ (64, 64, 4, 2) were the fastest of 28 each.
     ("dkdv", TENSOR_CORES): {16: _C(64, 64, 4, 3), 32: _C(64, 64, 4, 3), 64: _C(64, 64, 4, 3), 128: _C(64, 128, 8, 3),
@@ -154,7 +159,8 @@ def launch_config(
     """The launch configuration of one kernel launch.
 
     Args:
-        kernel: one of :data:`KERNELS`: ``"fwd"``, ``"dkdv"`` (or its passes ``"dk"``, ``"dv"``; over a packed
+        kernel: one of :data:`KERNELS`: ``"fwd"`` (with a boolean mask ``"fwd_mask"``, watched or not, where the
+            table has it), ``"dkdv"`` (or its passes ``"dk"``, ``"dv"``; over a packed
             call's documents ``"dkdv_docs"``, with a boolean mask ``"dkdv_mask"``, where the table has them),
             ``"dq"`` (with a boolean mask ``"dq_mask"``, where the table has it),
             ``"fused"`` (attention),

@@ -522,6 +522,53 @@ def test_the_mask_pre_pass_gives_each_tile_its_span_and_its_whole_tiles(kind):
     assert (n_causal > 0) == (kind in ("causal", "sliding", "documents", "holed"))
 
 
+@pytest.mark.parametrize("kind", ["causal", "sliding", "documents", "random", "holed", "offset by a byte", "70 keys"])
+def test_the_pre_pass_reads_an_aligned_boolean_mask_four_keys_at_a_time(kind, monkeypatch):
+    """A boolean mask whose rows start on 4-byte boundaries is read as int32 words of four keys (``FLAG_WORDS``):
+    each tile's ranges, whole runs and causal runs equal the byte-by-byte read's and the brute-force walk's, per batch
+    entry and head, at several tile shapes; a mask that starts one byte into its storage, or whose rows hold 70 keys,
+    is read byte by byte."""
+    import instability_watch.kernels.attention.masks as masks_mod
+
+    N = 72
+    n_kv = 70 if kind == "70 keys" else N
+    i, j = torch.arange(N)[:, None], torch.arange(n_kv)[None, :]
+    g = seeded("pre-pass words", kind)
+    doc = torch.repeat_interleave(torch.tensor([0, 1, 2]), torch.tensor([36, 17, N - 53]))
+    if kind == "random":
+        mask = torch.rand(2, 3, N, n_kv, generator=g) > 0.3
+        mask[..., :20] = True
+    elif kind == "holed":
+        mask = torch.ones(N, n_kv, dtype=torch.bool)
+        mask[:, 32:48] = False
+    elif kind == "documents":
+        mask = (j <= i) & (doc[:, None] == doc[None, :])
+    elif kind == "sliding":
+        mask = (j <= i) & (i - j < 36)
+    elif kind == "offset by a byte":
+        mask = torch.cat([torch.zeros(1, dtype=torch.bool), (j <= i).flatten()])[1:].view(N, n_kv)
+    else:
+        mask = j <= i
+    mask = mask.expand(2, 3, N, n_kv) if mask.dim() == 2 else mask
+    used = []
+    launch = masks_mod.launch_flags
+    monkeypatch.setattr(masks_mod, "launch_flags", lambda grid, args, sargs, kw: used.append(kw["WORDS"]) or launch(
+        grid, args, sargs, kw))
+    out = {}
+    for words in (False, True):
+        monkeypatch.setattr(masks_mod, "FLAG_WORDS", words)
+        margs = MaskArgs(mask, 2, 3, N, n_kv)
+        out[words] = [margs.rows(bm, bn)[0] for bm, bn in ((16, 16), (32, 16), (16, 32))] + [
+            margs.cols(bn, bm)[0] for bm, bn in ((16, 16), (32, 16), (16, 32))]
+    assert used[len(used) // 2:] == [kind not in ("offset by a byte", "70 keys")] * (len(used) // 2)
+    for a, b in zip(out[False], out[True]):
+        assert torch.equal(a, b)
+    rows = out[True][0]
+    for b in range(2):
+        for h in range(3):
+            assert [tuple(r) for r in rows[b, h].tolist()] == _brute_ranges(mask[b, h], 16, 16, n_kv, True)
+
+
 def test_the_mask_pre_pass_reads_rows_of_more_tiles_than_one_chunk():
     """More key tiles than the pre-pass reads in one chunk (256): a span and a run of whole tiles that cross
     chunks, a tile row that sees nothing, against the brute-force walk."""

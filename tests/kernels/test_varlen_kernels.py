@@ -459,3 +459,42 @@ def test_calls_with_a_boolean_mask_take_their_own_backward_entries(monkeypatch):
     for how in calls:
         for a, b in zip(small[how], table[how]):
             torch.testing.assert_close(a.float(), b.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_watched_calls_with_a_boolean_mask_take_the_forward_entry_of_their_own(monkeypatch):
+    """The launch table's "fwd_mask" entry (measured on switched flex calls, D = 128) serves the forward of calls
+    with a boolean mask, watched (a stabilized head) or not; a watched call with an additive mask or the causal flag
+    keeps "fwd_watched"'s. The outputs are the interpreter's small tiles' up to float32 sums in another order."""
+    from instability_watch.kernels import configs
+    from instability_watch.kernels.attention import triton as ta
+
+    d, n = 128, CU[-1]
+    g = seeded("varlen_kernels", "forward entry")
+    q = torch.randn(1, H, n, d, generator=g).to(torch.bfloat16)
+    k, v = (torch.randn(1, H_KV, n, d, generator=g).to(torch.bfloat16) for _ in range(2))
+    keep = torch.ones(n, n).tril().bool() & (torch.rand(n, n, generator=g) < 0.9)
+    keep |= torch.eye(n, dtype=torch.bool)
+    stab = torch.zeros(H, dtype=torch.bool)
+    stab[1] = True
+    calls = {"bool": dict(attn_mask=keep, stabilize=stab), "bool, plain": dict(attn_mask=keep),
+             "additive": dict(attn_mask=torch.zeros(n, n).masked_fill(~keep, -1e9), stabilize=stab),
+             "causal": dict(causal=True, stabilize=stab)}
+
+    def run(how):
+        with torch.no_grad():
+            return flash_attention(q, k, v, backend="triton", **calls[how])
+
+    small = {how: run(how) for how in calls}  # the interpreter's 16 x 16 tiles
+    seen = []
+    launch = ta.launch_fwd
+    monkeypatch.setattr(ta, "launch_fwd", lambda grid, t, s, meta: launch(grid, t, s, meta) or seen.append(
+        (meta["BLOCK_M"], meta["BLOCK_N"], meta["num_warps"], meta["num_stages"])))
+    monkeypatch.setattr(configs, "INTERPRET", False)  # launch_config reads the table, as on the GPU
+    table = {how: run(how) for how in calls}
+    as_meta = (lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages))
+    own = as_meta(configs.launch_config("fwd_mask", d, torch.bfloat16))
+    watched = as_meta(configs.launch_config("fwd", d, torch.bfloat16, watched=True))
+    assert own != watched
+    assert seen == [own, own, watched, watched]
+    for how in calls:
+        torch.testing.assert_close(small[how].float(), table[how].float(), rtol=2e-2, atol=2e-2)

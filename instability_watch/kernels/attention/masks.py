@@ -21,12 +21,26 @@ launch_tile_order = Launcher(tile_order)
 # A boolean mask's tiles that equal the causal mask, beside its run of whole tiles, are computed with the causal
 # compare, not the mask read (the pre-pass finds them: ``triton_ranges.CAUSAL_TILE``). Off: read as any other tile.
 CAUSAL_TILES = True
+# The pre-pass reads a boolean mask four keys at a time (int32 words) where its layout allows: rows that start on
+# 4-byte boundaries, a multiple of 4 keys. Off: byte by byte (the benchmarks' variant).
+FLAG_WORDS = True
 
 
 def expanded_ranges(ranges: torch.Tensor, shape):
     """Ranges (..., R) expanded to ``shape`` + (R,) (broadcast dims of stride 0); the strides of ``shape``'s dims."""
     ranges = ranges.expand(*shape, ranges.shape[-1])
     return ranges, ranges.stride()[:3]
+
+
+def _as_words(m: torch.Tensor):
+    """A uint8 mask (B_m, H_m, rows, N_kv) as int32 words of four keys, ``(tensor, strides in words)``, where its
+    rows start on 4-byte boundaries (keys contiguous, N_kv, every stride and the start multiples of 4); else None.
+    The tensor is a flat int32 view of the storage from the mask's start (the kernel adds the strides)."""
+    if m.stride(-1) != 1 or m.shape[-1] % 4 or any(s % 4 for s in m.stride()[:3]) or m.data_ptr() % 4:
+        return None
+    flat = m.as_strided((m.untyped_storage().nbytes() - m.storage_offset(),), (1,))
+    whole_words = flat.numel() // 4
+    return flat[:whole_words * 4].view(torch.int32), (*(s // 4 for s in m.stride()[:3]), 1)
 
 
 class MaskArgs:
@@ -64,9 +78,15 @@ class MaskArgs:
         flags = torch.empty((bm_, hm_, tiles, other), dtype=torch.uint8, device=vis.device)
         out = torch.empty((bm_, hm_, tiles, 5), dtype=torch.int32, device=vis.device)
         m = vis.view(torch.uint8) if vis.dtype == torch.bool else vis  # read in place: no copy of the mask
+        words = _as_words(m) if self.kind == MASK_BOOL and FLAG_WORDS else None
+        if words is not None:  # four keys a word (the same memory)
+            m, strides = words
+        else:
+            strides = m.stride()
         launch_flags((tiles * other, bm_ * hm_), (m, flags),
-                     (*m.stride(), *flags.stride()[:3], hm_, rows, n_kv, other),
-                     dict(COLS=cols, ADDITIVE=self.kind == MASK_ADD, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4))
+                     (*strides, *flags.stride()[:3], hm_, rows, n_kv, other),
+                     dict(COLS=cols, ADDITIVE=self.kind == MASK_ADD, BLOCK_M=block_m, BLOCK_N=block_n,
+                          WORDS=words is not None, num_warps=4))
         launch_flag_ranges((tiles, bm_ * hm_), (flags, out), (*flags.stride()[:3], *out.stride()[:3], hm_, other,
                            rows if cols else n_kv), dict(UNIT=block_m if cols else block_n, CHUNK=256,
                            WANT_WHOLE=self.kind == MASK_BOOL, WANT_CAUSAL=self._want_causal(), COLS=cols,

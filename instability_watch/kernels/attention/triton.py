@@ -188,7 +188,8 @@ def _edge_loop(kernel: str, kind: int, causal: bool) -> bool:
 
 
 # launch-table entries of their own, measured on calls with documents or a boolean mask (where the table has one)
-_OWN_ENTRIES = {("dkdv", MASK_DOCS): "dkdv_docs", ("dkdv", MASK_BOOL): "dkdv_mask", ("dq", MASK_BOOL): "dq_mask"}
+_OWN_ENTRIES = {("dkdv", MASK_DOCS): "dkdv_docs", ("dkdv", MASK_BOOL): "dkdv_mask", ("dq", MASK_BOOL): "dq_mask",
+                ("fwd", MASK_BOOL): "fwd_mask"}
 
 
 def _entry(kernel: str, kind: int, head_dim: int, dtype: torch.dtype) -> str:
@@ -246,7 +247,8 @@ def attention_forward_lse2(
             raise ValueError(f"gluon=True: the Gluon forward cannot serve this call ({why})")
     head_dim = head_dim_tile(D)
     watched = stabilize is not None or counts is not None
-    cfg = launch_config("fwd", head_dim, q.dtype, watched=watched, override=config)
+    cfg = launch_config(_entry("fwd", mask.kind, head_dim, q.dtype), head_dim, q.dtype, watched=watched,
+                        override=config)
     block_m, block_n = cfg.block_m, cfg.block_n
     # Query tiles per head in this call; sample about a quarter of them for the
     # multi-max statistic, at most 1 in TIE_SAMPLE_MAX (small calls: all of them).

@@ -28,13 +28,20 @@ def mask_tile_flags(
     stride_fb, stride_fh, stride_ft,
     H_M, N, N_KV, N_OTHER,
     COLS: tl.constexpr, ADDITIVE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    WORDS: tl.constexpr = False,
 ):
     """``Flags[b, h, t, j]`` (uint8): :data:`SEEN` | :data:`WHOLE` | :data:`CAUSAL_TILE` of the mask tile at tile
     ``t`` and tile ``j`` of the other axis (grid: ``t * N_OTHER + j``, batch x heads of the mask). ``Mask`` (B_m, H_m, N, N_KV): uint8,
     nonzero = kept, or with ``ADDITIVE`` a float mask, kept where not at or below ``FLOOR`` in float32 (as the
     attention and statistics kernels read it; NaN kept). Without ``COLS``, ``t`` is a query tile (``BLOCK_M`` rows) and ``j`` a
     key tile (``BLOCK_N`` keys); with it, the other way round. Rows past ``N`` count as seeing everything, keys past
-    ``N_KV`` as unseen."""
+    ``N_KV`` as unseen.
+
+    With ``WORDS`` (a boolean mask whose rows start on 4-byte boundaries, ``N_KV`` a multiple of 4), ``Mask`` is the
+    same memory as int32 words, four keys each (key ``4w + b`` in byte ``b``, little-endian), its strides in words
+    (``stride_mk`` unused): a quarter of the loads and compares. A tile is whole where each of its words is
+    ``0x01010101`` and causal where each word equals the causal pattern of its row; a byte other than 0 or 1 (not
+    made by PyTorch's boolean operations) counts as seen but never as whole or causal, where the kernels read it."""
     t = tl.program_id(0) // N_OTHER
     j = tl.program_id(0) % N_OTHER
     off_bh = tl.program_id(1)
@@ -47,18 +54,31 @@ def mask_tile_flags(
         rows = t * BLOCK_M + tl.arange(0, BLOCK_M)
         keys = j * BLOCK_N + tl.arange(0, BLOCK_N)
     row_ok = rows < N
-    key_ok = keys < N_KV
     base = Mask + off_b.to(tl.int64) * stride_mb + off_h.to(tl.int64) * stride_mh
-    inside = row_ok[:, None] & key_ok[None, :]
-    x = tl.load(base + rows[:, None].to(tl.int64) * stride_mn + keys[None, :] * stride_mk, mask=inside, other=0)
-    if ADDITIVE:
-        keep = inside & ~(x.to(tl.float32) <= FLOOR)
+    if WORDS:  # four keys a word: the tile's first key and the words' first keys
+        first = (t if COLS else j) * BLOCK_N
+        words = first // 4 + tl.arange(0, BLOCK_N // 4)
+        key_ok = 4 * words < N_KV  # (N_KV a multiple of 4: a word is all in or all out)
+        inside = row_ok[:, None] & key_ok[None, :]
+        x = tl.load(base + rows[:, None].to(tl.int64) * stride_mn + words[None, :], mask=inside, other=0)
+        seen = tl.max(tl.max((x != 0).to(tl.int32), 1), 0) > 0
+        whole = tl.min(tl.min(((x == 0x01010101) | ~row_ok[:, None]).to(tl.int32), 1), 0) > 0
+        # the causal pattern of a row's word: its first n keys kept, n = row - first key + 1 in [0, 4]
+        n = tl.minimum(tl.maximum(rows[:, None] - 4 * words[None, :] + 1, 0), 4)
+        pattern = tl.where(n >= 4, 0x01010101, tl.where(n == 3, 0x010101, tl.where(n == 2, 0x0101, n)))
+        causal = tl.min(tl.min((~inside | (x == pattern)).to(tl.int32), 1), 0) > 0
     else:
-        keep = x != 0
-    seen = tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0
-    whole = tl.min(tl.min((keep | ~row_ok[:, None]).to(tl.int32), 1), 0) > 0
+        key_ok = keys < N_KV
+        inside = row_ok[:, None] & key_ok[None, :]
+        x = tl.load(base + rows[:, None].to(tl.int64) * stride_mn + keys[None, :] * stride_mk, mask=inside, other=0)
+        if ADDITIVE:
+            keep = inside & ~(x.to(tl.float32) <= FLOOR)
+        else:
+            keep = x != 0
+        seen = tl.max(tl.max(keep.to(tl.int32), 1), 0) > 0
+        whole = tl.min(tl.min((keep | ~row_ok[:, None]).to(tl.int32), 1), 0) > 0
+        causal = tl.min(tl.min((~inside | (keep == (rows[:, None] >= keys[None, :]))).to(tl.int32), 1), 0) > 0
     whole = whole & (tl.min(key_ok.to(tl.int32), 0) > 0)
-    causal = tl.min(tl.min((~inside | (keep == (rows[:, None] >= keys[None, :]))).to(tl.int32), 1), 0) > 0
     causal = causal & (tl.min(key_ok.to(tl.int32), 0) > 0)  # (the causal loops leave keys past N_KV to the caller)
     flag = tl.where(seen, SEEN, 0) | tl.where(whole, WHOLE, 0) | tl.where(causal, CAUSAL_TILE, 0)
     tl.store(Flags + off_b * stride_fb + off_h * stride_fh + t * stride_ft + j, flag.to(tl.uint8))
