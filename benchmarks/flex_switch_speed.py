@@ -50,6 +50,9 @@ def main() -> int:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--iters", type=int, default=20)
     ap.add_argument("--masks", default="causal,sliding,document")
+    ap.add_argument("--edge-loop", metavar="KERNEL,KERNEL",
+                    help="the kernels that walk a boolean mask's tiles in two loops in 'switched' and the sweeps "
+                         "(triton.EDGE_LOOP; default: the library's), e.g. fwd,dq,dkdv")
     ap.add_argument("--only", metavar="NAME;NAME",
                     help="time only these variants (';' between names, as the table prints them), beside 'flex' "
                          "and 'switched', which always run")
@@ -131,9 +134,15 @@ def main() -> int:
         stab0[0] = True
         tril = torch.ones(N, N, dtype=torch.bool, device=dev).tril()
 
+    edge_default = ta.EDGE_LOOP if args.edge_loop is None else tuple(
+        k.strip() for k in args.edge_loop.split(",") if k.strip())
+    unknown = sorted(set(edge_default) - {"fwd", "dq", "dkdv"})
+    if unknown:
+        raise SystemExit(f"--edge-loop takes fwd, dq and dkdv; got {unknown}")
+
     def defaults():  # the kernels' module settings as the library has them (the variants change them)
         ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER = False, None, None
-        masks.CAUSAL_TILES, masks.FLAG_WORDS, ta.EDGE_LOOP = True, True, ("fwd", "dkdv")
+        masks.CAUSAL_TILES, masks.FLAG_WORDS, ta.EDGE_LOOP = True, True, edge_default
 
     def direct_causal(stabilize=None, mask=None):
         defaults()
@@ -174,13 +183,13 @@ def main() -> int:
         plain.recompile()
         switched.recompile()
         def run_switched(expand: bool, fused=None, ordered=None, causal_tiles=True, dkdv=None, dq=None,
-                         edge_loop=("fwd", "dkdv"), fwd=None, words=True):
+                         edge_loop=None, fwd=None, words=True):
             def call():  # (ordered, dkdv, dq None: the defaults; dkdv "as is": the table untouched, for the sweep)
                 ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
                 ta.FUSED_BACKWARD = fused
                 ta.TILE_ORDER = ordered
                 masks.CAUSAL_TILES = causal_tiles
-                ta.EDGE_LOOP = edge_loop
+                ta.EDGE_LOOP = edge_default if edge_loop is None else edge_loop
                 masks.FLAG_WORDS = words
                 if mask_dkdv is not None and dkdv != "as is":
                     mask_dkdv[tile] = mask_dkdv_default if dkdv is None else LaunchConfig.of(dkdv)
