@@ -11,13 +11,15 @@ every tile it does not see whole ("no causal tiles": the tiles that equal the ca
 now four keys a word). "switched, four loops": each kernel walks a boolean mask's tiles in four loops (the mask's
 tiles before the whole run, the whole run, the causal tiles, the mask's tiles after), as before 2026-11-29, where the
 forward and dK/dV now walk two (the whole run, then the other tiles); "the edge loop in dQ too": dQ walks two as well.
-For every mask, one more reference with no watch: "ours direct, as documents", our packed kernels over the mask's
-documents (every batch row the same; the sliding window as their window; no mask and no pre-pass), what a switched
-call whose ``mask_mod`` were recognized could run instead (0.42× FlexAttention on the sliding mask, 2026-11-29: not a
-route). Each variant is timed with CUDA events over ``--iters`` calls after a warm-up, forward and forward + backward,
-in ``--rounds`` interleaved rounds (alternating order): as called, and with the host ahead (the GPU held while the
-host launches every call: the kernels' own time, as inside a model whose host runs ahead); the host's own time per
-call beside them. The table gives medians and the ratio flex / variant (> 1: ours faster).
+A variant named by a kernel and a launch config, "switched, dQ (128, 64, 8, 3)" say, runs that kernel with that config
+in place of its entry for boolean masks. For every mask, one more reference with no watch: "ours direct, as
+documents", our packed kernels over the mask's documents (every batch row the same; the sliding window as their
+window; no mask and no pre-pass), what a switched call whose ``mask_mod`` were recognized could run instead (0.42×
+FlexAttention on the sliding mask, 2026-11-29: not a route). Each variant is timed with CUDA events over ``--iters``
+calls after a warm-up, forward and forward + backward, in ``--rounds`` interleaved rounds (alternating order): as
+called, and with the host ahead (the GPU held while the host launches every call: the kernels' own time, as inside a
+model whose host runs ahead); the host's own time per call beside them. The table gives medians and the ratio flex /
+variant (> 1: ours faster).
 
 Run:  python benchmarks/flex_switch_speed.py [--seq 4096] [--batch 4] [--heads 16] [--kv-heads 4]
                                             [--head-dim 128] [--window 1024] [--rounds 5] [--json out.json]
