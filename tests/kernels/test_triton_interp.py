@@ -334,7 +334,15 @@ def test_whole_tiles_of_a_boolean_mask_are_read_as_no_mask(kind, dropout, edge_l
                           torch.float32)
         return out, probe
 
-    (read, read_probe), (whole, whole_probe) = run(False, attn_mask=mask), run(True, attn_mask=mask)
+    read, read_probe = run(False, attn_mask=mask)
+    seen = []  # (kernel, EDGE_LOOP) of each attention launch: the edge loop did run, where asked for
+    for kernel in ("fwd", "dq", "dkdv"):
+        launch = getattr(ta, f"launch_{kernel}")
+        monkeypatch.setattr(ta, f"launch_{kernel}", lambda grid, t, a, meta, launch=launch, kernel=kernel: launch(
+            grid, t, a, meta) or seen.append((kernel, meta["EDGE_LOOP"])))
+    whole, whole_probe = run(True, attn_mask=mask)
+    assert sorted(set(seen)) == sorted({(kernel, edge_loop) for kernel, _ in seen}), seen
+    assert {kernel for kernel, _ in seen} == ({"fwd", "dkdv"} if dropout else {"fwd", "dq", "dkdv"})  # (fused: no dQ)
     reordered = edge_loop and kind in ("sliding", "documents")  # a masked key tile before a query tile's whole run
     for name, a, b in zip(["o", "dq", "dk", "dv"], read, whole):
         if reordered:
@@ -351,6 +359,42 @@ def test_whole_tiles_of_a_boolean_mask_are_read_as_no_mask(kind, dropout, edge_l
     margs = MaskArgs(mask, 2, H, N, N)
     for ranges, _ in (margs.rows(16, 16), margs.cols(16, 16)):
         assert (ranges[..., 3] > ranges[..., 2]).any()
+
+
+@pytest.mark.parametrize("kind", ["sliding", "documents"])
+def test_the_edge_loop_at_the_gpus_tiles_gives_the_four_loops_results(kind, monkeypatch):
+    """At the launch table's tiles for D = 128, BF16 (the forward 128 x 64, dQ 64 x 64, dK/dV 64 x 128: not the
+    interpreter's square 16 x 16), a ragged length (200) and a stabilized head: the edge loop in every kernel gives
+    the four loops' output and gradients up to the order of float32 sums, and both agree with float64 attention."""
+    from instability_watch.kernels import configs
+    import instability_watch.kernels.attention.triton as ta
+
+    monkeypatch.setattr(configs, "INTERPRET", False)  # launch_config reads the table, as on the GPU
+    H, h_kv, N, D = 2, 1, 200, 128
+    q, k, v, do = _inputs(("edge loop, GPU tiles", kind), 1, H, h_kv, N, D)
+    i, j = torch.arange(N)[:, None], torch.arange(N)[None, :]
+    doc = torch.repeat_interleave(torch.tensor([0, 1, 2]), torch.tensor([70, 81, N - 151]))
+    mask = (j <= i) & ((i - j < 90) if kind == "sliding" else (doc[:, None] == doc[None, :]))
+    stabilize = torch.tensor([False, True])
+
+    def run(loops):
+        monkeypatch.setattr(ta, "EDGE_LOOP", loops)
+        return run_fwd_bwd(lambda a, b, c: flash_attention(a, b, c, attn_mask=mask, stabilize=stabilize,
+                                                          backend="triton"), q, k, v, do, torch.bfloat16)
+
+    tiles = {}
+    for kernel in ("fwd", "dq", "dkdv"):
+        launch = getattr(ta, f"launch_{kernel}")
+        monkeypatch.setattr(ta, f"launch_{kernel}", lambda grid, t, a, meta, launch=launch, kernel=kernel: launch(
+            grid, t, a, meta) or tiles.setdefault(kernel, (meta["BLOCK_M"], meta["BLOCK_N"])))
+    four, two = run(()), run(("fwd", "dq", "dkdv"))
+    assert tiles == {"fwd": (128, 64), "dq": (64, 64), "dkdv": (64, 128)}
+    exact = run_fwd_bwd(lambda a, b, c: torch.nn.functional.scaled_dot_product_attention(
+        a, b.repeat_interleave(H // h_kv, 1), c.repeat_interleave(H // h_kv, 1), attn_mask=mask), q, k, v, do,
+        torch.float64)
+    for name, a, b, ref in zip(["o", "dq", "dk", "dv"], four, two, exact):
+        torch.testing.assert_close(b.float(), a.float(), rtol=2 ** -6, atol=2 ** -7, msg=name)
+        assert max_err(b.double(), ref) <= 2 ** -5 * ref.abs().max(), name
 
 
 @pytest.mark.parametrize("kind, dropout, n_kv", [("causal", 0.0, None), ("sliding", 0.0, None),

@@ -501,11 +501,14 @@ def test_watched_calls_with_a_boolean_mask_take_the_forward_entry_of_their_own(m
     monkeypatch.setattr(ta, "launch_fwd", lambda grid, t, s, meta: launch(grid, t, s, meta) or seen.append(
         (meta["BLOCK_M"], meta["BLOCK_N"], meta["num_warps"], meta["num_stages"])))
     monkeypatch.setattr(configs, "INTERPRET", False)  # launch_config reads the table, as on the GPU
+    # the entry made unlike both dense forwards' (the table's equals the plain forward's): which one a call took shows
+    monkeypatch.setitem(configs.LAUNCH_TABLE[("fwd_mask", configs.TENSOR_CORES)], d, configs.LaunchConfig.of(
+        (64, 32, 4, 2)))
     table = {how: run(how) for how in calls}
     as_meta = (lambda c: (c.block_m, c.block_n, c.num_warps, c.num_stages))
     own = as_meta(configs.launch_config("fwd_mask", d, torch.bfloat16))
-    watched = as_meta(configs.launch_config("fwd", d, torch.bfloat16, watched=True))
-    assert own != watched
+    plain, watched = (as_meta(configs.launch_config("fwd", d, torch.bfloat16, watched=w)) for w in (False, True))
+    assert own not in (plain, watched)
     assert seen == [own, own, watched, watched]
     for how in calls:
         torch.testing.assert_close(small[how].float(), table[how].float(), rtol=2e-2, atol=2e-2)
