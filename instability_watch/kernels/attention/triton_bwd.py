@@ -148,6 +148,7 @@ def attn_bwd_dkdv(
     two-kernel backward takes seven, and dropout's bits generated once, not twice. The order
     of those float32 additions varies from run to run: dQ is not bitwise deterministic."""
     tl.static_assert(PART == 0 or not FUSED_DQ, "the fused backward computes dK and dV in one pass")
+    tl.static_assert(not EDGE_LOOP or (MASK_KIND == 1 and WHOLE_TILES), "EDGE_LOOP: a boolean mask's tiles")
     start_n, off_bhk, off_b, off_hk, tile = _program_ids(H_KV, Order, BLOCK_N, ORDERED)
     group = H // H_KV
     offs_n, offs_m0, offs_d = _tile_offsets(start_n, BLOCK_N, BLOCK_M, HEAD_DIM)
@@ -177,50 +178,45 @@ def attn_bwd_dkdv(
             m_base = Mask + off_b * stride_mb + off_h * stride_mh + offs_n[:, None] * stride_mk
         else:
             m_base = Mask  # not read
-        if WHOLE_TILES and EDGE_LOOP:  # a boolean mask's blocks outside the whole run in one loop (in row order where
-            # the mask is causal: as causal=True), then the whole run
-            w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
-            w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
-            c0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), lo), w0)
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
-                stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
-                offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
-                drop_scale, lo, hi, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART,
-                skip_lo=w0, skip_hi=w1, c_lo=c0, c_hi=w0, EDGES=True)
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
-                stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
-                offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
-                drop_scale, w0, w1, CAUSAL=False, MASK_KIND=0, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
-        elif WHOLE_TILES:  # the mask's query blocks before those that see all of this block, then those (no mask)
+        if WHOLE_TILES:
+            # A boolean mask (or documents): with EDGE_LOOP, every query block outside the whole run in one loop
+            # (in row order where the mask is causal: as causal=True), then the whole run; else the mask's blocks
+            # before the run, the last of them that equal the causal mask (the diagonal) by the causal compare, the
+            # run (no mask), and the mask's blocks after it (the last loop, below).
             w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
             w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
             c0 = w0
-            if MASK_KIND == 1:  # the last of the mask's blocks before them equal the causal mask (the diagonal)
+            if MASK_KIND == 1:
                 c0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), lo), w0)
-            dk, dv = _dkdv_inner(
-                dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
-                stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
-                offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
-                drop_scale, lo, c0, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
-            if MASK_KIND == 1:  # those by the causal compare, no mask read
+            if EDGE_LOOP:
                 dk, dv = _dkdv_inner(
                     dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
                     stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
                     offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
-                    drop_scale, c0, w0, CAUSAL=True, MASK_KIND=0, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
+                    drop_scale, lo, hi, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
+                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART,
+                    skip_lo=w0, skip_hi=w1, c_lo=c0, c_hi=w0, EDGES=True)
+            else:
+                dk, dv = _dkdv_inner(
+                    dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
+                    stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
+                    offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
+                    drop_scale, lo, c0, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
+                if MASK_KIND == 1:
+                    dk, dv = _dkdv_inner(
+                        dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
+                        stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
+                        offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
+                        drop_scale, c0, w0, CAUSAL=True, MASK_KIND=0, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
+                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
                 stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
                 offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
                 drop_scale, w0, w1, CAUSAL=False, MASK_KIND=0, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
-            lo = w1  # then the mask's query blocks after them
+            lo = w1
         if not (WHOLE_TILES and EDGE_LOOP):
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
@@ -317,6 +313,7 @@ def attn_bwd_dq(
     With ``DELTA_HP_ONLY`` (the paper's control, a pre-pass), only delta_hp = rowsum(P * dP) =
     rowsum(dO * O_hp) is computed, P unrounded in float32, and stored into ``Delta``: no dQ.
     """
+    tl.static_assert(not EDGE_LOOP or (MASK_KIND == 1 and WHOLE_TILES), "EDGE_LOOP: a boolean mask's tiles")
     start_m, off_bh, off_b, off_h, tile = _program_ids(H, Order, BLOCK_M, ORDERED)
     off_hk = off_h // GROUP
     offs_m, offs_n0, offs_d = _tile_offsets(start_m, BLOCK_M, BLOCK_N, HEAD_DIM)
@@ -364,49 +361,46 @@ def attn_bwd_dq(
         hi = tl.minimum(start_m + BLOCK_M, N_KV)
     else:
         hi = N_KV
-    if WHOLE_TILES and EDGE_LOOP:  # a boolean mask's whole run, then its other blocks in one loop (as the forward)
+    if WHOLE_TILES:
+        # A boolean mask (or documents): the mask's blocks before those every row sees whole (not with EDGE_LOOP),
+        # the whole run (read as no mask), then with EDGE_LOOP every other block in one loop (as the forward), else
+        # the blocks that equal the causal mask (the causal compare) and the mask's blocks after them (the last
+        # loop, below).
         w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
         w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
-        c1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), w1), hi)
+        if not EDGE_LOOP:
+            dq, delta_hp = _dq_inner(
+                dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
+                stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
+                offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
+                lo, w0, CAUSAL=False, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY,
+                DROPOUT=DROPOUT, MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
         dq, delta_hp = _dq_inner(
             dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
             stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
             offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
             w0, w1, CAUSAL=False, MASK_KIND=0, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
             MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
-        dq, delta_hp = _dq_inner(
-            dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
-            stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
-            offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
-            lo, hi, CAUSAL=False, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
-            MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-            skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True)
-    elif WHOLE_TILES:  # the mask's blocks before those every row sees whole, then those (read as no mask)
-        w0 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 2), lo), hi)
-        w1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 3), w0), hi)
-        dq, delta_hp = _dq_inner(
-            dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
-            stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
-            offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
-            lo, w0, CAUSAL=False, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
-            MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
-        dq, delta_hp = _dq_inner(
-            dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
-            stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
-            offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
-            w0, w1, CAUSAL=False, MASK_KIND=0, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
-            MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
-        lo = w1
-        if MASK_KIND == 1:  # then the blocks that equal the causal mask (the causal compare, no mask read)
+        if EDGE_LOOP:
             c1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), w1), hi)
             dq, delta_hp = _dq_inner(
                 dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
                 stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
                 offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
-                w1, c1, CAUSAL=True, MASK_KIND=0, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
-                MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
-            lo = c1
-        # then the mask's blocks after them
+                lo, hi, CAUSAL=False, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY,
+                DROPOUT=DROPOUT, MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+                skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True)
+        else:
+            lo = w1
+            if MASK_KIND == 1:
+                c1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), w1), hi)
+                dq, delta_hp = _dq_inner(
+                    dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
+                    stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
+                    offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
+                    w1, c1, CAUSAL=True, MASK_KIND=0, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
+                    MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                lo = c1
     if not (WHOLE_TILES and EDGE_LOOP):
         dq, delta_hp = _dq_inner(
             dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,

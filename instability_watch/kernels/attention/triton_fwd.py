@@ -231,60 +231,55 @@ def attn_fwd(
             BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
         )
         lo = n_full
-    elif WHOLE_TILES and EDGE_LOOP:  # (a boolean mask) its whole run first, as a call without a mask, ...
-        acc, l_i, r_i, m_i, c_i = _fwd_inner(
-            acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
-            offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
-            k0, k1, thr, off_bh,
-            w0, w1, N_Q, stride_mh, stride_mn,
-            MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=0, DROPOUT=DROPOUT, TRACK_TIES=TRACK_TIES,
-            HAS_STAB=HAS_STAB, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-            ASM=ASM,
-        )
-        # ... then its other tiles in one loop (in key order where the mask is causal: as causal=True)
-        acc, l_i, r_i, m_i, c_i = _fwd_inner(
-            acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
-            offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
-            k0, k1, thr, off_bh,
-            lo, hi, N_Q, stride_mh, stride_mn,
-            MASK_CAUSAL=False, MASK_KV=not EVEN_N, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
-            TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
-            skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True,
-        )
     elif WHOLE_TILES:
-        # the mask's blocks before the whole ones ...
-        acc, l_i, r_i, m_i, c_i = _fwd_inner(
-            acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
-            offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
-            k0, k1, thr, off_bh,
-            lo, w0, N_Q, stride_mh, stride_mn,
-            MASK_CAUSAL=False, MASK_KV=not EVEN_N, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
-            TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
-            BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
-        )
-        # ... the whole ones, as a call without a mask (all their keys are real ones) ...
-        acc, l_i, r_i, m_i, c_i = _fwd_inner(
-            acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
-            offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
-            k0, k1, thr, off_bh,
-            w0, w1, N_Q, stride_mh, stride_mn,
-            MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=0, DROPOUT=DROPOUT, TRACK_TIES=TRACK_TIES,
-            HAS_STAB=HAS_STAB, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-            ASM=ASM,
-        )
-        lo = w1
-        if MASK_KIND == 1:  # ... the tiles that equal the causal mask, by the causal compare ...
+        # A boolean mask (or documents): with EDGE_LOOP, the whole run (as a call without a mask) and then every
+        # other tile in one loop (in key order where the mask is causal: as causal=True); else the mask's tiles
+        # before the whole run, the run, the tiles that equal the causal mask (the causal compare), and the
+        # mask's tiles after it (the last loop, below).
+        if not EDGE_LOOP:
             acc, l_i, r_i, m_i, c_i = _fwd_inner(
                 acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
                 offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
                 k0, k1, thr, off_bh,
-                w1, c1, N_Q, stride_mh, stride_mn,
-                MASK_CAUSAL=True, MASK_KV=not EVEN_N, MASK_KIND=0, DROPOUT=DROPOUT, TRACK_TIES=TRACK_TIES,
-                HAS_STAB=HAS_STAB, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
-                ASM=ASM,
+                lo, w0, N_Q, stride_mh, stride_mn,
+                MASK_CAUSAL=False, MASK_KV=not EVEN_N, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+                TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
             )
-            lo = c1  # ... and the mask's blocks after them, below
+        acc, l_i, r_i, m_i, c_i = _fwd_inner(
+            acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
+            offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
+            k0, k1, thr, off_bh,
+            w0, w1, N_Q, stride_mh, stride_mn,
+            MASK_CAUSAL=False, MASK_KV=False, MASK_KIND=0, DROPOUT=DROPOUT, TRACK_TIES=TRACK_TIES,
+            HAS_STAB=HAS_STAB, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+            ASM=ASM,
+        )
+        if EDGE_LOOP:
+            acc, l_i, r_i, m_i, c_i = _fwd_inner(
+                acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
+                offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2, stab_h, track,
+                k0, k1, thr, off_bh,
+                lo, hi, N_Q, stride_mh, stride_mn,
+                MASK_CAUSAL=False, MASK_KV=not EVEN_N, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
+                TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
+                skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True,
+            )
+        else:
+            lo = w1
+            if MASK_KIND == 1:
+                acc, l_i, r_i, m_i, c_i = _fwd_inner(
+                    acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
+                    offs_m, offs_n, offs_d, row_ok, D, N_KV, qk_scale, sm_scale, eps_raw, beta, max_shift2,
+                    stab_h, track,
+                    k0, k1, thr, off_bh,
+                    w1, c1, N_Q, stride_mh, stride_mn,
+                    MASK_CAUSAL=True, MASK_KV=not EVEN_N, MASK_KIND=0, DROPOUT=DROPOUT, TRACK_TIES=TRACK_TIES,
+                    HAS_STAB=HAS_STAB, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION,
+                    ASM=ASM,
+                )
+                lo = c1
     if not (WHOLE_TILES and EDGE_LOOP):  # the last loop: a mask's tiles after its whole run
         acc, l_i, r_i, m_i, c_i = _fwd_inner(
             acc, l_i, r_i, m_i, c_i, q, k_ptrs, v_ptrs, m_ptrs, stride_kn, stride_vn, stride_mk,
