@@ -255,6 +255,24 @@ def masked_scores(qk, M_blk, start_n, cols, row_ok, N_KV, stride_mk, sm_scale,
 
 
 @triton.jit
+def edge_end(hi, skip_lo, skip_hi, EDGES: tl.constexpr):
+    """Where a loop over the tiles of ``[lo, hi)`` ends: with ``EDGES``, ``[skip_lo, skip_hi)`` (a run of whole
+    tiles) skipped (:func:`edge_start` maps each step onto its tile)."""
+    end = hi
+    if EDGES:
+        end = hi - (skip_hi - skip_lo)
+    return end
+
+
+@triton.jit
+def edge_start(start, skip_lo, skip_hi, EDGES: tl.constexpr):
+    """The tile a loop step ``start`` stands for (:func:`edge_end`): past ``skip_lo``, moved past the skipped run."""
+    if EDGES:
+        start = start + tl.where(start >= skip_lo, skip_hi - skip_lo, 0)
+    return start
+
+
+@triton.jit
 def edge_kept(M_blk, start_n, rows, cols, ok, stride_mk, c_lo, c_hi):
     """Which entries of a boolean mask's tile are kept, the tile starting at key ``start_n`` (or, transposed, at
     row ``start_n``: ``M_blk`` then walks the rows): compared by position (row >= key) where ``start_n`` lies in

@@ -14,8 +14,10 @@ from instability_watch.kernels.triton_common import (
     dropout_keep,
     document_scores,
     dropout_key,
+    edge_end,
     edge_kept,
     edge_scores,
+    edge_start,
     masked_scores,
 )
 
@@ -59,12 +61,8 @@ def _dkdv_inner(
     ``FUSED_DQ`` their dQ shares added). (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents'
     window bounds.) With ``EDGES`` (a boolean mask), the blocks outside ``[skip_lo, skip_hi)``, those in
     ``[c_lo, c_hi)`` by the causal compare."""
-    end = hi
-    if EDGES:
-        end = hi - (skip_hi - skip_lo)
-    for start_m in range(lo, end, BLOCK_M):
-        if EDGES:
-            start_m = start_m + tl.where(start_m >= skip_lo, skip_hi - skip_lo, 0)
+    for start_m in range(lo, edge_end(hi, skip_lo, skip_hi, EDGES), BLOCK_M):
+        start_m = edge_start(start_m, skip_lo, skip_hi, EDGES)
         offs_m = start_m + offs_m0
         m_ok = offs_m < N_Q
         q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
@@ -249,12 +247,8 @@ def _dq_inner(
     (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents' window bounds.) With ``EDGES`` (a
     boolean mask), the blocks outside ``[skip_lo, skip_hi)``, those in ``[c_lo, c_hi)`` by the causal compare
     (as the forward's loop)."""
-    end = hi
-    if EDGES:
-        end = hi - (skip_hi - skip_lo)
-    for start_n in range(lo, end, BLOCK_N):
-        if EDGES:
-            start_n = start_n + tl.where(start_n >= skip_lo, skip_hi - skip_lo, 0)
+    for start_n in range(lo, edge_end(hi, skip_lo, skip_hi, EDGES), BLOCK_N):
+        start_n = edge_start(start_n, skip_lo, skip_hi, EDGES)
         offs_n = start_n + offs_n0
         kv_mask = (offs_n[:, None] < N_KV) & d_ok
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)

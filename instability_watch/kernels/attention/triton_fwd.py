@@ -17,7 +17,9 @@ from instability_watch.kernels.triton_common import (
     dropout_keep,
     dropout_key,
     document_scores,
+    edge_end,
     edge_scores,
+    edge_start,
     masked_scores,
     max_rows,
     stabilized_shift2,
@@ -49,12 +51,8 @@ def _fwd_inner(
     # With EDGES (a boolean mask): the tiles of [lo, hi) outside [skip_lo, skip_hi) (the whole run, a loop of its
     # own), those in [c_lo, c_hi) by the causal compare, the others read from the mask: one loop where there were
     # three (each loop costs the kernel, even where it runs no tile).
-    end = hi
-    if EDGES:
-        end = hi - (skip_hi - skip_lo)
-    for start_n in range(lo, end, BLOCK_N):
-        if EDGES:
-            start_n = start_n + tl.where(start_n >= skip_lo, skip_hi - skip_lo, 0)
+    for start_n in range(lo, edge_end(hi, skip_lo, skip_hi, EDGES), BLOCK_N):
+        start_n = edge_start(start_n, skip_lo, skip_hi, EDGES)
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         # -- load the KV block (keys past N_KV and padded head dims read as 0)
