@@ -257,19 +257,12 @@ def masked_scores(qk, M_blk, start_n, cols, row_ok, N_KV, stride_mk, sm_scale,
 @triton.jit
 def edge_end(hi, skip_lo, skip_hi, EDGES: tl.constexpr):
     """Where a loop over the tiles of ``[lo, hi)`` ends: with ``EDGES``, ``[skip_lo, skip_hi)`` (a run of whole
-    tiles) skipped (:func:`edge_start` maps each step onto its tile)."""
+    tiles) skipped (each loop maps its step ``start`` onto its tile: ``start + where(start >= skip_lo,
+    skip_hi - skip_lo, 0)``, written in the loop: through a helper, the forward's registers spill on sm_90)."""
     end = hi
     if EDGES:
         end = hi - (skip_hi - skip_lo)
     return end
-
-
-@triton.jit
-def edge_start(start, skip_lo, skip_hi, EDGES: tl.constexpr):
-    """The tile a loop step ``start`` stands for (:func:`edge_end`): past ``skip_lo``, moved past the skipped run."""
-    if EDGES:
-        start = start + tl.where(start >= skip_lo, skip_hi - skip_lo, 0)
-    return start
 
 
 @triton.jit

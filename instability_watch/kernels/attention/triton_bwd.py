@@ -17,7 +17,6 @@ from instability_watch.kernels.triton_common import (
     edge_end,
     edge_kept,
     edge_scores,
-    edge_start,
     masked_scores,
 )
 
@@ -62,7 +61,8 @@ def _dkdv_inner(
     window bounds.) With ``EDGES`` (a boolean mask), the blocks outside ``[skip_lo, skip_hi)``, those in
     ``[c_lo, c_hi)`` by the causal compare."""
     for start_m in range(lo, edge_end(hi, skip_lo, skip_hi, EDGES), BLOCK_M):
-        start_m = edge_start(start_m, skip_lo, skip_hi, EDGES)
+        if EDGES:  # inline: through a helper, the forward's registers spill (sm_90, triton 3.6)
+            start_m = start_m + tl.where(start_m >= skip_lo, skip_hi - skip_lo, 0)
         offs_m = start_m + offs_m0
         m_ok = offs_m < N_Q
         q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
@@ -248,7 +248,8 @@ def _dq_inner(
     boolean mask), the blocks outside ``[skip_lo, skip_hi)``, those in ``[c_lo, c_hi)`` by the causal compare
     (as the forward's loop)."""
     for start_n in range(lo, edge_end(hi, skip_lo, skip_hi, EDGES), BLOCK_N):
-        start_n = edge_start(start_n, skip_lo, skip_hi, EDGES)
+        if EDGES:  # inline: through a helper, the forward's registers spill (sm_90, triton 3.6)
+            start_n = start_n + tl.where(start_n >= skip_lo, skip_hi - skip_lo, 0)
         offs_n = start_n + offs_n0
         kv_mask = (offs_n[:, None] < N_KV) & d_ok
         k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)

@@ -19,7 +19,6 @@ from instability_watch.kernels.triton_common import (
     document_scores,
     edge_end,
     edge_scores,
-    edge_start,
     masked_scores,
     max_rows,
     stabilized_shift2,
@@ -52,7 +51,8 @@ def _fwd_inner(
     # own), those in [c_lo, c_hi) by the causal compare, the others read from the mask: one loop where there were
     # three (each loop costs the kernel, even where it runs no tile).
     for start_n in range(lo, edge_end(hi, skip_lo, skip_hi, EDGES), BLOCK_N):
-        start_n = edge_start(start_n, skip_lo, skip_hi, EDGES)
+        if EDGES:  # inline: through a helper, the forward's registers spill (sm_90, triton 3.6)
+            start_n = start_n + tl.where(start_n >= skip_lo, skip_hi - skip_lo, 0)
         start_n = tl.multiple_of(start_n, BLOCK_N)
         cols = start_n + offs_n
         # -- load the KV block (keys past N_KV and padded head dims read as 0)
