@@ -397,6 +397,39 @@ def test_the_edge_loop_at_the_gpus_tiles_gives_the_four_loops_results(kind, monk
         assert max_err(b.double(), ref) <= 2 ** -5 * ref.abs().max(), name
 
 
+@pytest.mark.parametrize("N, D", [(64, 16), (64, 12), (70, 16)])
+@pytest.mark.parametrize("kind, dropout", [("causal flag", 0.0), ("none", 0.0), ("sliding", 0.0), ("documents", 0.2)])
+def test_dkdv_loads_without_a_mask_where_every_query_block_is_whole_change_no_bit(kind, dropout, N, D, monkeypatch):
+    """``EVEN_LOADS``: dK/dV loads its query rows without a mask where the query length is a multiple of its block
+    and D fills the tile (``EVEN_MD``), and with one otherwise; either way the same bits (dQ up to the order of the
+    fused backward's atomics, with dropout)."""
+    import instability_watch.kernels.attention.triton as ta
+
+    H, h_kv = 2, 1
+    q, k, v, do = _inputs(("even loads", kind, N, D), 2, H, h_kv, N, D, dtype=torch.float32)
+    mask = None if kind in ("causal flag", "none") else _whole_tile_masks(N)[kind]
+    taken = []
+    launch = ta.launch_dkdv
+    monkeypatch.setattr(ta, "launch_dkdv", lambda grid, t, a, meta: launch(grid, t, a, meta) or taken.append(
+        (meta["EVEN_MD"], N % meta["BLOCK_M"] == 0)))
+
+    def run(even):
+        monkeypatch.setattr(ta, "EVEN_LOADS", even)
+        torch.manual_seed(5)
+        return run_fwd_bwd(lambda a, b, c: flash_attention(a, b, c, attn_mask=mask, causal=kind == "causal flag",
+                                                          stabilize=torch.tensor([False, True]), dropout_p=dropout,
+                                                          backend="triton"), q, k, v, do, torch.float32)
+
+    masked, even = run(False), run(True)
+    assert taken[0][0] is False and taken[1] == (taken[1][1] and D == 16, taken[1][1])
+    assert taken[1][0] == (N == 64 and D == 16)  # (the interpreter's tiles divide 64, not 70)
+    for name, a, b in zip(["o", "dq", "dk", "dv"], masked, even):
+        if dropout and name == "dq":
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)
+        else:
+            assert torch.equal(a, b), name
+
+
 @pytest.mark.parametrize("kind, dropout, n_kv", [("causal", 0.0, None), ("sliding", 0.0, None),
                                                   ("documents", 0.2, None), ("holed", 0.0, None),
                                                   ("causal per batch and head", 0.0, None), ("one key off", 0.0, None),

@@ -76,6 +76,10 @@ TILE_ORDER: Optional[bool] = None
 # 2026-11-29 (switched flex calls; RESULTS.md): the forward and dK/dV faster with it, dQ slower (its registers
 # spill); "dq" may be added, () is the four loops everywhere (flex_switch_speed.py's variants).
 EDGE_LOOP: Tuple[str, ...] = ("fwd", "dkdv")
+# dK/dV's loads of query rows without a mask where every query block is whole and D fills the tile (EVEN_MD): fewer
+# registers (sm_90, triton 3.6: a 48-byte stack in place of 80 on a switched sliding call). An experiment on this
+# branch, not measured on a GPU yet (flex_switch_speed.py's "switched, dK/dV masked loads" turns it off).
+EVEN_LOADS = True
 
 
 def _launch_grid(tiles: int, heads: int, mask, key, ranges):
@@ -460,7 +464,8 @@ def attention_backward_lse2(
                  EDGE_LOOP=_edge_loop("dkdv", mask.kind, causal),
                  DROPOUT=seed is not None, FUSED_DQ=dq_acc is not None,
                  HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
-                 PART=part, ORDERED=ordered, **cfg.options()),
+                 PART=part, ORDERED=ordered, EVEN_MD=EVEN_LOADS and N % cfg.block_m == 0 and D == head_dim,
+                 **cfg.options()),
         )
         if expand:
             for want, out, grad in ((part != 2, out_k, dk), (part != 1, out_v, dv)):

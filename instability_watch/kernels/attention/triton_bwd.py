@@ -54,24 +54,32 @@ def _dkdv_inner(
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, DROPOUT: tl.constexpr,
     FUSED_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PART: tl.constexpr,
-    skip_lo=0, skip_hi=0, c_lo=0, c_hi=0, EDGES: tl.constexpr = False,
+    skip_lo=0, skip_hi=0, c_lo=0, c_hi=0, EDGES: tl.constexpr = False, EVEN_MD: tl.constexpr = False,
 ):
     """dK/dV's loop over the query blocks ``[lo, hi)`` of one query head: ``(dk, dv)`` accumulated (and with
     ``FUSED_DQ`` their dQ shares added). (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents'
     window bounds.) With ``EDGES`` (a boolean mask), the blocks outside ``[skip_lo, skip_hi)``, those in
-    ``[c_lo, c_hi)`` by the causal compare."""
+    ``[c_lo, c_hi)`` by the causal compare. With ``EVEN_MD`` (every query block whole, D the tile's width), the
+    rows' loads take no mask."""
     for start_m in range(lo, edge_end(hi, skip_lo, skip_hi, EDGES), BLOCK_M):
         if EDGES:  # inline: through a helper, the forward's registers spill (sm_90, triton 3.6)
             start_m = start_m + tl.where(start_m >= skip_lo, skip_hi - skip_lo, 0)
         offs_m = start_m + offs_m0
         m_ok = offs_m < N_Q
-        q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
-        # Padded rows get lse = +inf, hence P = 0.
-        lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+        if EVEN_MD:
+            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :])
+            do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :])
+            lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m)
+            delta = tl.load(Delta + off_bh * N_Q + offs_m)
+        else:
+            q = tl.load(q_base + offs_m[:, None] * stride_qn + offs_d[None, :], mask=m_ok[:, None] & d_ok, other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * stride_don + offs_d[None, :], mask=m_ok[:, None] & d_ok,
+                         other=0.0)
+            # Padded rows get lse = +inf, hence P = 0.
+            lse2 = tl.load(LSE2 + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
+            delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
         if MASK_KIND == 2:
             logl = tl.load(LSE2 + lse_plane + off_bh * N_Q + offs_m, mask=m_ok, other=float("inf"))
-        delta = tl.load(Delta + off_bh * N_Q + offs_m, mask=m_ok, other=0.0)
         # -- P^T for this (KV block, query block), float32, normalised by the LSE
         s_t = tl.dot(k, tl.trans(q), input_precision=DOT_PRECISION)  # (BLOCK_N, BLOCK_M), raw
         if MASK_KIND == 3:  # a packed call's documents: the mask strides carry (n_docs, win_l, win_r, 0)
@@ -131,8 +139,12 @@ def attn_bwd_dkdv(
     FUSED_DQ: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PART: tl.constexpr, ORDERED: tl.constexpr = False, EDGE_LOOP: tl.constexpr = False,
+    EVEN_MD: tl.constexpr = False,
 ):
     """One KV block of one KV head: dK, dV summed over the query heads that read it (GQA).
+
+    ``EVEN_MD``: the query length a multiple of ``BLOCK_M`` and D equal to ``HEAD_DIM`` (the loops' loads take
+    no mask).
 
     ``PART`` 0 computes both; 1 only dK, 2 only dV (the split backward: two launches, each
     with one float32 accumulator, where two would not fit the registers; D = 256).
@@ -193,27 +205,30 @@ def attn_bwd_dkdv(
                     offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
                     drop_scale, lo, hi, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART,
-                    skip_lo=w0, skip_hi=w1, c_lo=c0, c_hi=w0, EDGES=True)
+                    skip_lo=w0, skip_hi=w1, c_lo=c0, c_hi=w0, EDGES=True, EVEN_MD=EVEN_MD)
             else:
                 dk, dv = _dkdv_inner(
                     dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
                     stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
                     offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
                     drop_scale, lo, c0, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
-                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
+                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART,
+                EVEN_MD=EVEN_MD)
                 if MASK_KIND == 1:
                     dk, dv = _dkdv_inner(
                         dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
                         stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
                         offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
                         drop_scale, c0, w0, CAUSAL=True, MASK_KIND=0, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
-                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
+                        BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART,
+                EVEN_MD=EVEN_MD)
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
                 stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
                 offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
                 drop_scale, w0, w1, CAUSAL=False, MASK_KIND=0, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART,
+                EVEN_MD=EVEN_MD)
             lo = w1
         if not (WHOLE_TILES and EDGE_LOOP):
             dk, dv = _dkdv_inner(
@@ -221,7 +236,8 @@ def attn_bwd_dkdv(
                 stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
                 offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
                 drop_scale, lo, hi, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
-                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART)
+                BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART,
+                EVEN_MD=EVEN_MD)
 
     if PART != 2:
         dk = dk * scale
