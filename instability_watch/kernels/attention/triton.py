@@ -77,8 +77,8 @@ TILE_ORDER: Optional[bool] = None
 # spill); "dq" may be added, () is the four loops everywhere (flex_switch_speed.py's variants).
 EDGE_LOOP: Tuple[str, ...] = ("fwd", "dkdv")
 # dK/dV's loads of query rows without a mask where every query block is whole and D fills the tile (EVEN_MD): fewer
-# registers (sm_90, triton 3.6: a 48-byte stack in place of 80 on a switched sliding call). An experiment on this
-# branch, not measured on a GPU yet (flex_switch_speed.py's "switched, dK/dV masked loads" turns it off).
+# spills (sm_90, triton 3.6: 12 in place of 18 on a switched sliding call). H200, 2026-11-29 (RESULTS.md): switched
+# flex calls faster with it, sliding 1.634 against 1.656 ms (flex_switch_speed.py's "switched, dK/dV masked loads").
 EVEN_LOADS = True
 
 
