@@ -213,7 +213,7 @@ def attn_bwd_dkdv(
                     offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
                     drop_scale, lo, c0, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART,
-                EVEN_MD=EVEN_MD)
+                    EVEN_MD=EVEN_MD)
                 if MASK_KIND == 1:
                     dk, dv = _dkdv_inner(
                         dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
@@ -221,7 +221,7 @@ def attn_bwd_dkdv(
                         offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
                         drop_scale, c0, w0, CAUSAL=True, MASK_KIND=0, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
                         BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART,
-                EVEN_MD=EVEN_MD)
+                        EVEN_MD=EVEN_MD)
             dk, dv = _dkdv_inner(
                 dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
                 stride_qn, stride_don, stride_mn, stride_mh, lse_plane,
