@@ -132,6 +132,9 @@ def test_fast_launch_matches_tritons_launch(offset, monkeypatch):
     if not _launch.fast_launch_enabled():
         pytest.skip(f"no fast launch path on Triton {_launch.triton.__version__}")
     B, H, h_kv, N, D = 2, 8, 2, 777, 128
+    fields = []  # the dK/dV launch's constexpr names, in the order of its cache key's first entry
+    dkdv = ta.launch_dkdv
+    monkeypatch.setattr(ta, "launch_dkdv", lambda grid, t, a, meta: fields.append(list(meta)) or dkdv(grid, t, a, meta))
 
     def run(fast, seed, dropout_p=0.0):
         monkeypatch.setattr(_launch.Launcher, "enabled", fast)
@@ -165,11 +168,13 @@ def test_fast_launch_matches_tritons_launch(offset, monkeypatch):
                     assert max_err(a, b) <= 2 ** -7 * b.abs().max()
                 else:
                     assert torch.equal(a, b)
-    names = ("launch_fwd", "launch_dq", "launch_dkdv", "launch_delta")
-    hits = {name: len(getattr(ta, name).cache) for name in names}
+    launchers = {"launch_fwd": ta.launch_fwd, "launch_dq": ta.launch_dq, "launch_dkdv": dkdv,
+                 "launch_delta": ta.launch_delta}
+    hits = {name: len(launcher.cache) for name, launcher in launchers.items()}
     assert all(n >= 1 for n in hits.values()), hits
-    # the constexprs in launch order: CAUSAL, MASK_KIND, WHOLE_TILES, DROPOUT, FUSED_DQ, ...
-    assert {key[0][4] for key in ta.launch_dkdv.cache} == {False, True}  # FUSED_DQ: both ways took the fast path
+    fused = fields[0].index("FUSED_DQ")  # (every dK/dV launch passes its constexprs in one order)
+    assert all(f == fields[0] for f in fields)
+    assert {key[0][fused] for key in dkdv.cache} == {False, True}  # FUSED_DQ: both ways took the fast path
 
 
 def test_launch_hooks_see_every_launch():

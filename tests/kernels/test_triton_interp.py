@@ -399,19 +399,22 @@ def test_the_edge_loop_at_the_gpus_tiles_gives_the_four_loops_results(kind, monk
 
 @pytest.mark.parametrize("N, D", [(64, 16), (64, 12), (70, 16)])
 @pytest.mark.parametrize("kind, dropout", [("causal flag", 0.0), ("none", 0.0), ("sliding", 0.0), ("documents", 0.2)])
-def test_dkdv_loads_without_a_mask_where_every_query_block_is_whole_change_no_bit(kind, dropout, N, D, monkeypatch):
+def test_loads_without_a_mask_where_every_block_is_whole_change_no_bit(kind, dropout, N, D, monkeypatch):
     """``EVEN_LOADS``: dK/dV loads its query rows without a mask where the query length is a multiple of its block
-    and D fills the tile (``EVEN_MD``), and with one otherwise; either way the same bits (dQ up to the order of the
-    fused backward's atomics, with dropout)."""
+    and D fills the tile (``EVEN_MD``), dQ its key rows where the key length is (``EVEN_ND``, with ``EVEN_DQ``), and
+    with one otherwise; either way the same bits (dQ up to the order of the fused backward's atomics, with
+    dropout, whose backward takes no dQ kernel)."""
     import instability_watch.kernels.attention.triton as ta
 
     H, h_kv = 2, 1
     q, k, v, do = _inputs(("even loads", kind, N, D), 2, H, h_kv, N, D, dtype=torch.float32)
     mask = None if kind in ("causal flag", "none") else _whole_tile_masks(N)[kind]
-    taken = []
-    launch = ta.launch_dkdv
+    taken, taken_dq = [], []
+    launch, launch_dq = ta.launch_dkdv, ta.launch_dq
     monkeypatch.setattr(ta, "launch_dkdv", lambda grid, t, a, meta: launch(grid, t, a, meta) or taken.append(
         (meta["EVEN_MD"], N % meta["BLOCK_M"] == 0)))
+    monkeypatch.setattr(ta, "launch_dq", lambda grid, t, a, meta: launch_dq(grid, t, a, meta) or taken_dq.append(
+        meta["EVEN_ND"]))
 
     def run(even):
         monkeypatch.setattr(ta, "EVEN_LOADS", even)
@@ -423,6 +426,7 @@ def test_dkdv_loads_without_a_mask_where_every_query_block_is_whole_change_no_bi
     masked, even = run(False), run(True)
     assert taken[0][0] is False and taken[1] == (taken[1][1] and D == 16, taken[1][1])
     assert taken[1][0] == (N == 64 and D == 16)  # (the interpreter's tiles divide 64, not 70)
+    assert taken_dq == ([] if dropout else [False, N == 64 and D == 16])
     for name, a, b in zip(["o", "dq", "dk", "dv"], masked, even):
         if dropout and name == "dq":
             torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6, msg=name)

@@ -80,6 +80,10 @@ EDGE_LOOP: Tuple[str, ...] = ("fwd", "dkdv")
 # spills (sm_90, triton 3.6: 12 in place of 18 on a switched sliding call). H200, 2026-11-29 (RESULTS.md): switched
 # flex calls faster with it, sliding 1.634 against 1.656 ms (flex_switch_speed.py's "switched, dK/dV masked loads").
 EVEN_LOADS = True
+# dQ's loads of K/V rows without a mask where every KV block is whole and D fills the tile (EVEN_ND; with
+# EVEN_LOADS). An experiment on this branch, not measured on a GPU yet (flex_switch_speed.py's "switched, dQ masked
+# loads" turns it off).
+EVEN_DQ = True
 
 
 def _launch_grid(tiles: int, heads: int, mask, key, ranges):
@@ -510,7 +514,7 @@ def attention_backward_lse2(
                  EDGE_LOOP=_edge_loop("dq", mask.kind, causal), DROPOUT=seed is not None,
                  MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
                  BLOCK_N=block_n, DOT_PRECISION=precision, HAS_DLSE=dlse is not None, ORDERED=ordered,
-                 **cfg.options()),
+                 EVEN_ND=EVEN_LOADS and EVEN_DQ and n_kv % block_n == 0 and D == head_dim, **cfg.options()),
         )
     want = gluon
     if want is None:

@@ -258,35 +258,44 @@ def _dq_inner(
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, SHADOW: tl.constexpr, DELTA_HP_ONLY: tl.constexpr,
     DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, skip_lo=0, skip_hi=0, c_lo=0, c_hi=0, EDGES: tl.constexpr = False,
+    EVEN_ND: tl.constexpr = False,
 ):
     """dQ's loop over the KV blocks ``[lo, hi)`` of one query block: ``(dq, delta_hp)`` accumulated.
     (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents' window bounds.) With ``EDGES`` (a
     boolean mask), the blocks outside ``[skip_lo, skip_hi)``, those in ``[c_lo, c_hi)`` by the causal compare
-    (as the forward's loop)."""
+    (as the forward's loop). With ``EVEN_ND`` (every KV block whole, D the tile's width), the keys' loads take no
+    mask and no key is past the end."""
     for start_n in range(lo, edge_end(hi, skip_lo, skip_hi, EDGES), BLOCK_N):
         if EDGES:  # inline: through a helper, the forward's registers spill (sm_90, triton 3.6)
             start_n = start_n + tl.where(start_n >= skip_lo, skip_hi - skip_lo, 0)
         offs_n = start_n + offs_n0
-        kv_mask = (offs_n[:, None] < N_KV) & d_ok
-        k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
+        if EVEN_ND:
+            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :])
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :])
+        else:
+            kv_mask = (offs_n[:, None] < N_KV) & d_ok
+            k = tl.load(k_base + offs_n[:, None] * stride_kn + offs_d[None, :], mask=kv_mask, other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * stride_vn + offs_d[None, :], mask=kv_mask, other=0.0)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION)
         if MASK_KIND == 3:  # a packed call's documents: the mask strides carry (n_docs, win_l, win_r, 0)
             s = document_scores(s, Docs, offs_m, offs_n, N_Q, N_KV, stride_mh, stride_mn, False)
         elif EDGES:
             s = edge_scores(s, m_base + offs_n0[None, :] * stride_mk, start_n, offs_m, offs_n, m_ok, N_KV, stride_mk,
-                            c_lo, c_hi, True)
+                            c_lo, c_hi, not EVEN_ND)
         elif MASK_KIND != 0:  # as the forward: qk_scale is log2(e) for an additive mask
             s = masked_scores(s, m_base + offs_n0[None, :] * stride_mk, start_n, offs_n, m_ok, N_KV, stride_mk,
-                              scale, MASK_KIND, True)
+                              scale, MASK_KIND, not EVEN_ND)
         if MASK_KIND == 2:
             p = tl.math.exp2((s - lse2[:, None]) - logl[:, None])
         else:
             p = tl.math.exp2(tl.fma(s, qk_scale, -lse2[:, None]))
-        keep = offs_n[None, :] < N_KV
-        if CAUSAL:
-            keep = keep & (offs_m[:, None] >= offs_n[None, :])
-        p = tl.where(keep, p, 0.0)
+        if not EVEN_ND:
+            keep = offs_n[None, :] < N_KV
+            if CAUSAL:
+                keep = keep & (offs_m[:, None] >= offs_n[None, :])
+            p = tl.where(keep, p, 0.0)
+        elif CAUSAL:
+            p = tl.where(offs_m[:, None] >= offs_n[None, :], p, 0.0)
         # -- dP = (dO V^T) * Z (Z: dropout's keep mask over 1 - p), dS = P * (dP - delta), dQ += bf16(dS) K
         dp = tl.dot(do, tl.trans(v), input_precision=DOT_PRECISION)
         if DROPOUT:
@@ -314,6 +323,7 @@ def attn_bwd_dq(
     MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DELTA_HP_ONLY: tl.constexpr = False,
     HAS_DLSE: tl.constexpr = False, ORDERED: tl.constexpr = False, EDGE_LOOP: tl.constexpr = False,
+    EVEN_ND: tl.constexpr = False,
 ):
     """One query block: delta = rowsum(dO * O) (stored for the dK/dV kernel, launched after this
     one), dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta.
@@ -385,13 +395,15 @@ def attn_bwd_dq(
                 stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
                 offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
                 lo, w0, CAUSAL=False, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY,
-                DROPOUT=DROPOUT, MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                DROPOUT=DROPOUT, MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+                EVEN_ND=EVEN_ND)
         dq, delta_hp = _dq_inner(
             dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
             stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
             offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
             w0, w1, CAUSAL=False, MASK_KIND=0, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
-            MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+            MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+                EVEN_ND=EVEN_ND)
         if EDGE_LOOP:
             c1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), w1), hi)
             dq, delta_hp = _dq_inner(
@@ -400,7 +412,7 @@ def attn_bwd_dq(
                 offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
                 lo, hi, CAUSAL=False, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY,
                 DROPOUT=DROPOUT, MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-                skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True)
+                skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True, EVEN_ND=EVEN_ND)
         else:
             lo = w1
             if MASK_KIND == 1:
@@ -410,7 +422,8 @@ def attn_bwd_dq(
                     stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
                     offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
                     w1, c1, CAUSAL=True, MASK_KIND=0, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
-                    MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+                    MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+                EVEN_ND=EVEN_ND)
                 lo = c1
     if not (WHOLE_TILES and EDGE_LOOP):
         dq, delta_hp = _dq_inner(
@@ -418,7 +431,8 @@ def attn_bwd_dq(
             stride_kn, stride_vn, stride_mn, stride_mk, stride_mh,
             offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
             lo, hi, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
-            MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION)
+            MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
+                EVEN_ND=EVEN_ND)
 
     if DELTA_HP_ONLY:
         tl.store(Delta + off_bh * N_Q + offs_m, delta_hp, mask=m_ok)
