@@ -491,6 +491,65 @@ def test_causal_tiles_of_a_boolean_mask_are_computed_by_the_causal_compare(kind,
     assert (cols[..., 4] < torch.minimum(cols[..., 2], cols[..., 1])).any()
 
 
+@pytest.mark.parametrize("kind, dropout, n_kv", [("sliding", 0.0, None), ("documents", 0.2, None),
+                                                  ("causal", 0.0, 86)])
+def test_the_edge_loops_take_a_tile_three_ways_to_the_same_bits(kind, dropout, n_kv, monkeypatch):
+    """``EDGE_TILES``: the forward's and dK/dV's edge loops take a boolean mask's tile by one select between the
+    causal compare and the mask read ("select"), by the mask read alone ("read"), or by a branch a tile ("branch");
+    outputs, gradients and the probe's counts bit for bit the same each way (GQA; dropout, the fused backward;
+    more keys than rows). Each launch of the two kernels had the edge loop and the asked-for way."""
+    import instability_watch.kernels.attention.triton as ta
+
+    H, h_kv, N = 4, 2, 70
+    n_kv = n_kv or N
+    q, k, v, do = _inputs(("edge tiles", kind, n_kv), 2, H, h_kv, N, 16, dtype=torch.float32, n_kv=n_kv)
+    causal = torch.arange(n_kv)[None, :] <= torch.arange(N)[:, None]
+    if kind == "one key off":
+        mask = causal.clone()
+        mask[40, 3] = False
+    elif n_kv != N:
+        mask = causal
+    else:
+        mask = _whole_tile_masks(N)[kind]
+    stabilize = torch.tensor([False, True, False, True])
+    seen = []
+    for name in ("launch_fwd", "launch_dkdv"):
+        launch = getattr(ta, name)
+        monkeypatch.setattr(ta, name, lambda grid, t, a, meta, launch=launch, name=name: launch(grid, t, a, meta) or
+                            seen.append((name, meta["EDGE_LOOP"], meta["EDGE_HOW"])))
+
+    def run(how):
+        monkeypatch.setattr(ta, "EDGE_TILES", how)
+        seen.clear()
+        probe = Probe(H)
+        probe.shadow = not dropout
+        g = torch.Generator().manual_seed(5)
+        out = run_fwd_bwd(lambda a, b, c: flash_attention(a, b, c, attn_mask=mask, stabilize=stabilize, probe=probe,
+                                                          dropout_p=dropout, generator=g, backend="triton"),
+                          q, k, v, do, torch.float32)
+        assert sorted(set(seen)) == [("launch_dkdv", True, ta._EDGE_HOW[how]), ("launch_fwd", True, ta._EDGE_HOW[how])]
+        return out, probe
+
+    ref, ref_probe = run("select")
+    for how in ("read", "branch"):
+        out, probe = run(how)
+        for name, a, b in zip(["o", "dq", "dk", "dv"], ref, out):
+            assert torch.equal(a, b), (how, name)
+        for name in ("rows", "masked_rows", "multi_max_rows", "shadow_rows"):
+            assert getattr(ref_probe, name).tolist() == getattr(probe, name).tolist(), (how, name)
+
+
+def test_edge_tiles_names_what_it_allows(monkeypatch):
+    """A wrong ``EDGE_TILES`` is refused by name, with what is allowed and what was given."""
+    import instability_watch.kernels.attention.triton as ta
+
+    monkeypatch.setattr(ta, "EDGE_TILES", "fast")
+    q = torch.randn(1, 1, 32, 16)
+    mask = torch.ones(32, 32, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match=r"EDGE_TILES must be one of \['branch', 'read', 'select'\], got 'fast'"):
+        flash_attention(q, q, q, attn_mask=mask, backend="triton")
+
+
 def test_a_ragged_key_tile_is_no_causal_tile(monkeypatch):
     """More rows than keys, a ragged last key tile and every score far below zero: the fused backward's dQ stays
     finite and equal to the mask read's (a key past the end in a tile read as causal had P = exp2(-lse) there, which

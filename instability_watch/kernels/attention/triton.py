@@ -48,7 +48,9 @@ from instability_watch.kernels.common import (
 )
 from instability_watch.kernels.configs import LaunchConfig, has_launch_config, head_dim_tile, launch_config
 from instability_watch.kernels.launch import INTERPRET, Launcher, cdiv, dot_precision
-from instability_watch.kernels.triton_common import MASK_ADD, MASK_BOOL, MASK_DOCS, MASK_NONE
+from instability_watch.kernels.triton_common import (
+    EDGE_BRANCH, EDGE_READ, EDGE_SELECT, MASK_ADD, MASK_BOOL, MASK_DOCS, MASK_NONE,
+)
 
 launch_fwd, launch_dq, launch_dkdv = Launcher(attn_fwd), Launcher(attn_bwd_dq), Launcher(attn_bwd_dkdv)
 launch_delta = Launcher(attn_bwd_delta)
@@ -81,9 +83,16 @@ EDGE_LOOP: Tuple[str, ...] = ("fwd", "dkdv")
 # flex calls faster with it, sliding 1.634 against 1.656 ms (flex_switch_speed.py's "switched, dK/dV masked loads").
 EVEN_LOADS = True
 # dQ's loads of K/V rows without a mask where every KV block is whole and D fills the tile (EVEN_ND; with
-# EVEN_LOADS). An experiment on this branch, not measured on a GPU yet (flex_switch_speed.py's "switched, dQ masked
-# loads" turns it off).
+# EVEN_LOADS). H200, 2026-11-29 (RESULTS.md): switched sliding calls 1.620 against 1.639 ms (flex_switch_speed.py's
+# "switched, dQ masked loads").
 EVEN_DQ = True
+# How the edge loops (EDGE_LOOP) of the forward and dK/dV take a tile of a boolean mask: "branch", a branch a tile
+# (the causal compare on the tiles equal to the causal mask, the mask read on the others); "select", both on every
+# tile, one select between them; "read", the mask read on every tile (no causal compare). The same bits each way.
+# An experiment on this branch, not measured on a GPU yet. H200, 2026-11-29 (dkdv-anatomy, RESULTS.md): "read" in
+# dK/dV alone made sliding calls 0.04 ms and causal ones 0.05 ms faster than "select".
+EDGE_TILES = "branch"
+_EDGE_HOW = {"select": EDGE_SELECT, "read": EDGE_READ, "branch": EDGE_BRANCH}
 
 
 def _launch_grid(tiles: int, heads: int, mask, key, ranges):
@@ -189,6 +198,13 @@ def _whole_tiles(kind: int, causal: bool) -> bool:
     return kind in (MASK_BOOL, MASK_DOCS) and not causal
 
 
+def _edge_how() -> int:
+    """:data:`EDGE_TILES` as the kernels' constexpr ``EDGE_HOW``."""
+    if EDGE_TILES not in _EDGE_HOW:
+        raise ValueError(f"EDGE_TILES must be one of {sorted(_EDGE_HOW)}, got {EDGE_TILES!r}")
+    return _EDGE_HOW[EDGE_TILES]
+
+
 def _edge_loop(kernel: str, kind: int, causal: bool) -> bool:
     """Whether ``kernel`` ("fwd", "dq" or "dkdv") walks a boolean mask's tiles outside its whole run in one loop
     (:data:`EDGE_LOOP`)."""
@@ -278,7 +294,7 @@ def attention_forward_lse2(
         dict(
             CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe,
             MASK_KIND=mask.kind, WHOLE_TILES=_whole_tiles(mask.kind, causal),
-            EDGE_LOOP=_edge_loop("fwd", mask.kind, causal), DROPOUT=seed is not None,
+            EDGE_LOOP=_edge_loop("fwd", mask.kind, causal), EDGE_HOW=_edge_how(), DROPOUT=seed is not None,
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
             # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
             EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
@@ -465,7 +481,7 @@ def attention_backward_lse2(
              *out_v.stride()[:3], *mask.strides, *r_strides, H, heads, kv_div,
              N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
             dict(CAUSAL=causal, MASK_KIND=mask.kind, WHOLE_TILES=_whole_tiles(mask.kind, causal),
-                 EDGE_LOOP=_edge_loop("dkdv", mask.kind, causal),
+                 EDGE_LOOP=_edge_loop("dkdv", mask.kind, causal), EDGE_HOW=_edge_how(),
                  DROPOUT=seed is not None, FUSED_DQ=dq_acc is not None,
                  HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
                  PART=part, ORDERED=ordered, EVEN_MD=EVEN_LOADS and N % cfg.block_m == 0 and D == head_dim,

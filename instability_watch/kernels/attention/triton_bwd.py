@@ -55,6 +55,7 @@ def _dkdv_inner(
     FUSED_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PART: tl.constexpr,
     skip_lo=0, skip_hi=0, c_lo=0, c_hi=0, EDGES: tl.constexpr = False, EVEN_MD: tl.constexpr = False,
+    EDGE_HOW: tl.constexpr = 0,
 ):
     """dK/dV's loop over the query blocks ``[lo, hi)`` of one query head: ``(dk, dv)`` accumulated (and with
     ``FUSED_DQ`` their dQ shares added). (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents'
@@ -88,7 +89,7 @@ def _dkdv_inner(
             ok = (offs_n[:, None] < N_KV) & m_ok[None, :]
             if EDGES:
                 keep_t = edge_kept(m_base + offs_m0[None, :] * stride_mn, start_m, offs_m[None, :], offs_n[:, None],
-                                   ok, stride_mn, c_lo, c_hi)
+                                   ok, stride_mn, c_lo, c_hi, EDGE_HOW)
                 s_t = tl.where(keep_t, s_t, float("-inf"))
             elif MASK_KIND == 1:
                 keep_t = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=0)
@@ -139,7 +140,7 @@ def attn_bwd_dkdv(
     FUSED_DQ: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PART: tl.constexpr, ORDERED: tl.constexpr = False, EDGE_LOOP: tl.constexpr = False,
-    EVEN_MD: tl.constexpr = False,
+    EVEN_MD: tl.constexpr = False, EDGE_HOW: tl.constexpr = 0,
 ):
     """One KV block of one KV head: dK, dV summed over the query heads that read it (GQA).
 
@@ -205,7 +206,8 @@ def attn_bwd_dkdv(
                     offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
                     drop_scale, lo, hi, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART,
-                    skip_lo=w0, skip_hi=w1, c_lo=c0, c_hi=w0, EDGES=True, EVEN_MD=EVEN_MD)
+                    skip_lo=w0, skip_hi=w1, c_lo=c0, c_hi=w0, EDGES=True, EVEN_MD=EVEN_MD,
+                    EDGE_HOW=EDGE_HOW)
             else:
                 dk, dv = _dkdv_inner(
                     dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
