@@ -91,7 +91,7 @@ EVEN_DQ = True
 # tile, one select between them; "read", the mask read on every tile (no causal compare). The same bits each way.
 # An experiment on this branch, not measured on a GPU yet. H200, 2026-11-29 (dkdv-anatomy, RESULTS.md): "read" in
 # dK/dV alone made sliding calls 0.04 ms and causal ones 0.05 ms faster than "select".
-EDGE_TILES = "branch"
+EDGE_TILES = "read"
 _EDGE_HOW = {"select": EDGE_SELECT, "read": EDGE_READ, "branch": EDGE_BRANCH}
 
 
