@@ -268,7 +268,6 @@ def edge_end(hi, skip_lo, skip_hi, EDGES: tl.constexpr):
 # How an edge loop takes a boolean mask's tile (the kernels' constexpr HOW / EDGE_HOW; the kernels compare literals):
 EDGE_SELECT = 0  # the causal compare and the (predicated) mask read on every tile, one select between them
 EDGE_READ = 1  # the mask read on every tile (no causal compare)
-EDGE_BRANCH = 2  # a branch a tile: the causal compare on the tiles equal to the causal mask, the read on the others
 
 
 @triton.jit
@@ -276,15 +275,10 @@ def edge_kept(M_blk, start_n, rows, cols, ok, stride_mk, c_lo, c_hi, HOW: tl.con
     """Which entries of a boolean mask's tile are kept, the tile starting at key ``start_n`` (or, transposed, at
     row ``start_n``: ``M_blk`` then walks the rows): compared by position (row >= key) where ``start_n`` lies in
     ``[c_lo, c_hi)`` (tiles the pre-pass found equal to the causal mask), else read from the mask where ``ok``
-    (False elsewhere). ``rows`` and ``cols`` broadcast to the tile's shape. ``HOW``: the same entries three ways
-    (:data:`EDGE_SELECT`, :data:`EDGE_READ`, :data:`EDGE_BRANCH`)."""
+    (False elsewhere). ``rows`` and ``cols`` broadcast to the tile's shape. ``HOW``: the same entries two ways
+    (:data:`EDGE_SELECT`; :data:`EDGE_READ`, every tile read, ``c_lo``/``c_hi``, ``rows`` and ``cols`` unused)."""
     if HOW == 1:  # EDGE_READ
         keep = tl.load(M_blk + start_n * stride_mk, mask=ok, other=0) != 0
-    elif HOW == 2:  # EDGE_BRANCH
-        if (start_n >= c_lo) & (start_n < c_hi):
-            keep = rows >= cols
-        else:
-            keep = tl.load(M_blk + start_n * stride_mk, mask=ok, other=0) != 0
     else:
         causal = (start_n >= c_lo) & (start_n < c_hi)
         keep = tl.load(M_blk + start_n * stride_mk, mask=tl.where(causal, False, ok), other=0)

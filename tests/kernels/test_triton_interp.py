@@ -493,11 +493,13 @@ def test_causal_tiles_of_a_boolean_mask_are_computed_by_the_causal_compare(kind,
 
 @pytest.mark.parametrize("kind, dropout, n_kv", [("sliding", 0.0, None), ("documents", 0.2, None),
                                                   ("causal", 0.0, 86)])
-def test_the_edge_loops_take_a_tile_three_ways_to_the_same_bits(kind, dropout, n_kv, monkeypatch):
-    """``EDGE_TILES``: the forward's and dK/dV's edge loops take a boolean mask's tile by one select between the
-    causal compare and the mask read ("select"), by the mask read alone ("read"), or by a branch a tile ("branch");
-    outputs, gradients and the probe's counts bit for bit the same each way (GQA; dropout, the fused backward;
-    more keys than rows). Each launch of the two kernels had the edge loop and the asked-for way."""
+def test_causal_tiles_read_or_compared_give_the_same_bits(kind, dropout, n_kv, monkeypatch):
+    """``READ_CAUSAL_TILES``: the kernels named there read a boolean mask's tiles equal to the causal mask as any
+    other (the forward's and dK/dV's edge loops every tile outside the whole run; dQ the tiles after it, in one
+    loop); the others take them by the causal compare (the edge loops: one select between the compare and the read
+    on every tile; dQ: a loop of their own). Outputs, gradients and the probe's counts bit for bit the same every
+    way (GQA; dropout, the fused backward; more keys than rows). Each launch had the asked-for way (the forward and
+    dK/dV their edge loop; with dropout, no dQ kernel)."""
     import instability_watch.kernels.attention.triton as ta
 
     H, h_kv, N = 4, 2, 70
@@ -513,13 +515,13 @@ def test_the_edge_loops_take_a_tile_three_ways_to_the_same_bits(kind, dropout, n
         mask = _whole_tile_masks(N)[kind]
     stabilize = torch.tensor([False, True, False, True])
     seen = []
-    for name in ("launch_fwd", "launch_dkdv"):
+    for name in ("launch_fwd", "launch_dkdv", "launch_dq"):
         launch = getattr(ta, name)
         monkeypatch.setattr(ta, name, lambda grid, t, a, meta, launch=launch, name=name: launch(grid, t, a, meta) or
                             seen.append((name, meta["EDGE_LOOP"], meta["EDGE_HOW"])))
 
-    def run(how):
-        monkeypatch.setattr(ta, "EDGE_TILES", how)
+    def run(kernels):
+        monkeypatch.setattr(ta, "READ_CAUSAL_TILES", kernels)
         seen.clear()
         probe = Probe(H)
         probe.shadow = not dropout
@@ -527,11 +529,13 @@ def test_the_edge_loops_take_a_tile_three_ways_to_the_same_bits(kind, dropout, n
         out = run_fwd_bwd(lambda a, b, c: flash_attention(a, b, c, attn_mask=mask, stabilize=stabilize, probe=probe,
                                                           dropout_p=dropout, generator=g, backend="triton"),
                           q, k, v, do, torch.float32)
-        assert sorted(set(seen)) == [("launch_dkdv", True, ta._EDGE_HOW[how]), ("launch_fwd", True, ta._EDGE_HOW[how])]
+        way = [int(k in kernels) for k in ("dkdv", "dq", "fwd")]  # (EDGE_HOW 1: read; 0: the causal compare too)
+        dq = [] if dropout else [("launch_dq", False, way[1])]  # (dropout: the fused backward, no dQ kernel)
+        assert sorted(set(seen)) == [("launch_dkdv", True, way[0])] + dq + [("launch_fwd", True, way[2])]
         return out, probe
 
-    ref, ref_probe = run("select")
-    for how in ("read", "branch"):
+    ref, ref_probe = run(())
+    for how in (("fwd", "dq", "dkdv"), ("dq",)):
         out, probe = run(how)
         for name, a, b in zip(["o", "dq", "dk", "dv"], ref, out):
             assert torch.equal(a, b), (how, name)
@@ -539,14 +543,14 @@ def test_the_edge_loops_take_a_tile_three_ways_to_the_same_bits(kind, dropout, n
             assert getattr(ref_probe, name).tolist() == getattr(probe, name).tolist(), (how, name)
 
 
-def test_edge_tiles_names_what_it_allows(monkeypatch):
-    """A wrong ``EDGE_TILES`` is refused by name, with what is allowed and what was given."""
+def test_read_causal_tiles_names_what_it_allows(monkeypatch):
+    """A wrong kernel in ``READ_CAUSAL_TILES`` is refused by name, with what is allowed and what was given."""
     import instability_watch.kernels.attention.triton as ta
 
-    monkeypatch.setattr(ta, "EDGE_TILES", "fast")
+    monkeypatch.setattr(ta, "READ_CAUSAL_TILES", ("fwd", "bwd"))
     q = torch.randn(1, 1, 32, 16)
     mask = torch.ones(32, 32, dtype=torch.bool).tril()
-    with pytest.raises(ValueError, match=r"EDGE_TILES must be one of \['branch', 'read', 'select'\], got 'fast'"):
+    with pytest.raises(ValueError, match=r"READ_CAUSAL_TILES takes the kernels 'fwd', 'dq' and 'dkdv', got 'bwd'"):
         flash_attention(q, q, q, attn_mask=mask, backend="triton")
 
 

@@ -260,7 +260,7 @@ def _dq_inner(
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, SHADOW: tl.constexpr, DELTA_HP_ONLY: tl.constexpr,
     DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, skip_lo=0, skip_hi=0, c_lo=0, c_hi=0, EDGES: tl.constexpr = False,
-    EVEN_ND: tl.constexpr = False,
+    EVEN_ND: tl.constexpr = False, EDGE_HOW: tl.constexpr = 0,
 ):
     """dQ's loop over the KV blocks ``[lo, hi)`` of one query block: ``(dq, delta_hp)`` accumulated.
     (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents' window bounds.) With ``EDGES`` (a
@@ -283,7 +283,7 @@ def _dq_inner(
             s = document_scores(s, Docs, offs_m, offs_n, N_Q, N_KV, stride_mh, stride_mn, False)
         elif EDGES:
             s = edge_scores(s, m_base + offs_n0[None, :] * stride_mk, start_n, offs_m, offs_n, m_ok, N_KV, stride_mk,
-                            c_lo, c_hi, not EVEN_ND)
+                            c_lo, c_hi, not EVEN_ND, EDGE_HOW)
         elif MASK_KIND != 0:  # as the forward: qk_scale is log2(e) for an additive mask
             s = masked_scores(s, m_base + offs_n0[None, :] * stride_mk, start_n, offs_n, m_ok, N_KV, stride_mk,
                               scale, MASK_KIND, not EVEN_ND)
@@ -325,7 +325,7 @@ def attn_bwd_dq(
     MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DELTA_HP_ONLY: tl.constexpr = False,
     HAS_DLSE: tl.constexpr = False, ORDERED: tl.constexpr = False, EDGE_LOOP: tl.constexpr = False,
-    EVEN_ND: tl.constexpr = False,
+    EVEN_ND: tl.constexpr = False, EDGE_HOW: tl.constexpr = 0,
 ):
     """One query block: delta = rowsum(dO * O) (stored for the dK/dV kernel, launched after this
     one), dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta.
@@ -414,10 +414,10 @@ def attn_bwd_dq(
                 offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
                 lo, hi, CAUSAL=False, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY,
                 DROPOUT=DROPOUT, MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-                skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True, EVEN_ND=EVEN_ND)
+                skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True, EVEN_ND=EVEN_ND, EDGE_HOW=EDGE_HOW)
         else:
             lo = w1
-            if MASK_KIND == 1:
+            if MASK_KIND == 1 and EDGE_HOW == 0:  # (EDGE_READ: the tiles after the run all read, in the last loop)
                 c1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), w1), hi)
                 dq, delta_hp = _dq_inner(
                     dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,
