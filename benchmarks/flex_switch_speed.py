@@ -14,8 +14,8 @@ forward and dK/dV now walk two (the whole run, then the other tiles); "the edge 
 "switched, dK/dV masked loads": ``triton.EVEN_LOADS`` off (dK/dV loads its query rows with a mask even where every
 query block is whole); "switched, dQ masked loads": ``triton.EVEN_DQ`` off (dQ loads its K/V rows with a mask
 where every KV block is whole). "switched, causal tiles compared": ``triton.READ_CAUSAL_TILES`` empty (a boolean
-mask's tiles equal to the causal mask taken by the causal compare, as before 2026-11-29); "switched, dQ causal tiles
-compared": dQ's only.
+mask's tiles equal to the causal mask taken by the causal compare, as before 2026-11-29); "switched, dQ reads its
+causal tiles": dQ among the kernels that read them.
 A variant named by a kernel and a launch config, "switched, dQ (128, 64, 8, 3)" say, runs that kernel with that config
 in place of its entry for boolean masks. For every mask, one more reference with no watch: "ours direct, as
 documents", our packed kernels over the mask's documents (every batch row the same; the sliding window as their
@@ -225,7 +225,7 @@ def main() -> int:
                     "switched, dK/dV masked loads": run_switched(False, even=False),
                     "switched, dQ masked loads": run_switched(False, even_dq=False),
                     "switched, causal tiles compared": run_switched(False, read=()),
-                    "switched, dQ causal tiles compared": run_switched(False, read=("fwd", "dkdv"))}
+                    "switched, dQ reads its causal tiles": run_switched(False, read=("fwd", "dq", "dkdv"))}
         if mask_dkdv is not None:
             variants["switched, dK/dV (64, 128, 8, 3)"] = run_switched(False, dkdv=(64, 128, 8, 3))
         if mask_dq is not None:

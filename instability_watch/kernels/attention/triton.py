@@ -92,8 +92,9 @@ EVEN_DQ = True
 # mask read on every tile; in dQ, a loop of their own). The same bits either way. H200, 2026-11-29 (RESULTS.md;
 # flex_switch_speed.py's "switched, causal tiles compared"): the forward and dK/dV reading faster on switched flex
 # calls, sliding 1.564 against 1.614 ms, causal 2.740 against 2.810, documents 1.448 against 1.490; a branch a tile
-# between the two (only one of them on each tile) was slower than either (sliding 1.697). dQ: not measured yet.
-READ_CAUSAL_TILES: Tuple[str, ...] = ("fwd", "dq", "dkdv")
+# between the two (only one of them on each tile) was slower than either (sliding 1.697). dQ reading was no faster
+# (sliding 1.558-1.570 against 1.553-1.565; "switched, dQ causal tiles compared").
+READ_CAUSAL_TILES: Tuple[str, ...] = ("fwd", "dkdv")
 
 
 def _launch_grid(tiles: int, heads: int, mask, key, ranges):
