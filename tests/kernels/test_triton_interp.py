@@ -442,8 +442,12 @@ def test_causal_tiles_of_a_boolean_mask_are_computed_by_the_causal_compare(kind,
     """The tiles of a boolean mask that equal the causal mask, beside its run of whole tiles (the diagonal ones),
     run the causal loop (no mask read): outputs, gradients and the probe's counts bit for bit those of the kernels
     reading the mask there; a causal mask's those of ``causal=True``. A mask one entry off the causal one, per
-    batch and head, more keys than rows (the causal mask top-left), and dropout (the fused backward); GQA."""
+    batch and head, more keys than rows (the causal mask top-left), and dropout (the fused backward); GQA. (Every
+    kernel compares them here: by default the forward and dK/dV read them, ``READ_CAUSAL_TILES``.)"""
     import instability_watch.kernels.attention.masks as masks_mod
+    import instability_watch.kernels.attention.triton as ta
+
+    monkeypatch.setattr(ta, "READ_CAUSAL_TILES", ())
 
     H, h_kv, N = 4, 2, 70
     n_kv = n_kv or N
