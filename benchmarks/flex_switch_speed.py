@@ -13,7 +13,9 @@ tiles before the whole run, the whole run, the causal tiles, the mask's tiles af
 forward and dK/dV now walk two (the whole run, then the other tiles); "the edge loop in dQ too": dQ walks two as well.
 "switched, dK/dV masked loads": ``triton.EVEN_LOADS`` off (dK/dV loads its query rows with a mask even where every
 query block is whole); "switched, dQ masked loads": ``triton.EVEN_DQ`` off (dQ loads its K/V rows with a mask
-where every KV block is whole).
+where every KV block is whole). "switched, causal tiles compared": ``triton.READ_CAUSAL_TILES`` empty (a boolean
+mask's tiles equal to the causal mask taken by the causal compare, as before 2026-11-29); "switched, dQ reads its
+causal tiles": dQ among the kernels that read them.
 A variant named by a kernel and a launch config, "switched, dQ (128, 64, 8, 3)" say, runs that kernel with that config
 in place of its entry for boolean masks. For every mask, one more reference with no watch: "ours direct, as
 documents", our packed kernels over the mask's documents (every batch row the same; the sliding window as their
@@ -145,12 +147,12 @@ def main() -> int:
     if unknown:
         raise SystemExit(f"--edge-loop takes fwd, dq and dkdv; got {unknown}")
 
-    even_default, even_dq_default = ta.EVEN_LOADS, ta.EVEN_DQ
+    even_default, even_dq_default, read_default = ta.EVEN_LOADS, ta.EVEN_DQ, ta.READ_CAUSAL_TILES
 
     def defaults():  # the kernels' module settings as the library has them (the variants change them)
         ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER = False, None, None
         masks.CAUSAL_TILES, masks.FLAG_WORDS, ta.EDGE_LOOP = True, True, edge_default
-        ta.EVEN_LOADS, ta.EVEN_DQ = even_default, even_dq_default
+        ta.EVEN_LOADS, ta.EVEN_DQ, ta.READ_CAUSAL_TILES = even_default, even_dq_default, read_default
 
     def direct_causal(stabilize=None, mask=None):
         defaults()
@@ -191,7 +193,8 @@ def main() -> int:
         plain.recompile()
         switched.recompile()
         def run_switched(expand: bool, fused=None, ordered=None, causal_tiles=True, dkdv=None, dq=None,
-                         edge_loop=None, fwd=None, words=True, even=None, even_dq=None):
+                         edge_loop=None, fwd=None, words=True, even=None, even_dq=None,
+                         read=None):
             def call():  # (ordered, dkdv, dq None: the defaults; dkdv "as is": the table untouched, for the sweep)
                 ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
                 ta.FUSED_BACKWARD = fused
@@ -201,6 +204,7 @@ def main() -> int:
                 masks.FLAG_WORDS = words
                 ta.EVEN_LOADS = even_default if even is None else even
                 ta.EVEN_DQ = even_dq_default if even_dq is None else even_dq
+                ta.READ_CAUSAL_TILES = read_default if read is None else read
                 if mask_dkdv is not None and dkdv != "as is":
                     mask_dkdv[tile] = mask_dkdv_default if dkdv is None else LaunchConfig.of(dkdv)
                 if mask_dq is not None and dkdv != "as is":
@@ -219,7 +223,9 @@ def main() -> int:
                     "switched, the edge loop in dQ too": run_switched(False, edge_loop=("fwd", "dq", "dkdv")),
                     "switched, the pre-pass byte by byte": run_switched(False, words=False),
                     "switched, dK/dV masked loads": run_switched(False, even=False),
-                    "switched, dQ masked loads": run_switched(False, even_dq=False)}
+                    "switched, dQ masked loads": run_switched(False, even_dq=False),
+                    "switched, causal tiles compared": run_switched(False, read=()),
+                    "switched, dQ reads its causal tiles": run_switched(False, read=("fwd", "dq", "dkdv"))}
         if mask_dkdv is not None:
             variants["switched, dK/dV (64, 128, 8, 3)"] = run_switched(False, dkdv=(64, 128, 8, 3))
         if mask_dq is not None:

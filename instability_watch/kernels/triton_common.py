@@ -265,25 +265,36 @@ def edge_end(hi, skip_lo, skip_hi, EDGES: tl.constexpr):
     return end
 
 
+# How an edge loop takes a boolean mask's tile (the kernels' constexpr HOW / EDGE_HOW; the kernels compare literals):
+EDGE_SELECT = 0  # the causal compare and the (predicated) mask read on every tile, one select between them
+EDGE_READ = 1  # the mask read on every tile (no causal compare)
+
+
 @triton.jit
-def edge_kept(M_blk, start_n, rows, cols, ok, stride_mk, c_lo, c_hi):
+def edge_kept(M_blk, start_n, rows, cols, ok, stride_mk, c_lo, c_hi, HOW: tl.constexpr = 0):
     """Which entries of a boolean mask's tile are kept, the tile starting at key ``start_n`` (or, transposed, at
     row ``start_n``: ``M_blk`` then walks the rows): compared by position (row >= key) where ``start_n`` lies in
     ``[c_lo, c_hi)`` (tiles the pre-pass found equal to the causal mask), else read from the mask where ``ok``
-    (False elsewhere). ``rows`` and ``cols`` broadcast to the tile's shape."""
-    causal = (start_n >= c_lo) & (start_n < c_hi)
-    keep = tl.load(M_blk + start_n * stride_mk, mask=tl.where(causal, False, ok), other=0)
-    return (keep != 0) | ((rows >= cols) & causal)
+    (False elsewhere). ``rows`` and ``cols`` broadcast to the tile's shape. ``HOW``: the same entries two ways
+    (:data:`EDGE_SELECT`; :data:`EDGE_READ`, every tile read, ``c_lo``/``c_hi``, ``rows`` and ``cols`` unused)."""
+    if HOW == 1:  # EDGE_READ
+        keep = tl.load(M_blk + start_n * stride_mk, mask=ok, other=0) != 0
+    else:
+        causal = (start_n >= c_lo) & (start_n < c_hi)
+        keep = tl.load(M_blk + start_n * stride_mk, mask=tl.where(causal, False, ok), other=0)
+        keep = (keep != 0) | ((rows >= cols) & causal)
+    return keep
 
 
 @triton.jit
-def edge_scores(qk, M_blk, start_n, offs_m, cols, row_ok, N_KV, stride_mk, c_lo, c_hi, MASK_KV: tl.constexpr):
+def edge_scores(qk, M_blk, start_n, offs_m, cols, row_ok, N_KV, stride_mk, c_lo, c_hi, MASK_KV: tl.constexpr,
+                HOW: tl.constexpr = 0):
     """:func:`masked_scores` of a boolean mask's tile outside its whole run (``-inf`` where not kept), the tiles
     that equal the causal mask by the causal compare (:func:`edge_kept`)."""
     ok = row_ok[:, None]
     if MASK_KV:
         ok = ok & (cols[None, :] < N_KV)
-    keep = edge_kept(M_blk, start_n, offs_m[:, None], cols[None, :], ok, stride_mk, c_lo, c_hi)
+    keep = edge_kept(M_blk, start_n, offs_m[:, None], cols[None, :], ok, stride_mk, c_lo, c_hi, HOW)
     return tl.where(keep, qk, float("-inf"))
 
 

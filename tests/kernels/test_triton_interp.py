@@ -442,8 +442,12 @@ def test_causal_tiles_of_a_boolean_mask_are_computed_by_the_causal_compare(kind,
     """The tiles of a boolean mask that equal the causal mask, beside its run of whole tiles (the diagonal ones),
     run the causal loop (no mask read): outputs, gradients and the probe's counts bit for bit those of the kernels
     reading the mask there; a causal mask's those of ``causal=True``. A mask one entry off the causal one, per
-    batch and head, more keys than rows (the causal mask top-left), and dropout (the fused backward); GQA."""
+    batch and head, more keys than rows (the causal mask top-left), and dropout (the fused backward); GQA. (Every
+    kernel compares them here: by default the forward and dK/dV read them, ``READ_CAUSAL_TILES``.)"""
     import instability_watch.kernels.attention.masks as masks_mod
+    import instability_watch.kernels.attention.triton as ta
+
+    monkeypatch.setattr(ta, "READ_CAUSAL_TILES", ())
 
     H, h_kv, N = 4, 2, 70
     n_kv = n_kv or N
@@ -489,6 +493,69 @@ def test_causal_tiles_of_a_boolean_mask_are_computed_by_the_causal_compare(kind,
     rows, cols = margs.rows(16, 16)[0], margs.cols(16, 16)[0]
     assert (rows[..., 4] > torch.maximum(rows[..., 3], rows[..., 0])).any()
     assert (cols[..., 4] < torch.minimum(cols[..., 2], cols[..., 1])).any()
+
+
+@pytest.mark.parametrize("kind, dropout, n_kv", [("sliding", 0.0, None), ("documents", 0.2, None),
+                                                  ("causal", 0.0, 86)])
+def test_causal_tiles_read_or_compared_give_the_same_bits(kind, dropout, n_kv, monkeypatch):
+    """``READ_CAUSAL_TILES``: the kernels named there read a boolean mask's tiles equal to the causal mask as any
+    other (the forward's and dK/dV's edge loops every tile outside the whole run; dQ the tiles after it, in one
+    loop); the others take them by the causal compare (the edge loops: one select between the compare and the read
+    on every tile; dQ: a loop of their own). Outputs, gradients and the probe's counts bit for bit the same every
+    way (GQA; dropout, the fused backward; more keys than rows). Each launch had the asked-for way (the forward and
+    dK/dV their edge loop; with dropout, no dQ kernel)."""
+    import instability_watch.kernels.attention.triton as ta
+
+    H, h_kv, N = 4, 2, 70
+    n_kv = n_kv or N
+    q, k, v, do = _inputs(("edge tiles", kind, n_kv), 2, H, h_kv, N, 16, dtype=torch.float32, n_kv=n_kv)
+    causal = torch.arange(n_kv)[None, :] <= torch.arange(N)[:, None]
+    if kind == "one key off":
+        mask = causal.clone()
+        mask[40, 3] = False
+    elif n_kv != N:
+        mask = causal
+    else:
+        mask = _whole_tile_masks(N)[kind]
+    stabilize = torch.tensor([False, True, False, True])
+    seen = []
+    for name in ("launch_fwd", "launch_dkdv", "launch_dq"):
+        launch = getattr(ta, name)
+        monkeypatch.setattr(ta, name, lambda grid, t, a, meta, launch=launch, name=name: launch(grid, t, a, meta) or
+                            seen.append((name, meta["EDGE_LOOP"], meta["EDGE_HOW"])))
+
+    def run(kernels):
+        monkeypatch.setattr(ta, "READ_CAUSAL_TILES", kernels)
+        seen.clear()
+        probe = Probe(H)
+        probe.shadow = not dropout
+        g = torch.Generator().manual_seed(5)
+        out = run_fwd_bwd(lambda a, b, c: flash_attention(a, b, c, attn_mask=mask, stabilize=stabilize, probe=probe,
+                                                          dropout_p=dropout, generator=g, backend="triton"),
+                          q, k, v, do, torch.float32)
+        way = [int(k in kernels) for k in ("dkdv", "dq", "fwd")]  # (EDGE_HOW 1: read; 0: the causal compare too)
+        dq = [] if dropout else [("launch_dq", False, way[1])]  # (dropout: the fused backward, no dQ kernel)
+        assert sorted(set(seen)) == [("launch_dkdv", True, way[0])] + dq + [("launch_fwd", True, way[2])]
+        return out, probe
+
+    ref, ref_probe = run(())
+    for how in (("fwd", "dq", "dkdv"), ("dq",)):
+        out, probe = run(how)
+        for name, a, b in zip(["o", "dq", "dk", "dv"], ref, out):
+            assert torch.equal(a, b), (how, name)
+        for name in ("rows", "masked_rows", "multi_max_rows", "shadow_rows"):
+            assert getattr(ref_probe, name).tolist() == getattr(probe, name).tolist(), (how, name)
+
+
+def test_read_causal_tiles_names_what_it_allows(monkeypatch):
+    """A wrong kernel in ``READ_CAUSAL_TILES`` is refused by name, with what is allowed and what was given."""
+    import instability_watch.kernels.attention.triton as ta
+
+    monkeypatch.setattr(ta, "READ_CAUSAL_TILES", ("fwd", "bwd"))
+    q = torch.randn(1, 1, 32, 16)
+    mask = torch.ones(32, 32, dtype=torch.bool).tril()
+    with pytest.raises(ValueError, match=r"READ_CAUSAL_TILES takes the kernels 'fwd', 'dq' and 'dkdv', got 'bwd'"):
+        flash_attention(q, q, q, attn_mask=mask, backend="triton")
 
 
 def test_a_ragged_key_tile_is_no_causal_tile(monkeypatch):

@@ -19,7 +19,8 @@ launch_flags, launch_flag_ranges = Launcher(mask_tile_flags), Launcher(mask_flag
 launch_tile_order = Launcher(tile_order)
 
 # A boolean mask's tiles that equal the causal mask, beside its run of whole tiles, are computed with the causal
-# compare, not the mask read (the pre-pass finds them: ``triton_ranges.CAUSAL_TILE``). Off: read as any other tile.
+# compare, not the mask read (the pre-pass finds them: ``triton_ranges.CAUSAL_TILE``), by the kernels that do not
+# read them anyway (``triton.READ_CAUSAL_TILES``: by default dQ only). Off: read as any other tile.
 CAUSAL_TILES = True
 # The pre-pass reads a boolean mask four keys at a time (int32 words) where its layout allows: rows that start on
 # 4-byte boundaries, a multiple of 4 keys. Off: byte by byte (the benchmarks' variant).

@@ -48,7 +48,9 @@ from instability_watch.kernels.common import (
 )
 from instability_watch.kernels.configs import LaunchConfig, has_launch_config, head_dim_tile, launch_config
 from instability_watch.kernels.launch import INTERPRET, Launcher, cdiv, dot_precision
-from instability_watch.kernels.triton_common import MASK_ADD, MASK_BOOL, MASK_DOCS, MASK_NONE
+from instability_watch.kernels.triton_common import (
+    EDGE_READ, EDGE_SELECT, MASK_ADD, MASK_BOOL, MASK_DOCS, MASK_NONE,
+)
 
 launch_fwd, launch_dq, launch_dkdv = Launcher(attn_fwd), Launcher(attn_bwd_dq), Launcher(attn_bwd_dkdv)
 launch_delta = Launcher(attn_bwd_delta)
@@ -81,9 +83,18 @@ EDGE_LOOP: Tuple[str, ...] = ("fwd", "dkdv")
 # flex calls faster with it, sliding 1.634 against 1.656 ms (flex_switch_speed.py's "switched, dK/dV masked loads").
 EVEN_LOADS = True
 # dQ's loads of K/V rows without a mask where every KV block is whole and D fills the tile (EVEN_ND; with
-# EVEN_LOADS). An experiment on this branch, not measured on a GPU yet (flex_switch_speed.py's "switched, dQ masked
-# loads" turns it off).
+# EVEN_LOADS). H200, 2026-11-29 (RESULTS.md): switched sliding calls 1.620 against 1.639 ms (flex_switch_speed.py's
+# "switched, dQ masked loads").
 EVEN_DQ = True
+# The kernels that read a boolean mask's tiles equal to the causal mask as they read any other (no causal compare):
+# the forward's and dK/dV's edge loops (EDGE_LOOP) read every tile outside the whole run, dQ reads the tiles after
+# it in one loop; elsewhere the causal compare takes those tiles (in the edge loop, one select between it and the
+# mask read on every tile; in dQ, a loop of their own). The same bits either way. H200, 2026-11-29 (RESULTS.md;
+# flex_switch_speed.py's "switched, causal tiles compared"): the forward and dK/dV reading faster on switched flex
+# calls, sliding 1.564 against 1.614 ms, causal 2.740 against 2.810, documents 1.448 against 1.490; a branch a tile
+# between the two (only one of them on each tile) was slower than either (sliding 1.697). dQ reading was no faster
+# (sliding 1.558-1.570 against 1.553-1.565; "switched, dQ causal tiles compared").
+READ_CAUSAL_TILES: Tuple[str, ...] = ("fwd", "dkdv")
 
 
 def _launch_grid(tiles: int, heads: int, mask, key, ranges):
@@ -189,6 +200,15 @@ def _whole_tiles(kind: int, causal: bool) -> bool:
     return kind in (MASK_BOOL, MASK_DOCS) and not causal
 
 
+def _edge_how(kernel: str) -> int:
+    """How ``kernel`` ("fwd", "dq" or "dkdv") takes a boolean mask's causal tiles, its constexpr ``EDGE_HOW``
+    (:data:`READ_CAUSAL_TILES`)."""
+    wrong = [k for k in READ_CAUSAL_TILES if k not in ("fwd", "dq", "dkdv")]
+    if wrong:
+        raise ValueError(f"READ_CAUSAL_TILES takes the kernels 'fwd', 'dq' and 'dkdv', got {wrong[0]!r}")
+    return EDGE_READ if kernel in READ_CAUSAL_TILES else EDGE_SELECT
+
+
 def _edge_loop(kernel: str, kind: int, causal: bool) -> bool:
     """Whether ``kernel`` ("fwd", "dq" or "dkdv") walks a boolean mask's tiles outside its whole run in one loop
     (:data:`EDGE_LOOP`)."""
@@ -278,7 +298,7 @@ def attention_forward_lse2(
         dict(
             CAUSAL=causal, HAS_STAB=stab is not None, HAS_PROBE=has_probe,
             MASK_KIND=mask.kind, WHOLE_TILES=_whole_tiles(mask.kind, causal),
-            EDGE_LOOP=_edge_loop("fwd", mask.kind, causal), DROPOUT=seed is not None,
+            EDGE_LOOP=_edge_loop("fwd", mask.kind, causal), EDGE_HOW=_edge_how("fwd"), DROPOUT=seed is not None,
             HEAD_DIM=head_dim, BLOCK_M=block_m, BLOCK_N=block_n,
             # computed here rather than by @triton.heuristics: its wrapper costs ~30 us of host time per launch
             EVEN_M=N % block_m == 0, EVEN_N=n_kv % block_n == 0, EVEN_D=D == head_dim,
@@ -427,7 +447,8 @@ def attention_backward_lse2(
              drop_thr, drop_scale),
             dict(CAUSAL=causal, SHADOW=False, DELTA_FROM_O=False, MASK_KIND=mask.kind,
                  WHOLE_TILES=_whole_tiles(mask.kind, causal),
-                 EDGE_LOOP=_edge_loop("dq", mask.kind, causal), DROPOUT=seed is not None,
+                 EDGE_LOOP=_edge_loop("dq", mask.kind, causal), EDGE_HOW=_edge_how("dq"),
+                 DROPOUT=seed is not None,
                  MASK_GRAD=False, HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n,
                  DOT_PRECISION=precision, DELTA_HP_ONLY=True, ORDERED=ordered, **cfg.options()),
         )
@@ -465,7 +486,7 @@ def attention_backward_lse2(
              *out_v.stride()[:3], *mask.strides, *r_strides, H, heads, kv_div,
              N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
             dict(CAUSAL=causal, MASK_KIND=mask.kind, WHOLE_TILES=_whole_tiles(mask.kind, causal),
-                 EDGE_LOOP=_edge_loop("dkdv", mask.kind, causal),
+                 EDGE_LOOP=_edge_loop("dkdv", mask.kind, causal), EDGE_HOW=_edge_how("dkdv"),
                  DROPOUT=seed is not None, FUSED_DQ=dq_acc is not None,
                  HEAD_DIM=head_dim, BLOCK_M=cfg.block_m, BLOCK_N=cfg.block_n, DOT_PRECISION=precision,
                  PART=part, ORDERED=ordered, EVEN_MD=EVEN_LOADS and N % cfg.block_m == 0 and D == head_dim,
@@ -511,7 +532,8 @@ def attention_backward_lse2(
              *mask.strides, *r_strides, H, H // h_kv, N, n_kv, D, B * H * N, qk_scale, scale, drop_thr, drop_scale),
             dict(CAUSAL=causal, SHADOW=shadow, DELTA_FROM_O=delta_from_o, MASK_KIND=mask.kind,
                  WHOLE_TILES=_whole_tiles(mask.kind, causal),
-                 EDGE_LOOP=_edge_loop("dq", mask.kind, causal), DROPOUT=seed is not None,
+                 EDGE_LOOP=_edge_loop("dq", mask.kind, causal), EDGE_HOW=_edge_how("dq"),
+                 DROPOUT=seed is not None,
                  MASK_GRAD=mask_grad, HEAD_DIM=head_dim, BLOCK_M=block_m,
                  BLOCK_N=block_n, DOT_PRECISION=precision, HAS_DLSE=dlse is not None, ORDERED=ordered,
                  EVEN_ND=EVEN_LOADS and EVEN_DQ and n_kv % block_n == 0 and D == head_dim, **cfg.options()),

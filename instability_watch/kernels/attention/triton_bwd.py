@@ -55,6 +55,7 @@ def _dkdv_inner(
     FUSED_DQ: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, PART: tl.constexpr,
     skip_lo=0, skip_hi=0, c_lo=0, c_hi=0, EDGES: tl.constexpr = False, EVEN_MD: tl.constexpr = False,
+    EDGE_HOW: tl.constexpr = 0,
 ):
     """dK/dV's loop over the query blocks ``[lo, hi)`` of one query head: ``(dk, dv)`` accumulated (and with
     ``FUSED_DQ`` their dQ shares added). (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents'
@@ -88,7 +89,7 @@ def _dkdv_inner(
             ok = (offs_n[:, None] < N_KV) & m_ok[None, :]
             if EDGES:
                 keep_t = edge_kept(m_base + offs_m0[None, :] * stride_mn, start_m, offs_m[None, :], offs_n[:, None],
-                                   ok, stride_mn, c_lo, c_hi)
+                                   ok, stride_mn, c_lo, c_hi, EDGE_HOW)
                 s_t = tl.where(keep_t, s_t, float("-inf"))
             elif MASK_KIND == 1:
                 keep_t = tl.load(m_base + offs_m[None, :] * stride_mn, mask=ok, other=0)
@@ -139,7 +140,7 @@ def attn_bwd_dkdv(
     FUSED_DQ: tl.constexpr,
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, PART: tl.constexpr, ORDERED: tl.constexpr = False, EDGE_LOOP: tl.constexpr = False,
-    EVEN_MD: tl.constexpr = False,
+    EVEN_MD: tl.constexpr = False, EDGE_HOW: tl.constexpr = 0,
 ):
     """One KV block of one KV head: dK, dV summed over the query heads that read it (GQA).
 
@@ -205,7 +206,8 @@ def attn_bwd_dkdv(
                     offs_n, offs_m0, offs_d, d_ok, N_Q, N_KV, D, off_bh, start_n, qk_scale, scale, k0, k1, thr,
                     drop_scale, lo, hi, CAUSAL=False, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT, FUSED_DQ=FUSED_DQ,
                     BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION, PART=PART,
-                    skip_lo=w0, skip_hi=w1, c_lo=c0, c_hi=w0, EDGES=True, EVEN_MD=EVEN_MD)
+                    skip_lo=w0, skip_hi=w1, c_lo=c0, c_hi=w0, EDGES=True, EVEN_MD=EVEN_MD,
+                    EDGE_HOW=EDGE_HOW)
             else:
                 dk, dv = _dkdv_inner(
                     dk, dv, k, v, q_base, do_base, m_base, Mask, LSE2, Delta, DQacc,
@@ -258,7 +260,7 @@ def _dq_inner(
     CAUSAL: tl.constexpr, MASK_KIND: tl.constexpr, SHADOW: tl.constexpr, DELTA_HP_ONLY: tl.constexpr,
     DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     DOT_PRECISION: tl.constexpr, skip_lo=0, skip_hi=0, c_lo=0, c_hi=0, EDGES: tl.constexpr = False,
-    EVEN_ND: tl.constexpr = False,
+    EVEN_ND: tl.constexpr = False, EDGE_HOW: tl.constexpr = 0,
 ):
     """dQ's loop over the KV blocks ``[lo, hi)`` of one query block: ``(dq, delta_hp)`` accumulated.
     (With MASK_KIND 3, ``stride_mh``/``stride_mn`` carry the documents' window bounds.) With ``EDGES`` (a
@@ -281,7 +283,7 @@ def _dq_inner(
             s = document_scores(s, Docs, offs_m, offs_n, N_Q, N_KV, stride_mh, stride_mn, False)
         elif EDGES:
             s = edge_scores(s, m_base + offs_n0[None, :] * stride_mk, start_n, offs_m, offs_n, m_ok, N_KV, stride_mk,
-                            c_lo, c_hi, not EVEN_ND)
+                            c_lo, c_hi, not EVEN_ND, EDGE_HOW)
         elif MASK_KIND != 0:  # as the forward: qk_scale is log2(e) for an additive mask
             s = masked_scores(s, m_base + offs_n0[None, :] * stride_mk, start_n, offs_n, m_ok, N_KV, stride_mk,
                               scale, MASK_KIND, not EVEN_ND)
@@ -323,7 +325,7 @@ def attn_bwd_dq(
     MASK_KIND: tl.constexpr, WHOLE_TILES: tl.constexpr, DROPOUT: tl.constexpr, MASK_GRAD: tl.constexpr, HEAD_DIM: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr, DELTA_HP_ONLY: tl.constexpr = False,
     HAS_DLSE: tl.constexpr = False, ORDERED: tl.constexpr = False, EDGE_LOOP: tl.constexpr = False,
-    EVEN_ND: tl.constexpr = False,
+    EVEN_ND: tl.constexpr = False, EDGE_HOW: tl.constexpr = 0,
 ):
     """One query block: delta = rowsum(dO * O) (stored for the dK/dV kernel, launched after this
     one), dQ, and on shadow steps delta_hp = rowsum(P * dP) and its drift from delta.
@@ -412,10 +414,10 @@ def attn_bwd_dq(
                 offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
                 lo, hi, CAUSAL=False, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY,
                 DROPOUT=DROPOUT, MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-                skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True, EVEN_ND=EVEN_ND)
+                skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True, EVEN_ND=EVEN_ND, EDGE_HOW=EDGE_HOW)
         else:
             lo = w1
-            if MASK_KIND == 1:
+            if MASK_KIND == 1 and EDGE_HOW == 0:  # (EDGE_READ: the tiles after the run all read, in the last loop)
                 c1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), w1), hi)
                 dq, delta_hp = _dq_inner(
                     dq, delta_hp, q, do, lse2, logl, delta, k_base, v_base, m_base, Mask, DMask,

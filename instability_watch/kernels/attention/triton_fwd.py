@@ -37,6 +37,7 @@ def _fwd_inner(
     TRACK_TIES: tl.constexpr, HAS_STAB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ASM: tl.constexpr, skip_lo=0, skip_hi=0, c_lo=0, c_hi=0, EDGES: tl.constexpr = False,
+    EDGE_HOW: tl.constexpr = 0,
 ):
     # State per row: r the running maximum of the raw scores q.k (exact comparisons at any
     # magnitude), m the softmax shift in log2 units, c the near-maximum count. A standard
@@ -71,7 +72,8 @@ def _fwd_inner(
         if MASK_KIND == 3:  # a packed call's documents (M_ptrs: the document vector)
             qk = document_scores(qk, M_ptrs, offs_m, cols, N_Q, N_KV, win_l, win_r, False)
         elif EDGES:
-            qk = edge_scores(qk, M_ptrs, start_n, offs_m, cols, row_ok, N_KV, stride_mk, c_lo, c_hi, MASK_KV)
+            qk = edge_scores(qk, M_ptrs, start_n, offs_m, cols, row_ok, N_KV, stride_mk, c_lo, c_hi, MASK_KV,
+                             EDGE_HOW)
         elif MASK_KIND != 0:  # the call's mask (an additive one turns qk into scaled scores, in nats)
             qk = masked_scores(qk, M_ptrs, start_n, cols, row_ok, N_KV, stride_mk, sm_scale, MASK_KIND, MASK_KV)
         if MASK_KV:
@@ -137,6 +139,7 @@ def attn_fwd(
     HEAD_DIM: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
     EVEN_M: tl.constexpr, EVEN_N: tl.constexpr, EVEN_D: tl.constexpr, DOT_PRECISION: tl.constexpr,
     ASM: tl.constexpr, WARP_STATS: tl.constexpr, ORDERED: tl.constexpr = False, EDGE_LOOP: tl.constexpr = False,
+    EDGE_HOW: tl.constexpr = 0,
 ):
     tl.static_assert(BLOCK_M >= 16 and BLOCK_N >= 16, "tl.dot needs tiles of at least 16")
     tl.static_assert(not EDGE_LOOP or (MASK_KIND == 1 and WHOLE_TILES), "EDGE_LOOP: a boolean mask's tiles")
@@ -262,7 +265,7 @@ def attn_fwd(
                 MASK_CAUSAL=False, MASK_KV=not EVEN_N, MASK_KIND=MASK_KIND, DROPOUT=DROPOUT,
                 TRACK_TIES=TRACK_TIES, HAS_STAB=HAS_STAB,
                 BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, EVEN_D=EVEN_D, DOT_PRECISION=DOT_PRECISION, ASM=ASM,
-                skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True,
+                skip_lo=w0, skip_hi=w1, c_lo=w1, c_hi=c1, EDGES=True, EDGE_HOW=EDGE_HOW,
             )
         else:
             lo = w1
