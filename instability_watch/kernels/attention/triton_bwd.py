@@ -405,7 +405,7 @@ def attn_bwd_dq(
             offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
             w0, w1, CAUSAL=False, MASK_KIND=0, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
             MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-                EVEN_ND=EVEN_ND)
+            EVEN_ND=EVEN_ND)
         if EDGE_LOOP:
             c1 = tl.minimum(tl.maximum(tl.load(Ranges + r_off + 4), w1), hi)
             dq, delta_hp = _dq_inner(
@@ -425,7 +425,7 @@ def attn_bwd_dq(
                     offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
                     w1, c1, CAUSAL=True, MASK_KIND=0, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
                     MASK_GRAD=False, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-                EVEN_ND=EVEN_ND)
+                    EVEN_ND=EVEN_ND)
                 lo = c1
     if not (WHOLE_TILES and EDGE_LOOP):
         dq, delta_hp = _dq_inner(
@@ -434,7 +434,7 @@ def attn_bwd_dq(
             offs_m, offs_n0, offs_d, m_ok, d_ok, N_Q, N_KV, off_bh, qk_scale, scale, k0, k1, thr, drop_scale,
             lo, hi, CAUSAL=CAUSAL, MASK_KIND=MASK_KIND, SHADOW=SHADOW, DELTA_HP_ONLY=DELTA_HP_ONLY, DROPOUT=DROPOUT,
             MASK_GRAD=MASK_GRAD, BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, DOT_PRECISION=DOT_PRECISION,
-                EVEN_ND=EVEN_ND)
+            EVEN_ND=EVEN_ND)
 
     if DELTA_HP_ONLY:
         tl.store(Delta + off_bh * N_Q + offs_m, delta_hp, mask=m_ok)
