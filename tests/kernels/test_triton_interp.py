@@ -434,6 +434,24 @@ def test_loads_without_a_mask_where_every_block_is_whole_change_no_bit(kind, dro
             assert torch.equal(a, b), name
 
 
+def _causal_tile_case(tag, kind, H, N, n_kv):
+    """``(q, k, v, do, mask, stabilize)`` of the causal-tile tests: two batch entries, ``H`` query heads over 2 KV
+    heads, D 16, float32; the mask ``kind`` (one of the whole-tile masks, "causal per batch and head", "one key off",
+    or with more keys than rows the causal mask top-left); every other head stabilized."""
+    q, k, v, do = _inputs((tag, kind, n_kv), 2, H, 2, N, 16, dtype=torch.float32, n_kv=n_kv)
+    causal = torch.arange(n_kv)[None, :] <= torch.arange(N)[:, None]
+    if kind == "causal per batch and head":
+        mask = causal.expand(2, H, N, n_kv).clone()
+    elif kind == "one key off":
+        mask = causal.clone()
+        mask[40, 3] = False
+    elif n_kv != N:
+        mask = causal
+    else:
+        mask = _whole_tile_masks(N)[kind]
+    return q, k, v, do, mask, torch.tensor([False, True] * (H // 2))
+
+
 @pytest.mark.parametrize("kind, dropout, n_kv", [("causal", 0.0, None), ("sliding", 0.0, None),
                                                   ("documents", 0.2, None), ("holed", 0.0, None),
                                                   ("causal per batch and head", 0.0, None), ("one key off", 0.0, None),
@@ -449,20 +467,9 @@ def test_causal_tiles_of_a_boolean_mask_are_computed_by_the_causal_compare(kind,
 
     monkeypatch.setattr(ta, "READ_CAUSAL_TILES", ())
 
-    H, h_kv, N = 4, 2, 70
+    H, N = 4, 70
     n_kv = n_kv or N
-    q, k, v, do = _inputs(("causal tiles", kind, n_kv), 2, H, h_kv, N, 16, dtype=torch.float32, n_kv=n_kv)
-    causal = torch.arange(n_kv)[None, :] <= torch.arange(N)[:, None]
-    if kind == "causal per batch and head":
-        mask = causal.expand(2, H, N, n_kv).clone()
-    elif kind == "one key off":
-        mask = causal.clone()
-        mask[40, 3] = False
-    elif n_kv != N:
-        mask = causal
-    else:
-        mask = _whole_tile_masks(N)[kind]
-    stabilize = torch.tensor([False, True, False, True])
+    q, k, v, do, mask, stabilize = _causal_tile_case("causal tiles", kind, H, N, n_kv)
 
     def run(on, **kw):
         monkeypatch.setattr(masks_mod, "CAUSAL_TILES", on)
@@ -506,18 +513,9 @@ def test_causal_tiles_read_or_compared_give_the_same_bits(kind, dropout, n_kv, m
     dK/dV their edge loop; with dropout, no dQ kernel)."""
     import instability_watch.kernels.attention.triton as ta
 
-    H, h_kv, N = 4, 2, 70
+    H, N = 4, 70
     n_kv = n_kv or N
-    q, k, v, do = _inputs(("edge tiles", kind, n_kv), 2, H, h_kv, N, 16, dtype=torch.float32, n_kv=n_kv)
-    causal = torch.arange(n_kv)[None, :] <= torch.arange(N)[:, None]
-    if kind == "one key off":
-        mask = causal.clone()
-        mask[40, 3] = False
-    elif n_kv != N:
-        mask = causal
-    else:
-        mask = _whole_tile_masks(N)[kind]
-    stabilize = torch.tensor([False, True, False, True])
+    q, k, v, do, mask, stabilize = _causal_tile_case("edge tiles", kind, H, N, n_kv)
     seen = []
     for name in ("launch_fwd", "launch_dkdv", "launch_dq"):
         launch = getattr(ta, name)
