@@ -15,7 +15,9 @@ forward and dK/dV now walk two (the whole run, then the other tiles); "the edge 
 query block is whole); "switched, dQ masked loads": ``triton.EVEN_DQ`` off (dQ loads its K/V rows with a mask
 where every KV block is whole). "switched, causal tiles compared": ``triton.READ_CAUSAL_TILES`` empty (a boolean
 mask's tiles equal to the causal mask taken by the causal compare, as before 2026-11-29); "switched, dQ reads its
-causal tiles": dQ among the kernels that read them.
+causal tiles": dQ among the kernels that read them. "switched, the mask read per tile shape": ``masks.FLAGS_ONCE``
+off (the forward, dQ and dK/dV each read the mask for their own tile's flags, as before the twenty-second session, 2026-11-29; now the forward
+reads it once for its 64 x 64 tiles' flags and hands them to the backward).
 A variant named by a kernel and a launch config, "switched, dQ (128, 64, 8, 3)" say, runs that kernel with that config
 in place of its entry for boolean masks. For every mask, one more reference with no watch: "ours direct, as
 documents", our packed kernels over the mask's documents (every batch row the same; the sliding window as their
@@ -152,6 +154,7 @@ def main() -> int:
     def defaults():  # the kernels' module settings as the library has them (the variants change them)
         ta.GQA_EXPAND, ta.FUSED_BACKWARD, ta.TILE_ORDER = False, None, None
         masks.CAUSAL_TILES, masks.FLAG_WORDS, ta.EDGE_LOOP = True, True, edge_default
+        masks.FLAGS_ONCE = True
         ta.EVEN_LOADS, ta.EVEN_DQ, ta.READ_CAUSAL_TILES = even_default, even_dq_default, read_default
 
     def direct_causal(stabilize=None, mask=None):
@@ -194,7 +197,7 @@ def main() -> int:
         switched.recompile()
         def run_switched(expand: bool, fused=None, ordered=None, causal_tiles=True, dkdv=None, dq=None,
                          edge_loop=None, fwd=None, words=True, even=None, even_dq=None,
-                         read=None):
+                         read=None, once=True):
             def call():  # (ordered, dkdv, dq None: the defaults; dkdv "as is": the table untouched, for the sweep)
                 ta.GQA_EXPAND = expand  # read by this call's kernels (the variants set them each call)
                 ta.FUSED_BACKWARD = fused
@@ -202,6 +205,7 @@ def main() -> int:
                 masks.CAUSAL_TILES = causal_tiles
                 ta.EDGE_LOOP = edge_default if edge_loop is None else edge_loop
                 masks.FLAG_WORDS = words
+                masks.FLAGS_ONCE = once
                 ta.EVEN_LOADS = even_default if even is None else even
                 ta.EVEN_DQ = even_dq_default if even_dq is None else even_dq
                 ta.READ_CAUSAL_TILES = read_default if read is None else read
@@ -225,7 +229,8 @@ def main() -> int:
                     "switched, dK/dV masked loads": run_switched(False, even=False),
                     "switched, dQ masked loads": run_switched(False, even_dq=False),
                     "switched, causal tiles compared": run_switched(False, read=()),
-                    "switched, dQ reads its causal tiles": run_switched(False, read=("fwd", "dq", "dkdv"))}
+                    "switched, dQ reads its causal tiles": run_switched(False, read=("fwd", "dq", "dkdv")),
+                    "switched, the mask read per tile shape": run_switched(False, once=False)}
         if mask_dkdv is not None:
             variants["switched, dK/dV (64, 128, 8, 3)"] = run_switched(False, dkdv=(64, 128, 8, 3))
         if mask_dq is not None:

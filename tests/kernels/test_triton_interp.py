@@ -503,6 +503,53 @@ def test_causal_tiles_of_a_boolean_mask_are_computed_by_the_causal_compare(kind,
 
 
 @pytest.mark.parametrize("kind, dropout, n_kv", [("sliding", 0.0, None), ("documents", 0.2, None),
+                                                  ("causal per batch and head", 0.0, None), ("causal", 0.0, 86)])
+def test_the_mask_is_read_once_a_call(kind, dropout, n_kv, monkeypatch):
+    """``FLAGS_ONCE``: the forward reads the mask's base tile flags once and hands them to its backward (the op's
+    third output), whose kernels make their tiles' flags from them: one read of the mask a call (forward and
+    backward), where it was read once per tile shape (three: the forward's, dQ's and dK/dV's; with dropout, whose
+    backward is fused, two). Outputs, gradients and the probe's counts bit for bit the same either way, and where
+    the backward finds flags of another base (``FLAG_BASE`` changed between the two: it reads the mask itself).
+    GQA; per batch entry and head; more keys than rows; dropout."""
+    import instability_watch.kernels.attention.masks as masks_mod
+
+    H, N = 4, 70
+    n_kv = n_kv or N
+    q, k, v, do, mask, stabilize = _causal_tile_case("read once", kind, H, N, n_kv)
+    reads = []
+    launch = masks_mod.launch_flags
+    monkeypatch.setattr(masks_mod, "launch_flags", lambda *a: reads.append(a[3]["BLOCK_M"]) or launch(*a))
+
+    def run(once, base_in_backward=16):
+        monkeypatch.setattr(masks_mod, "FLAGS_ONCE", once)
+        monkeypatch.setattr(masks_mod, "FLAG_BASE", 16)
+        reads.clear()
+        probe = Probe(H)
+        probe.shadow = not dropout
+        g = torch.Generator().manual_seed(5)
+
+        def call(a, b, c):
+            o = flash_attention(a, b, c, attn_mask=mask, stabilize=stabilize, probe=probe, dropout_p=dropout,
+                                generator=g, backend="triton")
+            monkeypatch.setattr(masks_mod, "FLAG_BASE", base_in_backward)  # (read when the backward runs)
+            return o
+
+        out = run_fwd_bwd(call, q, k, v, do, torch.float32)
+        return out, probe, list(reads)
+
+    (once, once_probe, once_reads), (per_tile, tile_probe, tile_reads) = run(True), run(False)
+    other, other_probe, other_reads = run(True, 32)
+    assert once_reads == [16], once_reads
+    assert tile_reads == [16] * (2 if dropout else 3), tile_reads
+    assert other_reads == [16] + [16] * (1 if dropout else 2), other_reads  # (the interpreter's tiles: 16)
+    for got, got_probe in ((per_tile, tile_probe), (other, other_probe)):
+        for name, a, b in zip(["o", "dq", "dk", "dv"], once, got):
+            assert torch.equal(a, b), name
+        for name in ("rows", "masked_rows", "multi_max_rows", "shadow_rows"):
+            assert getattr(once_probe, name).tolist() == getattr(got_probe, name).tolist(), name
+
+
+@pytest.mark.parametrize("kind, dropout, n_kv", [("sliding", 0.0, None), ("documents", 0.2, None),
                                                   ("causal", 0.0, 86)])
 def test_causal_tiles_read_or_compared_give_the_same_bits(kind, dropout, n_kv, monkeypatch):
     """``READ_CAUSAL_TILES``: the kernels named there read a boolean mask's tiles equal to the causal mask as any
@@ -632,11 +679,21 @@ def _brute_ranges(vis, block, other, size_other, whole_ok, cols=False, causal_ok
     return out
 
 
+@pytest.mark.parametrize("base", [16, None])
 @pytest.mark.parametrize("kind", ["causal", "sliding", "documents", "holed", "padding", "random", "additive"])
-def test_the_mask_pre_pass_gives_each_tile_its_span_and_its_whole_tiles(kind):
+def test_the_mask_pre_pass_gives_each_tile_its_span_and_its_whole_tiles(kind, base, monkeypatch):
     """The pre-pass kernels (two launches) against a brute-force walk over the tiles: for query tiles, the keys their
     rows may see and the first run of key tiles they all see whole; for key tiles, the same over query rows (the
-    transpose), at tile sizes that divide the lengths and ones that do not; per batch entry and head of the mask."""
+    transpose), at tile sizes that divide the lengths and ones that do not; per batch entry and head of the mask.
+    Each tile's flags made from the mask's 16 x 16 tiles' (``FLAG_BASE``, one read of the mask for every tile
+    shape; the lengths, 70, leave a ragged base tile and tiles of 32 and 64 past the last one), and read per tile
+    shape (``FLAG_BASE`` None)."""
+    import instability_watch.kernels.attention.masks as masks_mod
+
+    monkeypatch.setattr(masks_mod, "FLAG_BASE", base)
+    reads = []
+    launch = masks_mod.launch_flags
+    monkeypatch.setattr(masks_mod, "launch_flags", lambda *a: reads.append(a[3]["BLOCK_M"]) or launch(*a))
     N, n_kv = 70, 70
     masks = _whole_tile_masks(N)
     g = seeded("pre-pass", kind)
@@ -666,6 +723,8 @@ def test_the_mask_pre_pass_gives_each_tile_its_span_and_its_whole_tiles(kind):
                 n_whole += int((rows[b, h, :, 3] > rows[b, h, :, 2]).sum())
     assert (n_whole > 0) == (kind != "additive")
     assert (n_causal > 0) == (kind in ("causal", "sliding", "documents", "holed"))
+    rows_differ = kind != "padding"  # (a mask of one row: its key tiles' ranges come from PyTorch operations)
+    assert reads == ([16] if base else [bm for bm in (16, 32, 16, 64) for _ in range(1 + rows_differ)]), reads
 
 
 @pytest.mark.parametrize("kind", ["causal", "sliding", "documents", "random", "holed", "offset by a byte", "70 keys"])

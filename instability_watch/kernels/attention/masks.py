@@ -6,13 +6,13 @@ causal ``mask_mod`` spent a sixth of its time reading its mask (H200, 2026-11-28
 """
 from __future__ import annotations
 
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 
 from instability_watch.kernels.attention.triton_ranges import mask_flag_ranges, mask_tile_flags, tile_order
 from instability_watch.kernels.common import MASK_FLOOR, mask4
-from instability_watch.kernels.launch import Launcher, cdiv
+from instability_watch.kernels.launch import INTERPRET, Launcher, cdiv
 from instability_watch.kernels.triton_common import MASK_ADD, MASK_BOOL, MASK_NONE
 
 launch_flags, launch_flag_ranges = Launcher(mask_tile_flags), Launcher(mask_flag_ranges)
@@ -25,6 +25,36 @@ CAUSAL_TILES = True
 # The pre-pass reads a boolean mask four keys at a time (int32 words) where its layout allows: rows that start on
 # 4-byte boundaries, a multiple of 4 keys. Off: byte by byte (the benchmarks' variant).
 FLAG_WORDS = True
+# The mask is read once a call: the forward reads it for the flags of its FLAG_BASE x FLAG_BASE tiles, which the
+# backward gets from it (the op's third output), and each kernel's tile shape takes its flags from those (any tile
+# a multiple of the base; others read the mask for their own). A call read it three times before (the forward's
+# tile, dQ's and dK/dV's), about 0.01 ms each on a 4,096 x 4,096 mask (H200, 2026-11-29). Off (FLAGS_ONCE False,
+# or FLAG_BASE None): the mask read once per tile shape. Both are read at each call (set them between calls, not
+# between a forward and its backward); the op's flags have FLAG_BASE's shape either way (a compiled graph's
+# outputs keep their shapes when FLAGS_ONCE changes).
+FLAG_BASE: Optional[int] = 16 if INTERPRET else 64
+FLAGS_ONCE = True
+
+
+def _extent(attn_mask: torch.Tensor, n_kv: int) -> torch.Tensor:
+    """The mask's own extent (B_m, H_m, rows, n_kv), what the pre-passes read: a dim broadcast, or of stride 0,
+    is size 1 (a view of ``attn_mask``, no copy)."""
+    m = attn_mask
+    while m.dim() < 4:
+        m = m.unsqueeze(0)
+    for d in range(3):
+        if m.shape[d] > 1 and m.stride(d) == 0:
+            m = m.narrow(d, 0, 1)
+    return m.expand(*m.shape[:3], n_kv)
+
+
+def base_flag_shape(attn_mask: Optional[torch.Tensor], n_kv: int) -> Tuple[int, ...]:
+    """The shape of a call's base tile flags (:data:`FLAG_BASE`): ``(B_m, H_m, row tiles, key tiles)`` over the
+    mask's own extent, or ``(0,)`` where there are none (no mask, or no :data:`FLAG_BASE`)."""
+    if attn_mask is None or not FLAG_BASE:
+        return (0,)
+    bm_, hm_, rows, _ = _extent(attn_mask, n_kv).shape
+    return (bm_, hm_, cdiv(rows, FLAG_BASE), cdiv(n_kv, FLAG_BASE))
 
 
 def expanded_ranges(ranges: torch.Tensor, shape):
@@ -47,37 +77,54 @@ def _as_words(m: torch.Tensor):
 class MaskArgs:
     """The call's mask as the kernels read it: kind, pointer and strides, and each tile's ranges (pre-passes)."""
 
-    def __init__(self, attn_mask: Optional[torch.Tensor], B: int, H: int, N: int, n_kv: int):
+    def __init__(self, attn_mask: Optional[torch.Tensor], B: int, H: int, N: int, n_kv: int,
+                 flags: Optional[torch.Tensor] = None, fill: bool = False):
+        """``flags``: the call's base tile flags (:func:`base_flag_shape`), read from the mask where ``fill`` (the
+        forward: its tensor is filled at the first tile shape asked for), else as given (the backward; flags of
+        another shape are not used)."""
         self.kind = MASK_NONE
         self.tensor = None
         self.strides = (0, 0, 0, 0)
         self._vis = None
         self._shape = (B, H, N, n_kv)
         self._ranges = {}
+        self._base = None  # the base tile flags, once read (or as given)
+        self._fill = None  # the tensor to read them into
         if attn_mask is None:
             return
         m4 = mask4(attn_mask, B, H, N, n_kv)
         self.kind = MASK_BOOL if m4.dtype == torch.bool else MASK_ADD
         self.tensor = m4.view(torch.uint8) if self.kind == MASK_BOOL else m4
         self.strides = m4.stride()
-        # what the pre-passes read: the mask's own extent (a dim broadcast, or of stride 0, is size 1)
-        m = attn_mask
-        while m.dim() < 4:
-            m = m.unsqueeze(0)
-        for d in range(3):
-            if m.shape[d] > 1 and m.stride(d) == 0:
-                m = m.narrow(d, 0, 1)
-        m = m.expand(*m.shape[:3], n_kv)
-        self._vis = m  # an additive mask's keys at or below MASK_FLOOR are unseen (NaN: seen, it makes the row NaN)
+        self._vis = _extent(attn_mask, n_kv)  # an additive mask's keys at or below MASK_FLOOR are unseen (NaN: seen)
+        given = FLAGS_ONCE and flags is not None and flags.numel() > 0
+        if given and tuple(flags.shape) == base_flag_shape(attn_mask, n_kv):
+            if fill:
+                self._fill = flags
+            else:
+                self._base = flags
 
-    def _launch_ranges(self, cols: bool, block_m: int, block_n: int) -> torch.Tensor:
-        """The pre-pass kernels (``triton_ranges.py``) over the mask's own extent: (B_m, H_m, tiles, 5) int32."""
+    def _base_flags(self) -> Optional[torch.Tensor]:
+        """The base tile flags (:data:`FLAG_BASE`), read from the mask at the first call (into the forward's
+        tensor where it has one), or None: the mask read per tile shape."""
+        if self._base is None and FLAGS_ONCE and FLAG_BASE:
+            self._base = self._launch_flags(False, FLAG_BASE, FLAG_BASE, self._fill)
+        return self._base
+
+    def fill_flags(self) -> None:
+        """Read the base tile flags into the forward's tensor (for its backward), if no tile shape asked yet."""
+        if self._fill is not None:
+            self._base_flags()
+
+    def _launch_flags(self, cols: bool, block_m: int, block_n: int, out: Optional[torch.Tensor] = None):
+        """The flags kernel (``triton_ranges.mask_tile_flags``) over the mask's own extent: (B_m, H_m, tiles,
+        other tiles) uint8, into ``out`` where given."""
         vis = self._vis
         bm_, hm_, rows, n_kv = vis.shape
         tiles = cdiv(n_kv, block_n) if cols else cdiv(rows, block_m)
         other = cdiv(rows, block_m) if cols else cdiv(n_kv, block_n)
-        flags = torch.empty((bm_, hm_, tiles, other), dtype=torch.uint8, device=vis.device)
-        out = torch.empty((bm_, hm_, tiles, 5), dtype=torch.int32, device=vis.device)
+        flags = out if out is not None else torch.empty((bm_, hm_, tiles, other), dtype=torch.uint8,
+                                                        device=vis.device)
         m = vis.view(torch.uint8) if vis.dtype == torch.bool else vis  # read in place: no copy of the mask
         words = _as_words(m) if self.kind == MASK_BOOL and FLAG_WORDS else None
         if words is not None:  # four keys a word (the same memory)
@@ -88,10 +135,30 @@ class MaskArgs:
                      (*strides, *flags.stride()[:3], hm_, rows, n_kv, other),
                      dict(COLS=cols, ADDITIVE=self.kind == MASK_ADD, BLOCK_M=block_m, BLOCK_N=block_n,
                           WORDS=words is not None, num_warps=4))
-        launch_flag_ranges((tiles, bm_ * hm_), (flags, out), (*flags.stride()[:3], *out.stride()[:3], hm_, other,
-                           rows if cols else n_kv), dict(UNIT=block_m if cols else block_n, CHUNK=256,
-                           WANT_WHOLE=self.kind == MASK_BOOL, WANT_CAUSAL=self._want_causal(), COLS=cols,
-                           num_warps=4, num_stages=1))
+        return flags
+
+    def _launch_ranges(self, cols: bool, block_m: int, block_n: int) -> torch.Tensor:
+        """The pre-pass kernels (``triton_ranges.py``) over the mask's own extent: (B_m, H_m, tiles, 5) int32;
+        the tiles' flags made from the base tiles' where the tile is a multiple of them, else read for it."""
+        bm_, hm_, rows, n_kv = self._vis.shape
+        tiles = cdiv(n_kv, block_n) if cols else cdiv(rows, block_m)
+        other = cdiv(rows, block_m) if cols else cdiv(n_kv, block_n)
+        out = torch.empty((bm_, hm_, tiles, 5), dtype=torch.int32, device=self._vis.device)
+        base = self._base_flags() if FLAG_BASE and not (block_m % FLAG_BASE or block_n % FLAG_BASE) else None
+        if base is None:
+            flags = self._launch_flags(cols, block_m, block_n)
+            sub, s_t, s_o, r_t, r_o = (1, 1), flags.stride(2), 1, tiles, other
+        else:  # (B_m, H_m, row tiles, key tiles) of FLAG_BASE: a key tile's flags run down a column
+            flags = base
+            sub = (block_n // FLAG_BASE, block_m // FLAG_BASE) if cols else (block_m // FLAG_BASE, block_n // FLAG_BASE)
+            s_t, s_o = (base.stride(3), base.stride(2)) if cols else (base.stride(2), base.stride(3))
+            r_t, r_o = (base.shape[3], base.shape[2]) if cols else (base.shape[2], base.shape[3])
+        launch_flag_ranges((tiles, bm_ * hm_), (flags, out),
+                           (*flags.stride()[:2], s_t, *out.stride()[:3], hm_, other, rows if cols else n_kv,
+                            s_o, r_t, r_o),
+                           dict(UNIT=block_m if cols else block_n, CHUNK=256, WANT_WHOLE=self.kind == MASK_BOOL,
+                                WANT_CAUSAL=self._want_causal(), COLS=cols, T_SUB=sub[0], O_SUB=sub[1],
+                                num_warps=4, num_stages=1))
         return out
 
     def _want_causal(self) -> bool:

@@ -224,21 +224,35 @@ def _forward(
     counts: Optional[Tensor], values: Optional[Tensor],
     causal: bool, scale: float, beta: float, eps: float, dropout_p: float, backend: str,
     cu_q: Optional[Tensor], cu_k: Optional[Tensor], win_l: int, win_r: int,
-) -> Tuple[Tensor, Tensor]:
+) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(o, lse, mask_flags)``: ``mask_flags`` the mask's base tile flags for the backward (the mask read once a
+    call: :data:`.masks.FLAGS_ONCE`), uint8 of :func:`_flag_shape`, empty without them."""
     docs, doc_mask = _documents(q, k, cu_q, cu_k, win_l, win_r, backend)
     if doc_mask is not None:
         attn_mask = doc_mask
+    flags = torch.empty(_flag_shape(attn_mask, k, backend), dtype=torch.uint8, device=q.device)
     if backend == "triton":
-        return _triton().attention_forward_lse2(
+        o, lse = _triton().attention_forward_lse2(
             q, k, v, causal=causal, scale=scale, stabilize=stabilize, beta=beta, eps=eps,
             counts=counts, values=values, attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, documents=docs,
+            mask_flags=flags,
         )
+        return o, lse, flags
     probe = None if counts is None else Probe.from_buffers(counts, values)
     o, lse = reference.attention_forward_lse(
         q, k, v, causal=causal, scale=scale, stabilize=stabilize, beta=beta, eps=eps, probe=probe,
         attn_mask=attn_mask, dropout_p=dropout_p, seed=seed,
     )
-    return _into(q, o), lse
+    return _into(q, o), lse, flags
+
+
+def _flag_shape(attn_mask: Optional[Tensor], k: Tensor, backend: str) -> Tuple[int, ...]:
+    """The shape of a call's base tile flags: the Triton kernels' over a mask (:func:`.masks.base_flag_shape`),
+    else ``(0,)``."""
+    if backend != "triton" or attn_mask is None:
+        return (0,)
+    from instability_watch.kernels.attention.masks import base_flag_shape
+    return base_flag_shape(attn_mask, k.shape[2])
 
 
 attention_fwd = torch.library.custom_op("instability_watch::attention_fwd", _forward, mutates_args=("counts", "values"))
@@ -250,7 +264,8 @@ def _(q, k, v, attn_mask, seed, stabilize, counts, values, causal, scale, beta, 
     B, H, N, D = q.shape
     lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
     lse_shape = (2, B, H, N) if attn_mask is not None and attn_mask.is_floating_point() else (B, H, N)
-    return empty_like_layout(q), q.new_empty(lse_shape, dtype=lse_dtype)
+    return (empty_like_layout(q), q.new_empty(lse_shape, dtype=lse_dtype),
+            q.new_empty(_flag_shape(attn_mask, k, backend), dtype=torch.uint8))
 
 
 def _backward_impl(
@@ -258,17 +273,19 @@ def _backward_impl(
     attn_mask: Optional[Tensor], seed: Optional[Tensor], counts: Optional[Tensor], values: Optional[Tensor],
     causal: bool, scale: float, dropout_p: float, shadow: bool, mask_grad: bool, backend: str,
     delta: Optional[Tensor] = None, delta_hp: bool = False, docs=None, dlse: Optional[Tensor] = None,
+    mask_flags: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(dq, dk, dv, dmask)``; ``dmask`` is an empty tensor unless ``mask_grad``. ``delta_hp``
     (Triton only): the kernels compute the control's delta themselves. ``docs``: a packed call's
     documents (Triton; the reference gets them as ``attn_mask``). ``dlse`` (Triton only; the reference
-    gets it inside ``delta``): the log-sum-exp's gradient, which the kernels take into delta."""
+    gets it inside ``delta``): the log-sum-exp's gradient, which the kernels take into delta. ``mask_flags``
+    (Triton only): the forward's base tile flags of the mask."""
     shadow = shadow and counts is not None
     if backend == "triton":
         dq, dk, dv, dmask = _triton().attention_backward_lse2(
             q, k, v, o, lse, do, causal=causal, scale=scale, counts=counts, values=values, shadow=shadow,
             delta=delta, attn_mask=attn_mask, dropout_p=dropout_p, seed=seed, mask_grad=mask_grad, delta_hp=delta_hp,
-            documents=docs, dlse=dlse,
+            documents=docs, dlse=dlse, mask_flags=mask_flags,
         )
     else:
         probe = Probe.from_buffers(counts, values) if shadow else None
@@ -285,6 +302,7 @@ def _backward(
     attn_mask: Optional[Tensor], seed: Optional[Tensor], counts: Optional[Tensor], values: Optional[Tensor],
     causal: bool, scale: float, dropout_p: float, shadow: bool, mask_grad: bool, backend: str, hp_delta: bool,
     cu_q: Optional[Tensor], cu_k: Optional[Tensor], win_l: int, win_r: int, dlse: Optional[Tensor] = None,
+    mask_flags: Optional[Tensor] = None,
 ) -> Tuple[Tensor, Tensor, Tensor, Tensor]:
     docs, doc_mask = _documents(q, k, cu_q, cu_k, win_l, win_r, backend)
     if doc_mask is not None:
@@ -310,7 +328,7 @@ def _backward(
         delta = delta - dlse.reshape(delta.shape).to(delta.dtype)
         dlse = None
     return _backward_impl(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow,
-                          mask_grad, backend, delta, in_kernel, docs, dlse)
+                          mask_grad, backend, delta, in_kernel, docs, dlse, mask_flags)
 
 
 attention_bwd = torch.library.custom_op("instability_watch::attention_bwd", _backward, mutates_args=("counts", "values"))
@@ -318,7 +336,7 @@ attention_bwd = torch.library.custom_op("instability_watch::attention_bwd", _bac
 
 @attention_bwd.register_fake
 def _(q, k, v, o, lse, do, attn_mask, seed, counts, values, causal, scale, dropout_p, shadow, mask_grad, backend,
-      hp_delta, cu_q, cu_k, win_l, win_r, dlse=None):
+      hp_delta, cu_q, cu_k, win_l, win_r, dlse=None, mask_flags=None):
     dmask = torch.empty_like(attn_mask) if mask_grad else q.new_empty(0)
     return empty_like_layout(q), empty_like_layout(k), empty_like_layout(v), dmask
 
@@ -340,9 +358,9 @@ class FlashAttention(torch.autograd.Function):
         # Eager calls skip the op dispatcher (tens of microseconds of host time per
         # call); under torch.compile the op is what gets traced.
         fwd = attention_fwd if torch.compiler.is_compiling() else _forward
-        o, lse = fwd(q, k, v, attn_mask, seed, stabilize, counts, values, causal, scale, beta, eps, dropout_p, backend,
-                     cu_q, cu_k, win_l, win_r)
-        ctx.save_for_backward(q, k, v, o, lse, attn_mask, seed, cu_q, cu_k)
+        o, lse, flags = fwd(q, k, v, attn_mask, seed, stabilize, counts, values, causal, scale, beta, eps, dropout_p,
+                            backend, cu_q, cu_k, win_l, win_r)
+        ctx.save_for_backward(q, k, v, o, lse, attn_mask, seed, cu_q, cu_k, flags)
         ctx.window = (win_l, win_r)
         # a routed packed call's documents serve its backward too, which runs later, outside the watch's
         # KEEP_DOCUMENTS (on a GPU in autograd's own thread, which does not see this one's context variables)
@@ -370,7 +388,7 @@ class FlashAttention(torch.autograd.Function):
         """Gradients of q, k, v (their shapes and dtypes) and of a float ``attn_mask`` that requires
         one, from ``do`` (B, H, N, D) and the log-sum-exp's ``dlse`` (None: none); on a failure with an
         error handler set, PyTorch's instead."""
-        q, k, v, o, lse, attn_mask, seed, cu_q, cu_k = ctx.saved_tensors
+        q, k, v, o, lse, attn_mask, seed, cu_q, cu_k, flags = ctx.saved_tensors
         if do is None:
             do = torch.zeros_like(o)
         if dlse is not None:  # rows without a key (lse +inf) take no gradient
@@ -380,7 +398,7 @@ class FlashAttention(torch.autograd.Function):
         mask_grad = bool(attn_mask is not None and attn_mask.is_floating_point() and ctx.needs_input_grad[3])
         bwd = attention_bwd if torch.compiler.is_compiling() else _backward
         args = (q, k, v, o, lse, do, attn_mask, seed, counts, values, ctx.causal, ctx.scale, ctx.dropout_p,
-                ctx.shadow, mask_grad, ctx.backend, ctx.hp_delta, cu_q, cu_k, *ctx.window, dlse)
+                ctx.shadow, mask_grad, ctx.backend, ctx.hp_delta, cu_q, cu_k, *ctx.window, dlse, flags)
         try:
             if ctx.keep_documents and not torch.compiler.is_compiling():  # (a backward traced: compiled autograd)
                 with keeping_documents():

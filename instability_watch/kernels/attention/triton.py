@@ -238,7 +238,7 @@ def attention_forward_lse2(
     causal: bool, scale: float, stabilize: Optional[torch.Tensor], beta: float, eps: float,
     counts: Optional[torch.Tensor], values: Optional[torch.Tensor], config=None,
     attn_mask: Optional[torch.Tensor] = None, dropout_p: float = 0.0, seed: Optional[torch.Tensor] = None,
-    gluon: Optional[bool] = None, documents: Optional[Documents] = None,
+    gluon: Optional[bool] = None, documents: Optional[Documents] = None, mask_flags: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor]:
     """Launch the forward; ``config`` (a LaunchConfig or a tuple) overrides the launch configuration.
 
@@ -249,13 +249,14 @@ def attention_forward_lse2(
     ``gluon``: at D = 256 on an sm_90 GPU, a call without probe, mask, dropout or GQA (stabilized
     heads included) runs the Gluon forward (``gluon_attention.py``; the same online softmax and
     tie tracking); ``None`` does so where it can and ``config`` is not given, ``False`` never,
-    ``True`` raises ValueError where it cannot.
+    ``True`` raises ValueError where it cannot. ``mask_flags``: uint8 of :func:`.masks.base_flag_shape`, filled
+    with the mask's base tile flags for the backward (``attention_backward_lse2(mask_flags=...)``).
     """
     B, H, N, D = q.shape
     h_kv, n_kv = k.shape[1], k.shape[2]
     q, k, v = (t if t.stride(-1) == 1 else t.contiguous() for t in (q, k, v))
     o = empty_like_layout(q)  # PyTorch's layout: the model's transpose back is free
-    mask = documents if documents is not None else MaskArgs(attn_mask, B, H, N, n_kv)
+    mask = documents if documents is not None else MaskArgs(attn_mask, B, H, N, n_kv, mask_flags, fill=True)
     # an additive mask: (2, B, H, N), the shift and log2(l) (see the kernel's epilogue)
     lse_shape = (2, B, H, N) if mask.kind == MASK_ADD else (B, H, N)
     lse2 = torch.empty(lse_shape, dtype=torch.float32, device=q.device)
@@ -309,6 +310,8 @@ def attention_forward_lse2(
             ORDERED=ordered, **cfg.options(),
         ),
     )
+    if mask.kind:
+        mask.fill_flags()  # (read already where the forward's tile is made from them)
     return o, lse2
 
 
@@ -365,7 +368,7 @@ def attention_backward_lse2(
     mask_grad: bool = False, fused: Optional[bool] = None, config_fused=None,
     split: Optional[bool] = None, config_dk=None, config_dv=None, gluon: Optional[bool] = None,
     delta_hp: bool = False, documents: Optional[Documents] = None, dlse: Optional[torch.Tensor] = None,
-    gqa_expand: Optional[bool] = None,
+    gqa_expand: Optional[bool] = None, mask_flags: Optional[torch.Tensor] = None,
 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
     """Launch the backward. Two ways, with the same results up to float32 summation order.
 
@@ -406,7 +409,8 @@ def attention_backward_lse2(
     subtracts it where it computes delta, and the shadow statistics still compare ``rowsum(dO * O)``.
     ``gqa_expand`` (grouped-query calls; None: :data:`GQA_EXPAND`): the dK/dV kernel runs a program per query
     head instead of per K/V head (H / H_kv times the programs, each 1 / (H / H_kv) of the work: for calls whose
-    K/V tiles alone do not fill the GPU), its shares summed over each group afterwards in float32. Returns
+    K/V tiles alone do not fill the GPU), its shares summed over each group afterwards in float32. ``mask_flags``:
+    the forward's base tile flags of the mask (its ``mask_flags``; others are not used). Returns
     ``(dq, dk, dv, dmask)``; ``dmask`` (an additive mask's gradient, in its shape and
     dtype) only if ``mask_grad``, else None.
     """
@@ -430,7 +434,7 @@ def attention_backward_lse2(
         if dlse is not None and not delta_hp:
             delta = delta - dlse  # a given delta (or the one just computed) takes the lse's share here
     dq, dk, dv = empty_like_layout(q), empty_like_layout(k), empty_like_layout(v)
-    mask = documents if documents is not None else MaskArgs(attn_mask, B, H, N, n_kv)
+    mask = documents if documents is not None else MaskArgs(attn_mask, B, H, N, n_kv, mask_flags)
     mask_grad = mask_grad and mask.kind == MASK_ADD
     dmask = torch.zeros((B, H, N, n_kv), dtype=torch.float32, device=q.device) if mask_grad else None
     seed, drop_thr, drop_scale = _dropout_args(dropout_p, seed)

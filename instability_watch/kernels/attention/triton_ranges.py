@@ -85,13 +85,43 @@ def mask_tile_flags(
 
 
 @triton.jit
+def _tile_flags(row, t, idx, ok, stride_ft, stride_fo, R_T, R_O, T_SUB: tl.constexpr, O_SUB: tl.constexpr,
+                COLS: tl.constexpr):
+    """The flags of tile ``t`` against the tiles ``idx`` of the other axis (0 where not ``ok``), int32: each read
+    from ``row`` (the plane's flags) at ``t * stride_ft + idx * stride_fo``, or with ``T_SUB`` x ``O_SUB`` > 1 made
+    from that many base tiles (:data:`.masks.FLAG_BASE`; ``R_T`` x ``R_O`` of them): seen if any is seen, whole
+    or causal if all are. A base tile past the last row counts as whole and causal, as the rows past the end do
+    in :func:`mask_tile_flags`; one past the last key as neither (with ``COLS`` the tile axis is the keys)."""
+    if T_SUB * O_SUB == 1:
+        return tl.load(row + t * stride_ft + idx * stride_fo, mask=ok, other=0).to(tl.int32)
+    seen = tl.zeros_like(idx)
+    both = tl.zeros_like(idx) + (WHOLE | CAUSAL_TILE)
+    for ts in tl.static_range(T_SUB):
+        for so in tl.static_range(O_SUB):
+            bt = t * T_SUB + ts
+            bo = idx * O_SUB + so
+            t_in = bt < R_T
+            o_in = bo < R_O
+            # (a scalar condition joins the vector ones through where: the interpreter takes no scalar & vector mask)
+            f = tl.load(row + bt * stride_ft + bo * stride_fo, mask=tl.where(t_in, ok & o_in, False), other=0)
+            f = f.to(tl.int32)
+            if COLS:  # the tile axis is the keys, the other one the rows
+                f = tl.where(tl.where(t_in, ~o_in, False), WHOLE | CAUSAL_TILE, f)
+            else:
+                f = tl.where(tl.where(t_in, False, o_in), WHOLE | CAUSAL_TILE, f)
+            seen = seen | (f & SEEN)
+            both = both & f
+    return tl.where(ok, seen | (both & (WHOLE | CAUSAL_TILE)), 0)
+
+
+@triton.jit
 def mask_flag_ranges(
     Flags, Out,
     stride_fb, stride_fh, stride_ft,
     stride_ob, stride_oh, stride_ot,
-    H_M, N_OTHER, END,
+    H_M, N_OTHER, END, stride_fo, R_T, R_O,
     UNIT: tl.constexpr, WANT_WHOLE: tl.constexpr, WANT_CAUSAL: tl.constexpr, COLS: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr, T_SUB: tl.constexpr = 1, O_SUB: tl.constexpr = 1,
 ):
     """One tile's ranges from its row of flags (``N_OTHER`` tiles of ``UNIT`` along the other axis, which ends at
     ``END``): ``Out[b, h, t] = (lo, hi, whole_lo, whole_hi, causal_end)``, int32: ``lo``/``hi`` the first and
@@ -101,19 +131,20 @@ def mask_flag_ranges(
     ``[whole_hi, causal_end)``, the run that starts where the whole run ends (or at ``lo`` if there is none), with
     ``COLS`` ``[causal_end, whole_lo)``, the run that ends where the whole run starts (or at ``hi``); without
     ``WANT_CAUSAL`` ``whole_hi`` (``whole_lo`` with ``COLS``): an empty run once the kernels clamp it. (The diagonal tiles: a query tile's keys end with them, a key tile's rows start
-    with them.)"""
+    with them.) ``stride_fo``: the flags' stride along the other axis; ``T_SUB``, ``O_SUB``, ``R_T``, ``R_O``: the
+    tile made from base tiles (:func:`_tile_flags`)."""
     t = tl.program_id(0)
     off_bh = tl.program_id(1)
     off_b = off_bh // H_M
     off_h = off_bh % H_M
-    row = Flags + off_b * stride_fb + off_h * stride_fh + t * stride_ft
+    row = Flags + off_b * stride_fb + off_h * stride_fh
     lo = N_OTHER
     hi = 0
     w0 = N_OTHER
     for c in range(0, N_OTHER, CHUNK):
         idx = c + tl.arange(0, CHUNK)
         ok = idx < N_OTHER
-        f = tl.load(row + idx, mask=ok, other=0).to(tl.int32)
+        f = _tile_flags(row, t, idx, ok, stride_ft, stride_fo, R_T, R_O, T_SUB, O_SUB, COLS)
         seen = ok & ((f & SEEN) != 0)
         lo = tl.minimum(lo, tl.min(tl.where(seen, idx, N_OTHER), 0))
         hi = tl.maximum(hi, tl.max(tl.where(seen, idx + 1, 0), 0))
@@ -123,7 +154,7 @@ def mask_flag_ranges(
         for c in range(0, N_OTHER, CHUNK):
             idx = c + tl.arange(0, CHUNK)
             ok = idx < N_OTHER
-            f = tl.load(row + idx, mask=ok, other=0).to(tl.int32)
+            f = _tile_flags(row, t, idx, ok, stride_ft, stride_fo, R_T, R_O, T_SUB, O_SUB, COLS)
             ends = ok & (idx > w0) & ((f & WHOLE) == 0)
             w1 = tl.minimum(w1, tl.min(tl.where(ends, idx, N_OTHER), 0))
     else:
@@ -147,7 +178,7 @@ def mask_flag_ranges(
             last_not = lo - 1
             for c in range(0, N_OTHER, CHUNK):
                 idx = c + tl.arange(0, CHUNK)
-                f = tl.load(row + idx, mask=idx < N_OTHER, other=0).to(tl.int32)
+                f = _tile_flags(row, t, idx, idx < N_OTHER, stride_ft, stride_fo, R_T, R_O, T_SUB, O_SUB, COLS)
                 bad = (idx < w0) & ((f & CAUSAL_TILE) == 0)
                 last_not = tl.maximum(last_not, tl.max(tl.where(bad, idx, -1), 0))
             c_u = tl.minimum((last_not + 1) * UNIT, w0_u)
@@ -157,7 +188,7 @@ def mask_flag_ranges(
             for c in range(0, N_OTHER, CHUNK):
                 idx = c + tl.arange(0, CHUNK)
                 ok = idx < N_OTHER
-                f = tl.load(row + idx, mask=ok, other=0).to(tl.int32)
+                f = _tile_flags(row, t, idx, ok, stride_ft, stride_fo, R_T, R_O, T_SUB, O_SUB, COLS)
                 bad = ok & (idx >= start) & ((f & CAUSAL_TILE) == 0)
                 first_not = tl.minimum(first_not, tl.min(tl.where(bad, idx, N_OTHER), 0))
             c_u = tl.maximum(tl.minimum(first_not * UNIT, hi_u), start * UNIT)
