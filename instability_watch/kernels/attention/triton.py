@@ -310,7 +310,7 @@ def attention_forward_lse2(
             ORDERED=ordered, **cfg.options(),
         ),
     )
-    if mask.kind:
+    if isinstance(mask, MaskArgs):
         mask.fill_flags()  # (read already where the forward's tile is made from them)
     return o, lse2
 
