@@ -53,7 +53,11 @@ def base_flag_shape(attn_mask: Optional[torch.Tensor], n_kv: int) -> Tuple[int, 
     mask's own extent, or ``(0,)`` where there are none (no mask, or no :data:`FLAG_BASE`)."""
     if attn_mask is None or not FLAG_BASE:
         return (0,)
-    bm_, hm_, rows, _ = _extent(attn_mask, n_kv).shape
+    return _base_shape(_extent(attn_mask, n_kv).shape)
+
+
+def _base_shape(extent) -> Tuple[int, ...]:
+    bm_, hm_, rows, n_kv = extent
     return (bm_, hm_, cdiv(rows, FLAG_BASE), cdiv(n_kv, FLAG_BASE))
 
 
@@ -97,8 +101,8 @@ class MaskArgs:
         self.tensor = m4.view(torch.uint8) if self.kind == MASK_BOOL else m4
         self.strides = m4.stride()
         self._vis = _extent(attn_mask, n_kv)  # an additive mask's keys at or below MASK_FLOOR are unseen (NaN: seen)
-        given = FLAGS_ONCE and flags is not None and flags.numel() > 0
-        if given and tuple(flags.shape) == base_flag_shape(attn_mask, n_kv):
+        given = FLAGS_ONCE and FLAG_BASE and flags is not None and flags.numel() > 0
+        if given and tuple(flags.shape) == _base_shape(self._vis.shape):
             if fill:
                 self._fill = flags
             else:

@@ -225,12 +225,22 @@ def _forward(
     causal: bool, scale: float, beta: float, eps: float, dropout_p: float, backend: str,
     cu_q: Optional[Tensor], cu_k: Optional[Tensor], win_l: int, win_r: int,
 ) -> Tuple[Tensor, Tensor, Tensor]:
+    """``(o, lse, mask_flags)`` (the op; an empty ``mask_flags`` where the call has none)."""
+    o, lse, flags = _run_forward(q, k, v, attn_mask, seed, stabilize, counts, values, causal, scale, beta, eps,
+                                 dropout_p, backend, cu_q, cu_k, win_l, win_r)
+    return o, lse, (flags if flags is not None else q.new_empty(0, dtype=torch.uint8))
+
+
+def _run_forward(q, k, v, attn_mask, seed, stabilize, counts, values, causal, scale, beta, eps, dropout_p, backend,
+                 cu_q, cu_k, win_l, win_r):
     """``(o, lse, mask_flags)``: ``mask_flags`` the mask's base tile flags for the backward (the mask read once a
-    call: :data:`.masks.FLAGS_ONCE`), uint8 of :func:`_flag_shape`, empty without them."""
+    call: :data:`.masks.FLAGS_ONCE`), uint8 of :func:`_flag_shape`, or None where the call has none (eager calls
+    skip the op and its empty tensor)."""
     docs, doc_mask = _documents(q, k, cu_q, cu_k, win_l, win_r, backend)
     if doc_mask is not None:
         attn_mask = doc_mask
-    flags = torch.empty(_flag_shape(attn_mask, k, backend), dtype=torch.uint8, device=q.device)
+    shape = _flag_shape(attn_mask, k, backend)
+    flags = torch.empty(shape, dtype=torch.uint8, device=q.device) if shape != (0,) else None
     if backend == "triton":
         o, lse = _triton().attention_forward_lse2(
             q, k, v, causal=causal, scale=scale, stabilize=stabilize, beta=beta, eps=eps,
@@ -357,7 +367,7 @@ class FlashAttention(torch.autograd.Function):
         ``delta``."""
         # Eager calls skip the op dispatcher (tens of microseconds of host time per
         # call); under torch.compile the op is what gets traced.
-        fwd = attention_fwd if torch.compiler.is_compiling() else _forward
+        fwd = attention_fwd if torch.compiler.is_compiling() else _run_forward
         o, lse, flags = fwd(q, k, v, attn_mask, seed, stabilize, counts, values, causal, scale, beta, eps, dropout_p,
                             backend, cu_q, cu_k, win_l, win_r)
         ctx.save_for_backward(q, k, v, o, lse, attn_mask, seed, cu_q, cu_k, flags)
