@@ -16,8 +16,8 @@ query block is whole); "switched, dQ masked loads": ``triton.EVEN_DQ`` off (dQ l
 where every KV block is whole). "switched, causal tiles compared": ``triton.READ_CAUSAL_TILES`` empty (a boolean
 mask's tiles equal to the causal mask taken by the causal compare, as before 2026-11-29); "switched, dQ reads its
 causal tiles": dQ among the kernels that read them. "switched, the mask read per tile shape": ``masks.FLAGS_ONCE``
-off (the forward, dQ and dK/dV each read the mask for their own tile's flags, as before the twenty-second session, 2026-11-29; now the forward
-reads it once for its 64 x 64 tiles' flags and hands them to the backward).
+off (the forward, dQ and dK/dV each read the mask for their own tile's flags, as before the twenty-second session,
+2026-11-29; now the forward reads it once for its 64 x 64 tiles' flags and hands them to the backward).
 A variant named by a kernel and a launch config, "switched, dQ (128, 64, 8, 3)" say, runs that kernel with that config
 in place of its entry for boolean masks. For every mask, one more reference with no watch: "ours direct, as
 documents", our packed kernels over the mask's documents (every batch row the same; the sliding window as their
